@@ -1,0 +1,13 @@
+"""Error types shared by the engine, the CLI and the services.
+
+`UserError` is bad input that the caller can fix: the CLI prints it on one line and exits
+with code 2, and the gRPC interceptor maps it to INVALID_ARGUMENT.
+"""
+
+
+class UserError(ValueError):
+    """Input the caller can fix (bad path, bad flag, bad prompt)."""
+
+
+class CapacityError(RuntimeError):
+    """The KV cache or the request queue is full (gRPC RESOURCE_EXHAUSTED)."""

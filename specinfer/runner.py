@@ -1,0 +1,186 @@
+"""Model runner: turns plain-Python work items into tensors, runs the model, commits KV.
+
+This is the one place where bookkeeping becomes tensors (`prepare`). A work item appends new
+tokens to a sequence after its committed prefix and any scratch tokens already written this step.
+Each new token may attend to the whole committed prefix plus its ancestors among the scratch
+tokens: SpecInfer's topology-aware causal mask (Section 4.2). A plain chain (prefill, decode) is
+the degenerate tree whose every node has the previous one as parent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specinfer.blocks import BlockAllocator, SequenceKV
+from specinfer.config import ModelConfig
+from specinfer.errors import UserError
+from specinfer.loader import llama_weights, load_state_dict, parse_dtype
+from specinfer.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
+from specinfer.tree import ancestor_rows, is_chain
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass
+class Work:
+    """New tokens for one sequence.
+
+    `parents` covers the whole scratch region (tokens written past `seq.num_committed` earlier
+    this step, then the new ones): each entry is the parent's scratch index, or -1 for a token
+    that hangs directly off the committed prefix.
+    """
+
+    seq: SequenceKV
+    token_ids: list[int]
+    positions: list[int]
+    parents: list[int]
+    logits: str = "all"  # "all" | "last" | "none"
+
+    @property
+    def num_scratch_before(self) -> int:
+        return len(self.parents) - len(self.token_ids)
+
+
+def chain_work(seq: SequenceKV, token_ids: list[int], logits: str = "last") -> Work:
+    """Appends a plain chain of tokens right after the committed prefix."""
+    start = seq.num_committed
+    n = len(token_ids)
+    return Work(seq, list(token_ids), list(range(start, start + n)), list(range(-1, n - 1)), logits)
+
+
+class ModelRunner:
+    """One model, its preallocated KV cache, and the allocator that shares the cache out."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
+        self.model = model
+        self.cfg = model.cfg
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.kv = KVCache.allocate(model.cfg, num_blocks * block_size, model.dtype, model.device)
+        self.max_context = min(model.cfg.max_position_embeddings, model.cfg.sliding_window or 1 << 62)
+
+    @classmethod
+    def from_dir(
+        cls, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_kv_tokens: int = 8192,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> "ModelRunner":
+        cfg = ModelConfig.from_dir(model_dir)
+        torch_dtype = parse_dtype(dtype)
+        model = LlamaModel(cfg, llama_weights(cfg, load_state_dict(model_dir)), torch_dtype, device)
+        return cls(model, num_blocks=-(-max_kv_tokens // block_size), block_size=block_size)
+
+    def new_sequence(self) -> SequenceKV:
+        return SequenceKV(self.allocator)
+
+    # ---- tensors are built here and nowhere else -------------------------------------------
+
+    def prepare(self, works: list[Work]) -> tuple[ForwardBatch, list[tuple[int, int]]]:
+        """Packs work items into one ForwardBatch; returns it and each item's logit-row span."""
+        device = self.model.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        write_slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        logit_rows: list[int] = []
+        spans: list[tuple[int, int]] = []
+        is_all_rows = True
+        single_write: slice | None = None
+        for work in works:
+            seq = work.seq
+            n = len(work.token_ids)
+            start = seq.num_committed + work.num_scratch_before
+            end = start + n
+            if end > self.max_context:
+                raise UserError(f"sequence of {end} tokens exceeds the model's context of {self.max_context}")
+            seq.ensure_capacity(end)
+            q_start = len(token_ids)
+            token_ids.extend(work.token_ids)
+            positions.extend(work.positions)
+            base = seq.contiguous_start(end)
+            if base is not None:
+                context: slice | torch.Tensor = slice(base, base + end)
+                if len(works) == 1:
+                    single_write = slice(base + start, base + end)
+                write_slots.extend(range(base + start, base + end))
+            else:
+                all_slots = seq.slots(0, end)
+                context = torch.tensor(all_slots, dtype=torch.long, device=device)
+                write_slots.extend(all_slots[start:])
+            mask, is_causal = self._mask(work, seq.num_committed, end, device)
+            seqs.append(SeqAttention(q_start, q_start + n, context, mask, is_causal))
+            first_row = len(logit_rows)
+            if work.logits == "all":
+                logit_rows.extend(range(q_start, q_start + n))
+            elif work.logits == "last":
+                logit_rows.append(q_start + n - 1)
+                is_all_rows = is_all_rows and n == 1
+            else:
+                is_all_rows = False
+            spans.append((first_row, len(logit_rows)))
+        write = single_write or torch.tensor(write_slots, dtype=torch.long, device=device)
+        batch = ForwardBatch(
+            token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+            positions=torch.tensor(positions, dtype=torch.long, device=device),
+            write=write,
+            seqs=seqs,
+            logit_rows=None if is_all_rows else torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
+        return batch, spans
+
+    @staticmethod
+    def _mask(work: Work, num_committed: int, end: int, device) -> tuple[torch.Tensor | None, bool]:
+        """The (n, end) attention mask of the new tokens: committed prefix plus scratch ancestors."""
+        n = len(work.token_ids)
+        if is_chain(work.parents):
+            if n == 1:
+                return None, False
+            if end == n:
+                return None, True
+            # (n, end): a causal chain after a fully visible prefix.
+            return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n), False
+        num_scratch = len(work.parents)
+        rows = ancestor_rows(work.parents)[num_scratch - n :]
+        flat = [False] * (n * num_scratch)
+        for r, anc in enumerate(rows):
+            for a in anc:
+                flat[r * num_scratch + a] = True
+        scratch = torch.tensor(flat, dtype=torch.bool, device=device).view(n, num_scratch)
+        if num_committed == 0:
+            return scratch, False
+        prefix = torch.ones(n, num_committed, dtype=torch.bool, device=device)
+        return torch.cat([prefix, scratch], dim=1), False
+
+    # ---- stages ------------------------------------------------------------------------------
+
+    def run(self, works: list[Work]) -> list[torch.Tensor]:
+        """One forward pass over all work items; returns each item's fp32 logits (rows, vocab)."""
+        batch, spans = self.prepare(works)
+        logits = self.model.forward(batch, self.kv)
+        return [logits[a:b] for a, b in spans]
+
+    def prefill(self, seq: SequenceKV, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor | None:
+        """Appends and commits a chain of tokens; returns the logits after the last one."""
+        logits = None
+        for i in range(0, len(token_ids), chunk_size):
+            chunk = token_ids[i : i + chunk_size]
+            (logits,) = self.run([chain_work(seq, chunk, "last")])
+            seq.num_committed += len(chunk)
+        return logits
+
+    def commit(self, seq: SequenceKV, scratch_indices: list[int]) -> None:
+        """Makes the given scratch tokens (in order) the next committed slots; drops the rest."""
+        base = seq.num_committed
+        moves = [(base + s, base + j) for j, s in enumerate(scratch_indices) if s != j]
+        if moves:
+            src = torch.tensor([seq.slot(a) for a, _ in moves], dtype=torch.long, device=self.model.device)
+            dst = torch.tensor([seq.slot(b) for _, b in moves], dtype=torch.long, device=self.model.device)
+            self.kv.move(src, dst)
+        seq.num_committed = base + len(scratch_indices)
+
+    def truncate(self, seq: SequenceKV, num_tokens: int) -> None:
+        """Rolls the committed prefix back to its first `num_tokens` tokens."""
+        if num_tokens > seq.num_committed:
+            raise ValueError("cannot truncate forward")
+        seq.num_committed = num_tokens

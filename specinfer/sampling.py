@@ -1,0 +1,84 @@
+"""Sampling parameters and the logits warping that defines the LLM's target distribution.
+
+SpecInfer's stochastic verification (Section 4.3) guarantees the output follows the LLM's
+distribution. With temperature, top-k and top-p, that distribution is the *warped* one; this
+module defines it once, applied in the same order as Hugging Face's generate (temperature, then
+top-k, then top-p), and both the verifier and plain incremental sampling use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature must be a number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Applies temperature, top-k and top-p to (n, V) logits; filtered entries become -inf."""
+    logits = logits.float()
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - params.top_p)
+        remove_sorted[..., -1:] = False  # always keep the most likely token
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling must follow: softmax of the warped logits, (n, V) fp32."""
+    return warp_logits(logits, params).softmax(dim=-1)
+
+
+def proposal_probs(logits: torch.Tensor, params: SamplingParams, top_k: int) -> torch.Tensor:
+    """An SSM's proposal q: the same warping as the target, then truncated to its top `top_k`.
+
+    Truncating makes q exactly sparse, so it can be sent compactly; exactness only needs the
+    verifier to know the q that each draft was really drawn from.
+    """
+    probs = target_probs(logits, params)
+    if 0 < top_k < probs.shape[-1]:
+        vals, idx = torch.topk(probs, top_k, dim=-1)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, vals)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def make_generator(seed: int | None, stream: int, device="cpu") -> torch.Generator:
+    """A per-request RNG. `stream` separates the speculator's and the verifier's draws."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed((int(seed) * 1_000_003 + stream) % (1 << 63))
+    return gen

@@ -1,0 +1,188 @@
+"""Speculation with small models: expansion-based token trees, one batched SSM pass per level.
+
+SpecInfer Section 3.1 (expansion-based construction): given a width vector <k1, ..., km>, every
+frontier node at step i gets k_i children, either the SSM's top-k_i tokens (deterministic) or
+k_i draws from the SSM's proposal distribution q (sampled). All frontier nodes of a level, for
+every request in the batch, go through the SSM in one forward pass with a tree mask. Section
+3.2 (merge-based construction) is `merge_trees` over the trees of several SSMs.
+
+An SSM keeps its own KV cache per request. Tokens verified since its last step are `pending`
+and are fed first (the "catch-up"); after verification, the SSM commits the fed tree nodes that
+lie on the accepted path and queues the rest of the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from specinfer.blocks import SequenceKV
+from specinfer.runner import ModelRunner, Work, chain_work
+from specinfer.sampling import SamplingParams, proposal_probs
+from specinfer.tree import DEFAULT_MAX_NODES, TokenTree, merge_trees, plan_level
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    widths: tuple[int, ...]
+    max_nodes: int = DEFAULT_MAX_NODES
+    is_sampled: bool = True  # stochastic mode: draw children from q (True) or take top-k (False)
+    proposal_top_k: int = 32  # sampled children come from q truncated to this many tokens
+
+    def clipped(self, max_depth: int) -> "TreeShape":
+        return TreeShape(self.widths[: max(0, max_depth)], self.max_nodes, self.is_sampled, self.proposal_top_k)
+
+
+@dataclass
+class SSMState:
+    """One request's state in one SSM."""
+
+    seq: SequenceKV
+    pending: list[int] = field(default_factory=list)  # verified tokens not yet fed; last = root
+
+
+@dataclass
+class SSMTree:
+    tree: TokenTree
+    scratch_of: list[int]  # node id -> scratch index in the SSM cache, or -1 if never fed
+
+
+class _Expansion:
+    """Builds one request's tree in one SSM, level by level."""
+
+    def __init__(self, state: SSMState, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None):
+        self.state = state
+        self.shape = shape
+        self.params = params
+        self.generator = generator
+        self.tree = TokenTree.with_root(state.pending[-1])
+        self.scratch_of = [-1]
+        self.scratch_parents: list[int] = []
+        self.path_logprob = [0.0]
+        self.frontier = [0]
+        self.level = 0
+
+    @property
+    def is_sampled(self) -> bool:
+        return not self.params.is_greedy and self.shape.is_sampled
+
+    def grow(self, logits: torch.Tensor) -> Work | None:
+        """Adds children to the frontier from its SSM logits (rows follow `self.frontier`).
+
+        Returns the work that feeds the new nodes to the SSM, or None when the tree is done.
+        """
+        shape = self.shape
+        k = shape.widths[self.level]
+        plan = plan_level([k] * len(self.frontier), len(self.tree), shape.max_nodes)
+        self.level += 1
+        tree = self.tree
+        before = len(tree)
+        if self.is_sampled:
+            q = proposal_probs(logits, self.params, shape.proposal_top_k)  # (F, V)
+            for row, node in enumerate(self.frontier):
+                if plan[row] == 0:
+                    continue
+                draws = torch.multinomial(q[row], plan[row], replacement=True, generator=self.generator).tolist()
+                qrow = q[row]
+                for token in draws:
+                    child = tree.add_draft(node, token, qrow)
+                    if child >= len(self.path_logprob):
+                        self.path_logprob.append(self.path_logprob[node] + math.log(max(qrow[token].item(), 1e-30)))
+        else:
+            width = max(plan) if plan else 0
+            if width:
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                top = torch.topk(logp, width, dim=-1)
+                values, indices = top.values.tolist(), top.indices.tolist()
+                for row, node in enumerate(self.frontier):
+                    for j in range(plan[row]):
+                        child = tree.add_draft(node, indices[row][j], None)
+                        self.path_logprob.append(self.path_logprob[node] + values[row][j])
+        new_nodes = list(range(before, len(tree)))
+        # Most probable paths first, so the node cap spends its budget on them next level.
+        new_nodes.sort(key=lambda n: -self.path_logprob[n])
+        self.scratch_of.extend([-1] * (len(tree) - before))
+        if not new_nodes or self.level >= len(shape.widths) or len(tree) >= shape.max_nodes:
+            return None
+        seq = self.state.seq
+        root_position = seq.num_committed - 1
+        for n in new_nodes:
+            self.scratch_of[n] = len(self.scratch_parents)
+            parent = tree.parents[n]
+            self.scratch_parents.append(self.scratch_of[parent] if parent > 0 else -1)
+        self.frontier = new_nodes
+        return Work(
+            seq,
+            [tree.tokens[n] for n in new_nodes],
+            [root_position + tree.depths[n] for n in new_nodes],
+            list(self.scratch_parents),
+            "all",
+        )
+
+
+class Speculator:
+    """Hosts one or more SSMs and builds (merged) token trees for a batch of requests."""
+
+    def __init__(self, runners: list[ModelRunner]):
+        self.runners = runners
+
+    def start(self, prompt_ids: list[int]) -> list[SSMState]:
+        """New per-SSM states; the prompt is fed lazily with the first speculation."""
+        return [SSMState(r.new_sequence(), list(prompt_ids)) for r in self.runners]
+
+    def release(self, states: list[SSMState]) -> None:
+        for s in states:
+            s.seq.free()
+
+    def propose(
+        self,
+        batch: list[tuple[list[SSMState], TreeShape, SamplingParams, torch.Generator | None]],
+    ) -> list[tuple[TokenTree, list[SSMTree]]]:
+        """Builds each request's merged tree. One SSM forward per level covers the whole batch."""
+        per_ssm: list[list[SSMTree]] = []
+        for m, runner in enumerate(self.runners):
+            expansions = [_Expansion(states[m], shape, params, gen) for states, shape, params, gen in batch]
+            per_ssm.append(self._expand(runner, expansions))
+        out = []
+        for b in range(len(batch)):
+            ssm_trees = [per_ssm[m][b] for m in range(len(self.runners))]
+            if len(ssm_trees) == 1:
+                out.append((ssm_trees[0].tree, ssm_trees))
+            else:
+                merged, _ = merge_trees([t.tree for t in ssm_trees])
+                out.append((merged, ssm_trees))
+        return out
+
+    @staticmethod
+    def _expand(runner: ModelRunner, expansions: list[_Expansion]) -> list[SSMTree]:
+        # Catch-up: feed every request's pending verified tokens; logits at the root.
+        works = [chain_work(e.state.seq, e.state.pending, "last") for e in expansions]
+        logits = runner.run(works)
+        for e in expansions:
+            e.state.seq.num_committed += len(e.state.pending)
+            e.state.pending = []
+        active = list(range(len(expansions)))
+        while active:
+            next_active, works = [], []
+            for i, rows in zip(active, logits):
+                work = expansions[i].grow(rows) if expansions[i].shape.widths[expansions[i].level :] else None
+                if work is not None:
+                    next_active.append(i)
+                    works.append(work)
+            active = next_active
+            logits = runner.run(works) if works else []
+        return [SSMTree(e.tree, e.scratch_of) for e in expansions]
+
+    def feedback(self, states: list[SSMState], ssm_trees: list[SSMTree], accepted: list[int], bonus: int) -> None:
+        """Commits what each SSM already computed on the accepted path; queues the rest."""
+        for m, (state, st) in enumerate(zip(states, ssm_trees)):
+            path = st.tree.find_path(accepted)[1:]
+            fed = []
+            for node in path:
+                if st.scratch_of[node] < 0:
+                    break
+                fed.append(st.scratch_of[node])
+            self.runners[m].commit(state.seq, fed)
+            state.pending = accepted[len(fed) :] + [bonus]

@@ -1,0 +1,173 @@
+"""Token trees (SpecInfer Section 3): nodes, expansion shapes, merging, and the tree mask.
+
+Plain Python, no tensors. Node 0 is the root: the last verified token, whose successor the
+LLM predicts. Nodes are kept in topological order (a parent's index is below its children's),
+level by level, so a node's depth never exceeds its index.
+
+Stochastic verification (Section 4.3, Algorithm 2) needs to know, for every node, the draft
+attempts made at it: which child each attempt produced and the exact proposal distribution q it
+was drawn from. `Draft.proposal` is None for a deterministic child (a top-k pick), which the
+verifier treats as a point mass. Proposal payloads are opaque here (tensors, in practice).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specinfer.errors import UserError
+
+PAPER_TREE_WIDTH = (1, 1, 3, 1, 1, 1, 1, 1)
+DEFAULT_MAX_NODES = 64
+
+
+@dataclass(frozen=True)
+class Draft:
+    child: int  # index of the node this attempt produced
+    proposal: Any = None  # the distribution it was sampled from; None = deterministic pick
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    children: list[list[int]] = field(default_factory=list)
+    drafts: list[list[Draft]] = field(default_factory=list)  # per node: attempts made at it, in draw order
+
+    @classmethod
+    def with_root(cls, token: int) -> "TokenTree":
+        tree = cls()
+        tree._append(token, -1, 0)
+        return tree
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def _append(self, token: int, parent: int, depth: int) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(depth)
+        self.children.append([])
+        self.drafts.append([])
+        return len(self.tokens) - 1
+
+    def child_with_token(self, node: int, token: int) -> int | None:
+        for c in self.children[node]:
+            if self.tokens[c] == token:
+                return c
+        return None
+
+    def add_draft(self, parent: int, token: int, proposal: Any = None) -> int:
+        """Records one draft attempt at `parent`; reuses the child if this token is already there."""
+        child = self.child_with_token(parent, token)
+        if child is None:
+            child = self._append(token, parent, self.depths[parent] + 1)
+            self.children[parent].append(child)
+        self.drafts[parent].append(Draft(child, proposal))
+        return child
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to `node` (the root excluded)."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def ancestors(self) -> list[list[int]]:
+        """For each node, the sorted indices of its ancestors and itself: the tree mask's rows."""
+        return ancestor_rows(self.parents)
+
+    def find_path(self, tokens: list[int]) -> list[int]:
+        """Nodes (root first) along the longest prefix of `tokens` present in the tree."""
+        path = [0]
+        for t in tokens:
+            c = self.child_with_token(path[-1], t)
+            if c is None:
+                break
+            path.append(c)
+        return path
+
+
+def ancestor_rows(parents: list[int]) -> list[list[int]]:
+    """Ancestor-or-self index lists for a parent array in topological order (-1 = no parent)."""
+    rows: list[list[int]] = []
+    for i, p in enumerate(parents):
+        rows.append((rows[p] + [i]) if p >= 0 else [i])
+    return rows
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
+def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
+    """Union of trees with the same root, deduplicated by whole root-to-node path.
+
+    Returns the merged tree and, per input tree, the map from its node ids to merged ids.
+    Node identity is (merged parent, token), which by induction is identity of the whole path:
+    the same token at the same depth under different parents stays two nodes. Draft attempts
+    are concatenated in input order, so each keeps the proposal it was drawn from.
+    """
+    if not trees:
+        raise ValueError("merge_trees needs at least one tree")
+    root = trees[0].tokens[0]
+    if any(t.tokens[0] != root for t in trees):
+        raise ValueError("trees to merge must share their root token")
+    merged = TokenTree.with_root(root)
+    maps: list[list[int]] = []
+    # First create all nodes level by level (so merged ids stay topological and level-ordered),
+    # then copy the drafts in input order.
+    for tree in trees:
+        maps.append([0] * len(tree))
+    max_depth = max(t.max_depth for t in trees)
+    for depth in range(1, max_depth + 1):
+        for ti, tree in enumerate(trees):
+            for node in range(len(tree)):
+                if tree.depths[node] != depth:
+                    continue
+                parent = maps[ti][tree.parents[node]]
+                existing = merged.child_with_token(parent, tree.tokens[node])
+                if existing is None:
+                    existing = merged._append(tree.tokens[node], parent, depth)
+                    merged.children[parent].append(existing)
+                maps[ti][node] = existing
+    for ti, tree in enumerate(trees):
+        for node in range(len(tree)):
+            for d in tree.drafts[node]:
+                merged.drafts[maps[ti][node]].append(Draft(maps[ti][d.child], d.proposal))
+    return merged, maps
+
+
+def parse_tree_width(text: str) -> tuple[int, ...]:
+    """Parses '1,1,3,1' into a width vector; raises UserError on anything malformed."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        widths = tuple(int(p) for p in parts)
+    except ValueError:
+        raise UserError(f"malformed tree width {text!r}: expected comma-separated positive integers like 1,1,3,1") from None
+    if not widths or any(w < 1 for w in widths):
+        raise UserError(f"malformed tree width {text!r}: every width must be a positive integer")
+    if len(widths) > 64:
+        raise UserError(f"tree width {text!r} is deeper than 64 levels")
+    return widths
+
+
+def plan_level(num_frontier_children: list[int], num_nodes: int, max_nodes: int) -> list[int]:
+    """How many draft attempts each frontier node gets at one level, under the node cap.
+
+    Decided before anything is drawn, so a sampled tree's drafts stay i.i.d. from q.
+    Earlier frontier nodes (higher-ranked paths) are served first.
+    """
+    budget = max(0, max_nodes - num_nodes)
+    plan = []
+    for k in num_frontier_children:
+        take = min(k, budget)
+        plan.append(take)
+        budget -= take
+    return plan
