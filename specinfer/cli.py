@@ -1,2 +1,117 @@
-def main():
-    pass
+"""The `specinfer` command line: generate, bench, demo-models (and the service commands).
+
+Bad input prints one line naming the problem and exits with code 2, with no traceback.
+Configuration is read here, in `main()`, from flags and environment variables, and passed down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from specinfer.errors import UserError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit code 2
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--llm", type=Path, help="LLM checkpoint directory (default: the built-in demo models)")
+    p.add_argument("--ssm", type=Path, action="append", default=[], help="SSM checkpoint directory (repeatable)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached")
+
+
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tree-width", default="1,1,3,1,1,1,1,1", help="children per level, e.g. 1,1,3,1,1,1,1,1")
+    p.add_argument("--max-tree-nodes", type=int, default=64, help="cap on token-tree nodes per step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specinfer", description="Tree-based speculative inference (SpecInfer).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text from one prompt or a JSONL file of prompts")
+    _add_model_flags(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompts", type=Path, help='JSONL file with one {"prompt": "..."} per line')
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--mode", choices=["incremental", "sequence", "tree"], help="default: tree with SSMs, else incremental")
+    _add_spec_flags(g)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--tree-sampling", choices=["sampled", "topk"], default="sampled",
+                   help="how stochastic mode picks tree children: draws from the SSM, or its top-k")
+    g.add_argument("--output", type=Path, help="write JSONL results here (default: stdout)")
+
+    b = sub.add_parser("bench", help="compare incremental, sequence, tree and transformers' assisted generation")
+    _add_model_flags(b)
+    b.add_argument("--prompts", type=Path, help="JSONL prompts (default: the demo models' held-out prompts)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    _add_spec_flags(b)
+    b.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    b.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
+    b.add_argument("--output", type=Path, help="also write the JSON result here")
+
+    d = sub.add_parser("demo-models", help="build (or find cached) demo LLM and SSMs")
+    d.add_argument("--cache-dir", type=Path)
+    d.add_argument("--tiny", action="store_true", help="tiny training budget (for tests)")
+    d.add_argument("--force", action="store_true", help="rebuild even if cached")
+    return parser
+
+
+def default_cache_dir(args: argparse.Namespace) -> Path:
+    if getattr(args, "cache_dir", None):
+        return args.cache_dir
+    env = os.environ.get("SPECINFER_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "specinfer"
+
+
+def configure_cpu_runtime() -> None:
+    """Must run before torch is imported. MKL picks slow small-matrix kernels on non-Intel CPUs
+    unless told which code path to use; AVX-512 machines get the AVX-512 path. An explicit
+    MKL_CBWR in the environment wins."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return
+    if " avx512f" in flags:
+        os.environ.setdefault("MKL_CBWR", "AVX512")
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_cpu_runtime()
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "generate":
+            from specinfer.commands import run_generate
+
+            return run_generate(args, default_cache_dir(args))
+        if args.command == "bench":
+            from specinfer.bench import run_bench
+
+            return run_bench(args, default_cache_dir(args))
+        if args.command == "demo-models":
+            from specinfer.commands import run_demo_models
+
+            return run_demo_models(args, default_cache_dir(args))
+        raise UserError(f"unknown command {args.command!r}")
+    except UserError as exc:
+        print(f"specinfer: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specinfer: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

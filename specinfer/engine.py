@@ -75,12 +75,15 @@ class Verifier:
         self, items: list[tuple[LLMState, TokenTree, SamplingParams, torch.Generator | None]]
     ) -> list[tuple[list[int], int]]:
         runner = self.runner
+        prefills = []
         for state, tree, _, _ in items:
             if tree.tokens[0] != state.pending[-1]:
                 raise ValueError("tree root must be the last verified token")
             if len(state.pending) > 1:  # e.g. the prompt, or a new turn: commit all but the root
-                runner.prefill(state.seq, state.pending[:-1])
+                prefills.append((state.seq, state.pending[:-1]))
                 state.pending = state.pending[-1:]
+        if prefills:
+            runner.prefill_batch(prefills)
         works = []
         for state, tree, _, _ in items:
             base = state.seq.num_committed
@@ -113,8 +116,30 @@ class GenerationResult:
         return len(self.output_ids) / self.num_llm_steps if self.num_llm_steps else 0.0
 
 
+@dataclass
+class Request:
+    """One generation in flight: both sides' state, its RNG streams and its running result."""
+
+    max_new_tokens: int
+    params: SamplingParams
+    shape: TreeShape | None
+    stops: frozenset[int]
+    llm_state: LLMState
+    ssm_states: list[SSMState]
+    spec_gen: torch.Generator
+    verify_gen: torch.Generator
+    result: GenerationResult
+    start_time: float
+    is_done: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.result.output_ids)
+
+
 class Engine:
-    """LLM + optional SSMs in one process."""
+    """LLM + optional SSMs in one process. Requests in a batch step together: one batched SSM
+    pass per tree level and one LLM pass per step cover all of them."""
 
     def __init__(self, llm: ModelRunner, ssms: list[ModelRunner] | None = None):
         self.verifier = Verifier(llm)
@@ -125,20 +150,104 @@ class Engine:
                     f"SSM vocabulary ({ssm.cfg.vocab_size}) differs from the LLM's ({llm.cfg.vocab_size})"
                 )
 
-    @property
-    def max_context(self) -> int:
-        return min([self.verifier.runner.max_context] + [r.max_context for r in self.speculator.runners])
+        self.max_context = min([llm.max_context] + [r.max_context for r in self.speculator.runners])
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
         if not prompt_ids:
             raise UserError("prompt is empty")
         if max_new_tokens < 1:
             raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+        vocab = self.verifier.runner.cfg.vocab_size
+        if any(not (0 <= t < vocab) for t in prompt_ids):
+            raise UserError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) + max_new_tokens > self.max_context:
             raise UserError(
                 f"prompt ({len(prompt_ids)} tokens) plus max new tokens ({max_new_tokens}) exceeds "
                 f"the model context of {self.max_context} tokens"
             )
+
+    def start(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        params: SamplingParams = SamplingParams(),
+        spec: SpecConfig = SpecConfig(),
+        stop_token_ids: tuple[int, ...] | None = None,
+    ) -> Request:
+        self.check_request(prompt_ids, max_new_tokens)
+        shape = spec.shape() if self.speculator.runners else None
+        stops = self.verifier.runner.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids
+        return Request(
+            max_new_tokens=max_new_tokens,
+            params=params,
+            shape=shape,
+            stops=frozenset(stops),
+            llm_state=self.verifier.start(prompt_ids),
+            ssm_states=self.speculator.start(prompt_ids) if shape else [],
+            spec_gen=make_generator(params.seed, 1),
+            verify_gen=make_generator(params.seed, 2),
+            result=GenerationResult(list(prompt_ids), [], 0),
+            start_time=time.perf_counter(),
+        )
+
+    def step(self, requests: list[Request]) -> None:
+        """One speculate + verify iteration for every unfinished request."""
+        active = [r for r in requests if not r.is_done]
+        if not active:
+            return
+        proposing, depths = [], {}
+        for req in active:
+            context = len(req.result.prompt_ids) + len(req.result.output_ids)
+            depth = min(req.remaining - 1, self.max_context - context - 1)
+            if req.shape and depth > 0:
+                proposing.append(req)
+                depths[id(req)] = depth
+        trees: dict[int, tuple[TokenTree, list[SSMTree]]] = {}
+        if proposing:
+            batch = [(r.ssm_states, r.shape.clipped(depths[id(r)]), r.params, r.spec_gen) for r in proposing]
+            for req, out in zip(proposing, self.speculator.propose(batch)):
+                trees[id(req)] = out
+        items = []
+        for req in active:
+            tree = trees[id(req)][0] if id(req) in trees else TokenTree.with_root(req.llm_state.pending[-1])
+            items.append((req.llm_state, tree, req.params, req.verify_gen))
+        for req, (state, tree, _, _), (accepted, bonus) in zip(active, items, self.verifier.verify_batch(items)):
+            if id(req) in trees:
+                self.speculator.feedback(req.ssm_states, trees[id(req)][1], accepted, bonus)
+            else:
+                for s in req.ssm_states:
+                    s.pending.extend(accepted + [bonus])
+            self._emit(req, accepted, bonus, len(tree))
+
+    def _emit(self, req: Request, accepted: list[int], bonus: int, num_nodes: int) -> None:
+        result = req.result
+        result.num_llm_steps += 1
+        result.accepted_per_step.append(len(accepted))
+        result.tree_nodes_per_step.append(num_nodes)
+        for t in (accepted + [bonus])[: req.remaining]:
+            result.output_ids.append(t)
+            if t in req.stops:
+                result.finish_reason = "stop"
+                break
+        if result.finish_reason == "stop" or req.remaining <= 0:
+            self.finish(req)
+
+    def finish(self, req: Request) -> None:
+        """Frees the request's KV caches (idempotent)."""
+        if not req.is_done:
+            req.is_done = True
+            req.result.latency_s = time.perf_counter() - req.start_time
+        self.verifier.release(req.llm_state)
+        self.speculator.release(req.ssm_states)
+
+    def generate_batch(self, requests: list[Request]) -> list[GenerationResult]:
+        try:
+            while any(not r.is_done for r in requests):
+                self.step(requests)
+        finally:
+            for r in requests:
+                self.finish(r)
+        return [r.result for r in requests]
 
     def generate(
         self,
@@ -148,45 +257,4 @@ class Engine:
         spec: SpecConfig = SpecConfig(),
         stop_token_ids: tuple[int, ...] | None = None,
     ) -> GenerationResult:
-        self.check_request(prompt_ids, max_new_tokens)
-        shape = spec.shape() if self.speculator.runners else None
-        stops = set(self.verifier.runner.cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        spec_gen = make_generator(params.seed, 1)
-        verify_gen = make_generator(params.seed, 2)
-        start = time.perf_counter()
-        llm_state = self.verifier.start(prompt_ids)
-        ssm_states: list[SSMState] = self.speculator.start(prompt_ids) if shape else []
-        result = GenerationResult(list(prompt_ids), [], 0)
-        try:
-            while len(result.output_ids) < max_new_tokens:
-                remaining = max_new_tokens - len(result.output_ids)
-                context = len(prompt_ids) + len(result.output_ids)
-                depth = min(remaining - 1, self.max_context - context - 1)
-                ssm_trees: list[SSMTree] = []
-                if shape and depth > 0:
-                    ((tree, ssm_trees),) = self.speculator.propose([(ssm_states, shape.clipped(depth), params, spec_gen)])
-                else:
-                    tree = TokenTree.with_root(llm_state.pending[-1])
-                accepted, bonus = self.verifier.verify(llm_state, tree, params, verify_gen)
-                if ssm_states:
-                    if ssm_trees:
-                        self.speculator.feedback(ssm_states, ssm_trees, accepted, bonus)
-                    else:
-                        for s in ssm_states:
-                            s.pending.extend(accepted + [bonus])
-                result.num_llm_steps += 1
-                result.accepted_per_step.append(len(accepted))
-                result.tree_nodes_per_step.append(len(tree))
-                new = accepted + [bonus]
-                for t in new[:remaining]:
-                    result.output_ids.append(t)
-                    if t in stops:
-                        result.finish_reason = "stop"
-                        break
-                if result.finish_reason == "stop":
-                    break
-        finally:
-            self.verifier.release(llm_state)
-            self.speculator.release(ssm_states)
-        result.latency_s = time.perf_counter() - start
-        return result
+        return self.generate_batch([self.start(prompt_ids, max_new_tokens, params, spec, stop_token_ids)])[0]

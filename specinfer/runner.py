@@ -162,12 +162,24 @@ class ModelRunner:
 
     def prefill(self, seq: SequenceKV, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor | None:
         """Appends and commits a chain of tokens; returns the logits after the last one."""
-        logits = None
-        for i in range(0, len(token_ids), chunk_size):
-            chunk = token_ids[i : i + chunk_size]
-            (logits,) = self.run([chain_work(seq, chunk, "last")])
-            seq.num_committed += len(chunk)
-        return logits
+        return self.prefill_batch([(seq, token_ids)], chunk_size)[0]
+
+    def prefill_batch(
+        self, items: list[tuple[SequenceKV, list[int]]], chunk_size: int = 512
+    ) -> list[torch.Tensor | None]:
+        """Prefills several sequences together, `chunk_size` tokens of each per forward pass."""
+        last: list[torch.Tensor | None] = [None] * len(items)
+        offset = 0
+        while True:
+            idx = [i for i, (_, ids) in enumerate(items) if offset < len(ids)]
+            if not idx:
+                return last
+            chunks = [items[i][1][offset : offset + chunk_size] for i in idx]
+            logits = self.run([chain_work(items[i][0], c, "last") for i, c in zip(idx, chunks)])
+            for i, c, rows in zip(idx, chunks, logits):
+                items[i][0].num_committed += len(c)
+                last[i] = rows
+            offset += chunk_size
 
     def commit(self, seq: SequenceKV, scratch_indices: list[int]) -> None:
         """Makes the given scratch tokens (in order) the next committed slots; drops the rest."""

@@ -54,26 +54,22 @@ def verify_stochastic(
         accepted = None
         for draft in tree.drafts[node]:
             x = tree.tokens[draft.child]
+            q = draft.proposal if draft.proposal is not None else _point_mass(p, x)
+            qx = q[x].item()
             u = torch.rand((), generator=generator).item()
-            if draft.proposal is None:
-                if u < p[x].item():
-                    accepted = draft.child
-                    break
-                p = p.clone()
-                p[x] = 0.0
-                total = p.sum()
-                p = p / total if total > _EPS else probs[node]
-            else:
-                q = draft.proposal
-                qx = q[x].item()
-                if qx > 0 and u < min(1.0, p[x].item() / qx):
-                    accepted = draft.child
-                    break
-                p = residual_distribution(p, q)
+            if qx > 0 and u < min(1.0, p[x].item() / qx):
+                accepted = draft.child
+                break
+            p = residual_distribution(p, q)
         if accepted is None:
-            bonus = int(torch.multinomial(p, 1, generator=generator).item())
-            return path, bonus
+            return path, sample_token(p, generator)
         path.append(accepted)
+
+
+def _point_mass(like: torch.Tensor, token: int) -> torch.Tensor:
+    q = torch.zeros_like(like)
+    q[token] = 1.0
+    return q
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> int:

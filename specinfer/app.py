@@ -1,0 +1,111 @@
+"""Wiring shared by the CLI and the services: model directories in, a ready engine out.
+
+Everything here validates input before loading weights, so bad flags fail fast with a
+`UserError` (CLI exit code 2, gRPC INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specinfer.config import ModelConfig
+from specinfer.errors import UserError
+from specinfer.tokenizer import TextTokenizer, check_same_vocab
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    llm: Path
+    ssms: tuple[Path, ...] = ()
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} requested but CUDA is not available")
+    if name != "cpu" and not name.startswith("cuda"):
+        raise UserError(f"unsupported device {name!r}: use cpu, cuda, cuda:N or auto")
+    return name
+
+
+def check_models(paths: ModelPaths) -> tuple[ModelConfig, list[ModelConfig]]:
+    """Reads and cross-checks the configs (no weights): missing dirs, architecture, vocabulary."""
+    llm_cfg = ModelConfig.from_dir(paths.llm)
+    ssm_cfgs = []
+    for ssm in paths.ssms:
+        cfg = ModelConfig.from_dir(ssm)
+        if cfg.vocab_size != llm_cfg.vocab_size:
+            raise UserError(
+                f"SSM {ssm} has vocabulary size {cfg.vocab_size} but the LLM {paths.llm} has {llm_cfg.vocab_size}"
+            )
+        check_same_vocab(paths.llm, ssm)
+        ssm_cfgs.append(cfg)
+    return llm_cfg, ssm_cfgs
+
+
+def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
+    return TextTokenizer.from_dir(paths.llm, llm_cfg.eos_token_ids)
+
+
+def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int):
+    """Loads the LLM and SSM runners with KV caches sized for `max_kv_tokens` tokens each."""
+    from specinfer.engine import Engine
+    from specinfer.runner import ModelRunner
+
+    device = resolve_device(device)
+    llm = ModelRunner.from_dir(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens)
+    ssms = [ModelRunner.from_dir(p, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens) for p in paths.ssms]
+    return Engine(llm, ssms)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Reads a JSONL file of {"prompt": "..."} lines."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"prompts file not found: {p}")
+    prompts = []
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{p}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise UserError(f"{p}:{lineno}: expected an object with a string field \"prompt\"")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise UserError(f"prompts file {p} has no prompts")
+    return prompts
+
+
+def encode_prompts(tokenizer: TextTokenizer, prompts: list[str]) -> list[list[int]]:
+    out = []
+    for i, text in enumerate(prompts):
+        if not text:
+            raise UserError(f"prompt {i} is empty")
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise UserError(f"prompt {i} encodes to no tokens")
+        out.append(ids)
+    return out
+
+
+def check_context(llm_cfg: ModelConfig, ssm_cfgs: list[ModelConfig], prompt_ids: list[list[int]], max_new_tokens: int) -> int:
+    """Raises if any prompt plus max_new_tokens exceeds the smallest model context."""
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    limits = [llm_cfg.max_position_embeddings] + [c.max_position_embeddings for c in ssm_cfgs]
+    limits += [c.sliding_window for c in [llm_cfg, *ssm_cfgs] if c.sliding_window]
+    context = min(limits)
+    longest = max(len(p) for p in prompt_ids)
+    if longest + max_new_tokens > context:
+        raise UserError(
+            f"prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} exceeds the model context of {context}"
+        )
+    return longest + max_new_tokens

@@ -1,0 +1,100 @@
+"""Implementations of `specinfer generate` and `specinfer demo-models`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specinfer.app import (
+    ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts,
+)
+from specinfer.errors import UserError
+from specinfer.tree import parse_tree_width
+
+
+def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths, Path | None]:
+    """The model directories from the flags, or the demo models (built on first use).
+
+    Returns the paths and, for the demo models, their held-out prompts file.
+    """
+    if args.llm is None:
+        if args.ssm:
+            raise UserError("--ssm given without --llm")
+        from specinfer.demo_models import ensure_demo_models
+
+        demo = ensure_demo_models(cache_dir, progress=True)
+        return ModelPaths(demo.llm, tuple(demo.ssms)), demo.prompts
+    return ModelPaths(args.llm, tuple(args.ssm)), None
+
+
+def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
+    from specinfer.engine import SpecConfig
+
+    widths = parse_tree_width(args.tree_width)
+    if args.max_tree_nodes < 1:
+        raise UserError(f"--max-tree-nodes must be >= 1, got {args.max_tree_nodes}")
+    mode = mode or ("tree" if has_ssm else "incremental")
+    if mode != "incremental" and not has_ssm:
+        raise UserError(f"--mode {mode} needs at least one --ssm")
+    return SpecConfig(mode=mode, widths=widths, max_nodes=args.max_tree_nodes,
+                      is_sampled_tree=getattr(args, "tree_sampling", "sampled") == "sampled")
+
+
+def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
+    from specinfer.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.prompt is not None:
+        prompts = [args.prompt]
+    else:
+        prompts = read_prompts(args.prompts)
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
+    paths, _ = resolve_paths(args, cache_dir)
+    spec = spec_config(args, bool(paths.ssms), args.mode)
+    llm_cfg, ssm_cfgs = check_models(paths)
+    tokenizer = load_tokenizer(paths, llm_cfg)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + spec.max_nodes + 64)
+    out = open(args.output, "w") if args.output else sys.stdout
+    try:
+        for text, ids in zip(prompts, prompt_ids):
+            r = engine.generate(ids, args.max_new_tokens, params, spec)
+            record = {
+                "prompt": text,
+                "text": tokenizer.decode(r.output_ids),
+                "output_token_ids": r.output_ids,
+                "num_llm_steps": r.num_llm_steps,
+                "tokens_per_step": round(r.tokens_per_step, 4),
+                "latency_s": round(r.latency_s, 6),
+                "mode": spec.mode,
+                "finish_reason": r.finish_reason,
+                "mean_accepted": round(sum(r.accepted_per_step) / max(1, r.num_llm_steps), 4),
+            }
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
+    from specinfer.demo_models import DemoBudget, ensure_demo_models
+
+    budget = DemoBudget.tiny() if args.tiny else DemoBudget.full()
+    if args.tiny:
+        cache_dir = cache_dir / "tiny"
+    if args.force:
+        import shutil
+
+        from specinfer.demo_models import DEFAULT_DEMO_DIR_NAME
+
+        shutil.rmtree(cache_dir / DEFAULT_DEMO_DIR_NAME, ignore_errors=True)
+    demo = ensure_demo_models(cache_dir, budget=budget, progress=True)
+    print(json.dumps({"llm": str(demo.llm), "ssms": [str(s) for s in demo.ssms], "prompts": str(demo.prompts)}))
+    return 0

@@ -1,0 +1,86 @@
+"""Tokenizer loading (HF `tokenizer.json`) and incremental detokenization for streaming.
+
+SSMs must share the LLM's vocabulary (SpecInfer Section 3: the SSM proposes token ids that the
+LLM verifies), so `check_same_vocab` compares the two tokenizers' vocabularies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from specinfer.errors import UserError
+
+
+class TextTokenizer:
+    def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+        self.tok = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "TextTokenizer":
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise UserError(f"no tokenizer.json in {model_dir}")
+        tok = Tokenizer.from_file(str(path))
+        bos = None
+        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        if cfg_path.is_file():
+            cfg = json.loads(cfg_path.read_text())
+            if cfg.get("add_bos_token") and cfg.get("bos_token"):
+                bos_text = cfg["bos_token"] if isinstance(cfg["bos_token"], str) else cfg["bos_token"].get("content")
+                bos = tok.token_to_id(bos_text)
+        return cls(tok, eos_token_ids, bos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text).ids
+        if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+def check_same_vocab(llm_dir: str | Path, ssm_dir: str | Path) -> None:
+    """Raises UserError if both directories ship tokenizers with different vocabularies."""
+    a, b = Path(llm_dir) / "tokenizer.json", Path(ssm_dir) / "tokenizer.json"
+    if not (a.is_file() and b.is_file()):
+        return
+    if Tokenizer.from_file(str(a)).get_vocab() != Tokenizer.from_file(str(b)).get_vocab():
+        raise UserError(f"SSM {ssm_dir} has a different vocabulary from the LLM {llm_dir}")
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
+
+    Byte-level BPE tokens can end mid-character; a delta is emitted only once the decoded text
+    no longer ends in the replacement character.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return delta
