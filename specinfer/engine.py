@@ -115,6 +115,58 @@ class GenerationResult:
     def tokens_per_step(self) -> float:
         return len(self.output_ids) / self.num_llm_steps if self.num_llm_steps else 0.0
 
+    def record_step(self, accepted: list[int], bonus: int, num_nodes: int, max_new_tokens: int,
+                    stops: frozenset[int]) -> list[int]:
+        """Appends one verified step's tokens (cut at a stop token or the budget); returns them."""
+        self.num_llm_steps += 1
+        self.accepted_per_step.append(len(accepted))
+        self.tree_nodes_per_step.append(num_nodes)
+        kept = []
+        for t in (accepted + [bonus])[: max_new_tokens - len(self.output_ids)]:
+            kept.append(t)
+            if t in stops:
+                self.finish_reason = "stop"
+                break
+        self.output_ids.extend(kept)
+        return kept
+
+    def is_finished(self, max_new_tokens: int) -> bool:
+        return self.finish_reason == "stop" or len(self.output_ids) >= max_new_tokens
+
+    def stats(self) -> dict:
+        steps = max(1, self.num_llm_steps)
+        speculated = sum(max(0, n - 1) for n in self.tree_nodes_per_step)
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "output_tokens": len(self.output_ids),
+            "llm_steps": self.num_llm_steps,
+            "tokens_per_step": self.tokens_per_step,
+            "mean_accepted": sum(self.accepted_per_step) / steps,
+            "mean_tree_nodes": sum(self.tree_nodes_per_step) / steps,
+            "acceptance_rate": sum(self.accepted_per_step) / speculated if speculated else 0.0,
+            "latency_s": self.latency_s,
+        }
+
+
+def check_request(prompt_ids: list[int], max_new_tokens: int, vocab_size: int, max_context: int) -> None:
+    """Rejects requests the engine cannot serve, with a message naming the problem."""
+    if not prompt_ids:
+        raise UserError("prompt is empty")
+    if max_new_tokens < 1:
+        raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise UserError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(prompt_ids) + max_new_tokens > max_context:
+        raise UserError(
+            f"prompt ({len(prompt_ids)} tokens) plus max new tokens ({max_new_tokens}) exceeds "
+            f"the model context of {max_context} tokens"
+        )
+
+
+def speculation_depth(remaining: int, context: int, max_context: int) -> int:
+    """How deep a tree may go: the bonus token needs one of the remaining tokens and positions."""
+    return max(0, min(remaining - 1, max_context - context - 1))
+
 
 @dataclass
 class Request:
@@ -125,7 +177,7 @@ class Request:
     shape: TreeShape | None
     stops: frozenset[int]
     llm_state: LLMState
-    ssm_states: list[SSMState]
+    ssm_states: list[SSMState | None]
     spec_gen: torch.Generator
     verify_gen: torch.Generator
     result: GenerationResult
@@ -153,18 +205,7 @@ class Engine:
         self.max_context = min([llm.max_context] + [r.max_context for r in self.speculator.runners])
 
     def check_request(self, prompt_ids: list[int], max_new_tokens: int) -> None:
-        if not prompt_ids:
-            raise UserError("prompt is empty")
-        if max_new_tokens < 1:
-            raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
-        vocab = self.verifier.runner.cfg.vocab_size
-        if any(not (0 <= t < vocab) for t in prompt_ids):
-            raise UserError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) + max_new_tokens > self.max_context:
-            raise UserError(
-                f"prompt ({len(prompt_ids)} tokens) plus max new tokens ({max_new_tokens}) exceeds "
-                f"the model context of {self.max_context} tokens"
-            )
+        check_request(prompt_ids, max_new_tokens, self.verifier.runner.cfg.vocab_size, self.max_context)
 
     def start(
         self,
@@ -198,7 +239,7 @@ class Engine:
         proposing, depths = [], {}
         for req in active:
             context = len(req.result.prompt_ids) + len(req.result.output_ids)
-            depth = min(req.remaining - 1, self.max_context - context - 1)
+            depth = speculation_depth(req.remaining, context, self.max_context)
             if req.shape and depth > 0:
                 proposing.append(req)
                 depths[id(req)] = depth
@@ -212,24 +253,13 @@ class Engine:
             tree = trees[id(req)][0] if id(req) in trees else TokenTree.with_root(req.llm_state.pending[-1])
             items.append((req.llm_state, tree, req.params, req.verify_gen))
         for req, (state, tree, _, _), (accepted, bonus) in zip(active, items, self.verifier.verify_batch(items)):
-            if id(req) in trees:
-                self.speculator.feedback(req.ssm_states, trees[id(req)][1], accepted, bonus)
-            else:
-                for s in req.ssm_states:
-                    s.pending.extend(accepted + [bonus])
+            ssm_trees = trees[id(req)][1] if id(req) in trees else None
+            self.speculator.feedback(req.ssm_states, ssm_trees, accepted, bonus)
             self._emit(req, accepted, bonus, len(tree))
 
     def _emit(self, req: Request, accepted: list[int], bonus: int, num_nodes: int) -> None:
-        result = req.result
-        result.num_llm_steps += 1
-        result.accepted_per_step.append(len(accepted))
-        result.tree_nodes_per_step.append(num_nodes)
-        for t in (accepted + [bonus])[: req.remaining]:
-            result.output_ids.append(t)
-            if t in req.stops:
-                result.finish_reason = "stop"
-                break
-        if result.finish_reason == "stop" or req.remaining <= 0:
+        req.result.record_step(accepted, bonus, num_nodes, req.max_new_tokens, req.stops)
+        if req.result.is_finished(req.max_new_tokens):
             self.finish(req)
 
     def finish(self, req: Request) -> None:

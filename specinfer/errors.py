@@ -11,3 +11,11 @@ class UserError(ValueError):
 
 class CapacityError(RuntimeError):
     """The KV cache or the request queue is full (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class NotFoundError(LookupError):
+    """An unknown request or session id (gRPC NOT_FOUND)."""
+
+
+class UnavailableError(RuntimeError):
+    """A dependency (Redis, the verifier) cannot be reached (gRPC UNAVAILABLE)."""

@@ -128,31 +128,37 @@ class Speculator:
     def __init__(self, runners: list[ModelRunner]):
         self.runners = runners
 
-    def start(self, prompt_ids: list[int]) -> list[SSMState]:
-        """New per-SSM states; the prompt is fed lazily with the first speculation."""
-        return [SSMState(r.new_sequence(), list(prompt_ids)) for r in self.runners]
+    def start(self, prompt_ids: list[int], ssm_indices: list[int] | None = None) -> list[SSMState | None]:
+        """New per-SSM states (None for SSMs the request does not use); the prompt is fed lazily
+        with the first speculation."""
+        use = set(range(len(self.runners)) if ssm_indices is None else ssm_indices)
+        return [SSMState(r.new_sequence(), list(prompt_ids)) if m in use else None for m, r in enumerate(self.runners)]
 
-    def release(self, states: list[SSMState]) -> None:
+    def release(self, states: list[SSMState | None]) -> None:
         for s in states:
-            s.seq.free()
+            if s is not None:
+                s.seq.free()
 
     def propose(
         self,
-        batch: list[tuple[list[SSMState], TreeShape, SamplingParams, torch.Generator | None]],
-    ) -> list[tuple[TokenTree, list[SSMTree]]]:
+        batch: list[tuple[list[SSMState | None], TreeShape, SamplingParams, torch.Generator | None]],
+    ) -> list[tuple[TokenTree, list[SSMTree | None]]]:
         """Builds each request's merged tree. One SSM forward per level covers the whole batch."""
-        per_ssm: list[list[SSMTree]] = []
+        per_item: list[list[SSMTree | None]] = [[None] * len(self.runners) for _ in batch]
         for m, runner in enumerate(self.runners):
-            expansions = [_Expansion(states[m], shape, params, gen) for states, shape, params, gen in batch]
-            per_ssm.append(self._expand(runner, expansions))
+            users = [b for b, (states, *_) in enumerate(batch) if states[m] is not None]
+            if not users:
+                continue
+            expansions = [_Expansion(batch[b][0][m], batch[b][1], batch[b][2], batch[b][3]) for b in users]
+            for b, built in zip(users, self._expand(runner, expansions)):
+                per_item[b][m] = built
         out = []
-        for b in range(len(batch)):
-            ssm_trees = [per_ssm[m][b] for m in range(len(self.runners))]
-            if len(ssm_trees) == 1:
-                out.append((ssm_trees[0].tree, ssm_trees))
-            else:
-                merged, _ = merge_trees([t.tree for t in ssm_trees])
-                out.append((merged, ssm_trees))
+        for ssm_trees in per_item:
+            trees = [t.tree for t in ssm_trees if t is not None]
+            if not trees:
+                raise ValueError("request uses no SSM")
+            merged = trees[0] if len(trees) == 1 else merge_trees(trees)[0]
+            out.append((merged, ssm_trees))
         return out
 
     @staticmethod
@@ -175,12 +181,21 @@ class Speculator:
             logits = runner.run(works) if works else []
         return [SSMTree(e.tree, e.scratch_of) for e in expansions]
 
-    def feedback(self, states: list[SSMState], ssm_trees: list[SSMTree], accepted: list[int], bonus: int) -> None:
-        """Commits what each SSM already computed on the accepted path; queues the rest."""
-        for m, (state, st) in enumerate(zip(states, ssm_trees)):
-            path = st.tree.find_path(accepted)[1:]
+    def feedback(self, states: list[SSMState | None], ssm_trees: list[SSMTree | None] | None,
+                 accepted: list[int], bonus: int) -> None:
+        """Commits what each SSM already computed on the accepted path; queues the rest.
+
+        Without trees (the step was not speculated) every accepted token is simply queued.
+        """
+        for m, state in enumerate(states):
+            if state is None:
+                continue
+            st = ssm_trees[m] if ssm_trees else None
+            if st is None:
+                state.pending.extend(accepted + [bonus])
+                continue
             fed = []
-            for node in path:
+            for node in st.tree.find_path(accepted)[1:]:
                 if st.scratch_of[node] < 0:
                     break
                 fed.append(st.scratch_of[node])

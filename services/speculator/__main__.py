@@ -1,0 +1,5 @@
+import sys
+
+from services.speculator.server import main
+
+sys.exit(main())

@@ -1,0 +1,145 @@
+"""Speculator service: hosts SSMs, keeps per-request SSM KV caches, streams token trees.
+
+SpecInfer Section 3: SSMs propose token trees (expansion-based, merged across the pool). One
+bidirectional stream per request: the verifier sends accepted prefixes, this service answers each
+with the next tree, so each step is one round trip and no new RPC. Trees of all requests are
+built together, one batched SSM forward per tree level (speculator worker).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from services.speculator.config import SpeculatorConfig, parse_config
+from specinfer.errors import UserError
+from specinfer.serving.convert import sampling_from_proto, shape_from_proto, tree_to_proto
+from specinfer.serving.grpc_server import RunningServer, ServerConfig, start_server
+from specinfer.serving.logs import setup_logging
+from specinfer.serving.metrics import MetricsServer, new_registry
+from specinfer.serving.tracing import server_span, setup_tracing
+from specinfer.serving.workers import SpeculatorWorker
+from specinfer.speculator import Speculator, TreeShape
+from specinfer.tree import PAPER_TREE_WIDTH
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+DEFAULT_SHAPE = TreeShape(PAPER_TREE_WIDTH)
+
+
+class SpeculatorServicer(pb_grpc.SpeculatorServicer):
+    def __init__(self, worker: SpeculatorWorker, names: list[str], tracer):
+        self.worker = worker
+        self.names = names
+        self.tracer = tracer
+        runners = worker.speculator.runners
+        self.vocab_size = runners[0].cfg.vocab_size
+        self.max_context = min(r.max_context for r in runners)
+        self.num_open = 0
+        self._lock = threading.Lock()
+
+    def Info(self, request, context):
+        return pb.SpeculatorInfo(ssm_names=self.names, vocab_size=self.vocab_size, max_context=self.max_context)
+
+    def Speculate(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("kind") != "start":
+            raise UserError("the first message of a Speculate stream must be `start`")
+        start = first.start
+        context_ids = self._tokens(start.context_ids, "start.context_ids")
+        if not context_ids:
+            raise UserError("start.context_ids is empty")
+        params = sampling_from_proto(start.sampling)
+        shape = shape_from_proto(start.shape, DEFAULT_SHAPE)
+        ssm_indices = self._pool(list(start.ssm_names))
+        with server_span(self.tracer, "speculator.speculate", context, request_id=start.request_id,
+                         ssm_names=",".join(self.names[i] for i in ssm_indices)) as span:
+            session = self.worker.open(context_ids, params, shape, ssm_indices)
+            self._count(+1)
+            try:
+                step = 0
+                feedback, max_depth, shape_override = None, int(start.max_depth), None
+                while True:
+                    with self.tracer.start_as_current_span("speculator.build_tree") as step_span:
+                        tree, seconds = self.worker.step(session, feedback, max_depth, shape_override)
+                        step_span.set_attribute("tree_nodes", len(tree))
+                        step_span.set_attribute("tree_depth", tree.max_depth)
+                        step_span.set_attribute("step", step)
+                    yield pb.SpeculateResponse(tree=tree_to_proto(tree, params.is_greedy), step=step,
+                                               speculate_s=seconds)
+                    step += 1
+                    try:
+                        msg = next(request_iterator, None)
+                    except grpc.RpcError:  # the verifier went away (cancelled or finished)
+                        break
+                    if msg is None or msg.WhichOneof("kind") != "feedback" or msg.feedback.done:
+                        break
+                    fb = msg.feedback
+                    feedback = (self._tokens(fb.accepted, "feedback.accepted"), self._tokens([fb.bonus], "feedback.bonus")[0])
+                    max_depth = int(fb.max_depth)
+                    shape_override = shape_from_proto(fb.shape, session.shape) if fb.HasField("shape") else None
+                span.set_attribute("steps", step)
+            finally:
+                self.worker.close(session)
+                self._count(-1)
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self.num_open += delta
+
+    def _tokens(self, ids, field: str) -> list[int]:
+        ids = list(ids)
+        if ids and max(ids) >= self.vocab_size:
+            raise UserError(f"{field}: token id outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _pool(self, names: list[str]) -> list[int]:
+        if not names:
+            return list(range(len(self.names)))
+        unknown = [n for n in names if n not in self.names]
+        if unknown:
+            raise UserError(f"start.ssm_names: unknown SSM(s) {', '.join(unknown)}; hosted: {', '.join(self.names)}")
+        return [self.names.index(n) for n in names]
+
+
+def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, SpeculatorServicer]:
+    """Loads the SSMs and starts serving (used by `main` and by tests)."""
+    from specinfer.app import resolve_device
+    from specinfer.runner import ModelRunner
+
+    device = resolve_device(cfg.device)
+    runners = [ModelRunner.from_dir(d, dtype=cfg.dtype, device=device, max_kv_tokens=cfg.max_kv_tokens)
+               for d in cfg.ssm_dirs]
+    if len({r.cfg.vocab_size for r in runners}) != 1:
+        raise UserError("all SSMs of one speculator must share a vocabulary")
+    names = [d.name for d in cfg.ssm_dirs]
+    tracer = setup_tracing("speculator", cfg.otlp_endpoint, exporter)
+    worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch)
+    servicer = SpeculatorServicer(worker, names, tracer)
+    registry = new_registry()
+    metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
+
+    def on_stop():
+        worker.worker.stop()
+        if metrics:
+            metrics.stop()
+
+    server = start_server(
+        ServerConfig(cfg.host, cfg.port, grace_s=cfg.grace_s),
+        [lambda s: pb_grpc.add_SpeculatorServicer_to_server(servicer, s)],
+        [pb.DESCRIPTOR.services_by_name["Speculator"].full_name],
+        on_stop,
+    )
+    return server, servicer
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    setup_logging("speculator", cfg.log_level)
+    server, _ = build(cfg)
+    server.install_signal_handlers()
+    server.wait()
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from services.verifier.server import main
+
+sys.exit(main())

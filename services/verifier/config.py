@@ -1,0 +1,67 @@
+"""Verifier service configuration: flags with environment fallbacks, read in `main()` only."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model_dir: Path
+    speculators: tuple[str, ...] = ()  # gRPC targets, e.g. 127.0.0.1:50053 or dns:///speculator:50053
+    host: str = "127.0.0.1"
+    port: int = 50052
+    dtype: str = "float32"
+    device: str = "auto"
+    max_kv_tokens: int = 65536
+    max_batch: int = 256
+    tree_width: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
+    max_tree_nodes: int = 64
+    default_deadline_s: float = 300.0
+    speculator_step_timeout_s: float = 5.0
+    max_sessions: int = 64
+    otlp_endpoint: str | None = None
+    metrics_port: int = 0
+    log_level: str = "info"
+    grace_s: float = 10.0
+
+
+def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> VerifierConfig:
+    from specinfer.tree import parse_tree_width
+
+    env = dict(os.environ if env is None else env)
+    p = argparse.ArgumentParser(prog="specinfer-verifier", description="Hosts the LLM and verifies token trees.")
+    p.add_argument("--model", type=Path, default=env.get("SPECINFER_MODEL_DIR"), help="LLM checkpoint directory")
+    p.add_argument("--speculator", action="append", default=None,
+                   help="speculator gRPC target (repeatable); env SPECINFER_SPECULATORS (comma-separated)")
+    p.add_argument("--host", default=env.get("SPECINFER_VERIFIER_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env.get("SPECINFER_VERIFIER_PORT", "50052")))
+    p.add_argument("--dtype", default=env.get("SPECINFER_DTYPE", "float32"))
+    p.add_argument("--device", default=env.get("SPECINFER_LLM_DEVICE", "auto"))
+    p.add_argument("--max-kv-tokens", type=int, default=int(env.get("SPECINFER_KV_TOKENS", "65536")))
+    p.add_argument("--max-batch", type=int, default=int(env.get("SPECINFER_MAX_BATCH", "256")))
+    p.add_argument("--tree-width", default=env.get("SPECINFER_TREE_WIDTH", "1,1,3,1,1,1,1,1"))
+    p.add_argument("--max-tree-nodes", type=int, default=int(env.get("SPECINFER_MAX_TREE_NODES", "64")))
+    p.add_argument("--default-deadline-s", type=float, default=float(env.get("SPECINFER_DEFAULT_DEADLINE_S", "300")))
+    p.add_argument("--speculator-step-timeout-s", type=float,
+                   default=float(env.get("SPECINFER_SPECULATOR_STEP_TIMEOUT_S", "5")))
+    p.add_argument("--max-sessions", type=int, default=int(env.get("SPECINFER_MAX_SESSIONS", "64")))
+    p.add_argument("--otlp-endpoint", default=env.get("SPECINFER_OTLP_ENDPOINT") or None)
+    p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
+    p.add_argument("--log-level", default=env.get("SPECINFER_LOG_LEVEL", "info"))
+    p.add_argument("--grace-s", type=float, default=float(env.get("SPECINFER_GRACE_S", "10")))
+    a = p.parse_args(argv)
+    if a.model is None:
+        p.error("--model (or SPECINFER_MODEL_DIR) is required")
+    specs = a.speculator if a.speculator is not None else [s for s in env.get("SPECINFER_SPECULATORS", "").split(",") if s]
+    return VerifierConfig(
+        model_dir=Path(a.model), speculators=tuple(specs), host=a.host, port=a.port, dtype=a.dtype,
+        device=a.device, max_kv_tokens=a.max_kv_tokens, max_batch=a.max_batch,
+        tree_width=parse_tree_width(a.tree_width), max_tree_nodes=a.max_tree_nodes,
+        default_deadline_s=a.default_deadline_s, speculator_step_timeout_s=a.speculator_step_timeout_s,
+        max_sessions=a.max_sessions, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
+        log_level=a.log_level, grace_s=a.grace_s,
+    )

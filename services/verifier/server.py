@@ -1,0 +1,185 @@
+"""Verifier service: hosts the LLM, drives the speculate/verify loop, streams verified tokens.
+
+SpecInfer Section 4: every step, the speculators' token trees are merged and verified in one LLM
+forward pass with a topology-aware mask, and the accepted path plus one bonus token come out.
+Many requests' trees share that pass (verifier worker). Multi-turn sessions keep their KV
+prefix. A lost speculator degrades the request to incremental decoding, with the same greedy
+output; nothing hangs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from services.verifier.config import VerifierConfig, parse_config
+from services.verifier.speculators import SpeculatorLink, gather_tree, speculator_stub
+from specinfer.engine import GenerationResult, Verifier, check_request, speculation_depth
+from specinfer.errors import UserError
+from specinfer.sampling import make_generator
+from specinfer.serving.convert import sampling_from_proto, sampling_to_proto, shape_from_proto, shape_to_proto
+from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server
+from specinfer.serving.logs import setup_logging
+from specinfer.serving.metrics import MetricsServer, new_registry
+from specinfer.serving.tracing import outgoing_metadata, server_span, setup_tracing
+from specinfer.serving.workers import VerifierWorker
+from specinfer.speculator import TreeShape
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+POLL_S = 0.05
+
+
+class VerifierServicer(pb_grpc.VerifierServicer):
+    def __init__(self, cfg: VerifierConfig, worker: VerifierWorker, tracer):
+        self.cfg = cfg
+        self.worker = worker
+        self.tracer = tracer
+        runner = worker.runner
+        self.vocab_size = runner.cfg.vocab_size
+        self.max_context = runner.max_context
+        self.default_shape = TreeShape(cfg.tree_width, cfg.max_tree_nodes)
+        self.speculators = [(target, speculator_stub(target)) for target in cfg.speculators]
+        self.eos = tuple(runner.cfg.eos_token_ids)
+
+    def Info(self, request, context):
+        return pb.VerifierInfo(
+            model=self.cfg.model_dir.name, vocab_size=self.vocab_size, max_context=self.max_context,
+            default_shape=shape_to_proto(self.default_shape), num_speculators=len(self.speculators),
+            kv_capacity_tokens=self.worker.runner.kv.num_slots,
+        )
+
+    def ReleaseSession(self, request, context):
+        return pb.ReleaseSessionResponse(released=self.worker.release_session(request.session_id))
+
+    def Generate(self, request, context):
+        prompt_ids = list(request.prompt_ids)
+        max_new = int(request.max_new_tokens)
+        check_request(prompt_ids, max_new, self.vocab_size, self.max_context)
+        params = sampling_from_proto(request.sampling)
+        shape = shape_from_proto(request.shape, self.default_shape)
+        stops = frozenset([] if request.ignore_eos else (list(request.stop_token_ids) or self.eos))
+        if any(not 0 <= t < self.vocab_size for t in stops):
+            raise UserError("stop_token_ids: token id outside the vocabulary")
+        timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
+        deadline = time.monotonic() + timeout_s
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
+                         session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
+            session = self.worker.open(prompt_ids, request.session_id or None)
+            span.set_attribute("reused_prefix_tokens", session.num_reused)
+            links: list[SpeculatorLink] = []
+            result = GenerationResult(prompt_ids, [], 0)
+            is_ok = False
+            try:
+                if request.speculate and self.speculators:
+                    links = self._open_links(request, params, shape, prompt_ids, max_new, timeout_s)
+                verify_gen = make_generator(params.seed, 2)
+                fell_back = False
+                while True:
+                    remaining = max_new - len(result.output_ids)
+                    depth = speculation_depth(remaining, len(prompt_ids) + len(result.output_ids), self.max_context)
+                    root = session.state.pending[-1]
+                    with self.tracer.start_as_current_span("verifier.speculate") as s:
+                        if links and depth > 0:
+                            tree, failed = gather_tree(links, root, self.cfg.speculator_step_timeout_s,
+                                                       self.vocab_size, params.is_greedy)
+                        else:
+                            tree, failed = gather_tree([], root, 0, self.vocab_size, True)
+                        s.set_attribute("tree_nodes", len(tree))
+                        for name in failed:
+                            fell_back = True
+                            span.add_event("speculator_fallback", {"speculator": name})
+                    with self.tracer.start_as_current_span("verifier.verify_tree") as s:
+                        future = self.worker.verify(session, tree, params, verify_gen)
+                        accepted, bonus = self._wait(future, cancelled, deadline)
+                        s.set_attribute("tree_nodes", len(tree))
+                        s.set_attribute("accepted_length", len(accepted))
+                    kept = result.record_step(accepted, bonus, len(tree), max_new, stops)
+                    is_done = result.is_finished(max_new)
+                    if not is_done and links:
+                        next_depth = speculation_depth(max_new - len(result.output_ids),
+                                                       len(prompt_ids) + len(result.output_ids), self.max_context)
+                        if next_depth > 0:
+                            for link in links:
+                                if link.is_alive:
+                                    link.send_feedback(accepted, bonus, next_depth)
+                    response = pb.VerifierGenerateResponse(token_ids=kept)
+                    if is_done:
+                        response.finish_reason = result.finish_reason
+                        response.stats.CopyFrom(self._stats(result, fell_back))
+                    yield response
+                    if is_done:
+                        is_ok = True
+                        span.set_attribute("output_tokens", len(result.output_ids))
+                        span.set_attribute("llm_steps", result.num_llm_steps)
+                        return
+            finally:
+                if cancelled.is_set() and not is_ok:
+                    span.add_event("cancelled")
+                for link in links:
+                    link.close()
+                history = prompt_ids + result.output_ids if (is_ok and request.session_id) else None
+                self.worker.close(session, history)
+
+    def _open_links(self, request, params, shape, prompt_ids, max_new, timeout_s) -> list[SpeculatorLink]:
+        depth = speculation_depth(max_new, len(prompt_ids), self.max_context)
+        start = pb.SpeculateStart(request_id=request.request_id, context_ids=prompt_ids,
+                                  sampling=sampling_to_proto(params), shape=shape_to_proto(shape), max_depth=depth)
+        metadata = outgoing_metadata()
+        return [SpeculatorLink(target, stub, start, timeout_s, metadata) for target, stub in self.speculators]
+
+    @staticmethod
+    def _wait(future, cancelled: threading.Event, deadline: float):
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except FutureTimeout:
+                if cancelled.is_set():
+                    raise ConnectionAbortedError("request cancelled by the client") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError("deadline exceeded while verifying") from None
+
+    @staticmethod
+    def _stats(result: GenerationResult, fell_back: bool) -> pb.GenerationStats:
+        return pb.GenerationStats(**result.stats(), fell_back=fell_back)
+
+
+def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierServicer]:
+    """Loads the LLM and starts serving (used by `main` and by tests)."""
+    from specinfer.app import resolve_device
+    from specinfer.runner import ModelRunner
+
+    runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                                  max_kv_tokens=cfg.max_kv_tokens)
+    tracer = setup_tracing("verifier", cfg.otlp_endpoint, exporter)
+    worker = VerifierWorker(Verifier(runner), max_batch=cfg.max_batch, max_sessions=cfg.max_sessions)
+    servicer = VerifierServicer(cfg, worker, tracer)
+    registry = new_registry()
+    metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
+
+    def on_stop():
+        worker.worker.stop()
+        if metrics:
+            metrics.stop()
+
+    server = start_server(
+        ServerConfig(cfg.host, cfg.port, grace_s=cfg.grace_s),
+        [lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s)],
+        [pb.DESCRIPTOR.services_by_name["Verifier"].full_name],
+        on_stop,
+    )
+    return server, servicer
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = parse_config(argv)
+    setup_logging("verifier", cfg.log_level)
+    server, _ = build(cfg)
+    server.install_signal_handlers()
+    server.wait()
+    return 0

@@ -1,0 +1,176 @@
+"""`specinfer bench`: incremental vs sequence vs tree speculation vs transformers, side by side.
+
+SpecInfer's headline metrics (Section 6): tokens verified per LLM step, and end-to-end latency
+per token against incremental decoding. Every arm runs on the same models and prompts in the same
+process, interleaved prompt by prompt (arm order rotating), so machine noise hits all arms alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specinfer.app import ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts
+from specinfer.errors import UserError
+
+
+@dataclass
+class ArmResult:
+    outputs: list[list[int]] = field(default_factory=list)
+    num_tokens: int = 0
+    num_steps: int = 0
+    seconds: float = 0.0
+
+    def add(self, output: list[int], steps: int, seconds: float) -> None:
+        self.outputs.append(output)
+        self.num_tokens += len(output)
+        self.num_steps += steps
+        self.seconds += seconds
+
+    def summary(self, baseline: "ArmResult", reference_outputs: list[list[int]]) -> dict:
+        ms = 1000 * self.seconds / max(1, self.num_tokens)
+        base_ms = 1000 * baseline.seconds / max(1, baseline.num_tokens)
+        return {
+            "tokens_per_llm_step": round(self.num_tokens / max(1, self.num_steps), 3),
+            "ms_per_token": round(ms, 3),
+            "speedup_vs_incremental": round(base_ms / ms, 3) if ms else None,
+            "greedy_equals_incremental": self.outputs == reference_outputs,
+            "num_output_tokens": self.num_tokens,
+        }
+
+
+def machine_info(dtype: str) -> dict:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "num_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "dtype": dtype,
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
+        "python": sys.version.split()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+class _TransformersArms:
+    """transformers' greedy generate and assisted generation (assistant_model = first SSM)."""
+
+    def __init__(self, paths: ModelPaths, dtype: str, device: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = getattr(torch, dtype)
+        self.torch = torch
+        self.device = device
+        self.llm = AutoModelForCausalLM.from_pretrained(paths.llm, dtype=torch_dtype).to(device).eval()
+        self.ssm = AutoModelForCausalLM.from_pretrained(paths.ssms[0], dtype=torch_dtype).to(device).eval()
+        self.num_calls = 0
+        self.llm.register_forward_hook(self._count)
+
+    def _count(self, *_):
+        self.num_calls += 1
+
+    def run(self, ids: list[int], max_new_tokens: int, is_assisted: bool) -> tuple[list[int], int, float]:
+        torch = self.torch
+        inputs = torch.tensor([ids], device=self.device)
+        kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.llm.config.eos_token_id or 0)
+        if is_assisted:
+            kwargs["assistant_model"] = self.ssm
+        self.num_calls = 0
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = self.llm.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        seconds = time.perf_counter() - start
+        return out[0, len(ids):].tolist(), self.num_calls, seconds
+
+
+def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
+    from specinfer.commands import resolve_paths
+    from specinfer.engine import SpecConfig
+    from specinfer.sampling import SamplingParams
+    from specinfer.tree import parse_tree_width
+
+    widths = parse_tree_width(args.tree_width)
+    paths, demo_prompts = resolve_paths(args, cache_dir)
+    if not paths.ssms:
+        raise UserError("bench needs at least one --ssm")
+    prompts_file = args.prompts or demo_prompts
+    if prompts_file is None:
+        raise UserError("--prompts is required with --llm")
+    prompts = read_prompts(prompts_file)
+    if args.num_prompts > 0:
+        prompts = prompts[: args.num_prompts]
+    llm_cfg, ssm_cfgs = check_models(paths)
+    tokenizer = load_tokenizer(paths, llm_cfg)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + args.max_tree_nodes + 64)
+    engine_ssms = list(engine.speculator.runners)
+
+    arms = {
+        "incremental": (SpecConfig(mode="incremental"), 0),
+        "sequence": (SpecConfig(mode="sequence", widths=widths, max_nodes=args.max_tree_nodes), 1),
+        "tree": (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes), 1),
+    }
+    if len(engine_ssms) > 1:
+        arms["tree_merged"] = (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes), len(engine_ssms))
+    hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, engine.verifier.runner.model.device.type)
+    names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
+    results = {name: ArmResult() for name in names}
+    greedy = SamplingParams()
+
+    def run_arm(name: str, ids: list[int], max_new: int) -> tuple[list[int], int, float]:
+        if name.startswith("transformers"):
+            return hf.run(ids, max_new, is_assisted=name == "transformers_assisted")
+        spec, num_ssms = arms[name]
+        engine.speculator.runners = engine_ssms[:num_ssms]
+        r = engine.generate(ids, max_new, greedy, spec)
+        return r.output_ids, r.num_llm_steps, r.latency_s
+
+    for name in names:  # warm-up: allocators, caches, lazy inits
+        run_arm(name, prompt_ids[0], min(8, args.max_new_tokens))
+    for i, ids in enumerate(prompt_ids):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for name in order:
+            output, steps, seconds = run_arm(name, ids, args.max_new_tokens)
+            results[name].add(output, steps, seconds)
+        print(f"bench: prompt {i + 1}/{len(prompt_ids)} done", file=sys.stderr, flush=True)
+    engine.speculator.runners = engine_ssms
+
+    reference = results["incremental"].outputs
+    report = {
+        "machine": machine_info(args.dtype),
+        "config": {
+            "llm": str(paths.llm),
+            "ssms": [str(s) for s in paths.ssms],
+            "num_prompts": len(prompt_ids),
+            "max_new_tokens": args.max_new_tokens,
+            "tree_width": list(widths),
+            "max_tree_nodes": args.max_tree_nodes,
+            "decoding": "greedy",
+            "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
+        },
+        "results": {name: results[name].summary(results["incremental"], reference) for name in names},
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0

@@ -1,0 +1,1 @@
+"""Service plumbing shared by the gateway, verifier and speculator (no model code here)."""
