@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
     b.add_argument("--output", type=Path, help="also write the JSON result here")
 
+    from specinfer.launcher import add_up_parser
+
+    add_up_parser(sub)
+    from specinfer.client import add_client_parser
+
+    add_client_parser(sub)
+
     d = sub.add_parser("demo-models", help="build (or find cached) demo LLM and SSMs")
     d.add_argument("--cache-dir", type=Path)
     d.add_argument("--tiny", action="store_true", help="tiny training budget (for tests)")
@@ -104,6 +111,14 @@ def main(argv: list[str] | None = None) -> int:
             from specinfer.commands import run_demo_models
 
             return run_demo_models(args, default_cache_dir(args))
+        if args.command == "up":
+            from specinfer.launcher import run_up
+
+            return run_up(args, default_cache_dir(args))
+        if args.command == "client":
+            from specinfer.client import run_client
+
+            return run_client(args)
         raise UserError(f"unknown command {args.command!r}")
     except UserError as exc:
         print(f"specinfer: error: {exc}", file=sys.stderr)

@@ -155,7 +155,7 @@ def check_request(prompt_ids: list[int], max_new_tokens: int, vocab_size: int, m
     if max_new_tokens < 1:
         raise UserError(f"max new tokens must be >= 1, got {max_new_tokens}")
     if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
-        raise UserError(f"prompt token ids must be in [0, {vocab_size})")
+        raise UserError(f"prompt token ids must be inside the vocabulary [0, {vocab_size})")
     if len(prompt_ids) + max_new_tokens > max_context:
         raise UserError(
             f"prompt ({len(prompt_ids)} tokens) plus max new tokens ({max_new_tokens}) exceeds "

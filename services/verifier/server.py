@@ -14,6 +14,8 @@ import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import grpc
+
 from services.verifier.config import VerifierConfig, parse_config
 from services.verifier.speculators import SpeculatorLink, gather_tree, speculator_stub
 from specinfer.engine import GenerationResult, Verifier, check_request, speculation_depth
@@ -46,10 +48,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.eos = tuple(runner.cfg.eos_token_ids)
 
     def Info(self, request, context):
+        names = []
+        for _, stub in self.speculators:
+            try:
+                names += list(stub.Info(pb.InfoRequest(), timeout=1.0).ssm_names)
+            except grpc.RpcError:
+                pass  # a speculator that is down simply contributes no names
         return pb.VerifierInfo(
             model=self.cfg.model_dir.name, vocab_size=self.vocab_size, max_context=self.max_context,
             default_shape=shape_to_proto(self.default_shape), num_speculators=len(self.speculators),
-            kv_capacity_tokens=self.worker.runner.kv.num_slots,
+            kv_capacity_tokens=self.worker.runner.kv.num_slots, ssm_names=names,
         )
 
     def ReleaseSession(self, request, context):

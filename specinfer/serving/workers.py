@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from specinfer.engine import LLMState, Verifier
-from specinfer.errors import CapacityError
+from specinfer.errors import CapacityError, UnavailableError
 from specinfer.sampling import SamplingParams, make_generator
 from specinfer.speculator import SSMState, SSMTree, Speculator, TreeShape
 from specinfer.tree import TokenTree
@@ -41,20 +41,36 @@ class BatchWorker:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._process = process
         self._max_batch = max_batch
+        self._lock = threading.Lock()
+        self._is_stopped = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, kind: str, *args) -> Future:
         job = Job(kind, args)
-        self._queue.put(job)
+        with self._lock:
+            if self._is_stopped:
+                job.future.set_exception(UnavailableError("model worker is shutting down"))
+            else:
+                self._queue.put(job)
         return job.future
 
     def call(self, kind: str, *args, timeout: float | None = None) -> Any:
         return self.submit(kind, *args).result(timeout=timeout)
 
     def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=10)
+        """Finishes the batch in progress, then fails every job not yet started."""
+        with self._lock:
+            self._is_stopped = True
+            self._queue.put(None)
+        self._thread.join(timeout=30)
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and not job.future.done():
+                job.future.set_exception(UnavailableError("model worker is shutting down"))
 
     def _loop(self) -> None:
         while True:

@@ -1,0 +1,377 @@
+"""The gateway's request handling, in domain terms (no protobuf here).
+
+SpecInfer's serving system (Section 5) puts a request manager in front of the LLM: it receives
+client requests, schedules them, and streams results back. Here that is: validate, tokenize,
+admit (at most N concurrent requests, no queue), start a `RequestRun`, and let the client's RPC
+observe it. A request can be observed again later by id (resume): from this gateway's live run,
+from the store's record, or, for an interrupted request, by starting a new verifier call that
+continues from the tokens generated so far.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Protocol
+
+from services.gateway.config import GatewayConfig
+from services.gateway.runs import Chunk, RequestRun, RunDeps, RunPlan, RunRegistry
+from services.gateway.stops import TextState
+from services.gateway.store import INTERRUPTED, RUNNING, RequestRecord, SessionRecord, Store
+from services.gateway.telemetry import GatewayMetrics
+from services.gateway.validation import (
+    GenerationParams, NewRequest, check_prompt_length, check_request_id, validate_request,
+)
+from services.gateway.verifier_client import VerifierClient, VerifierSummary
+from specinfer.errors import NotFoundError, UnavailableError, UserError
+from specinfer.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.25  # how often an observer re-checks that its client is still there
+FOLLOW_POLL_S = 0.05  # how often a request running on another gateway is re-read from the store
+
+
+class ClientLink(Protocol):
+    """The part of grpc.ServicerContext the core needs: is the client still there?"""
+
+    def is_active(self) -> bool: ...
+
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+
+
+Events = Callable[[str, dict], None]  # span events: name, attributes
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """Per-RPC things the core passes on: the verifier deadline and the trace context."""
+
+    link: ClientLink
+    deadline_s: float
+    metadata: tuple[tuple[str, str], ...] = ()
+    on_event: Events = lambda name, attrs: None
+    started_at: float = 0.0
+
+
+class _Attachment:
+    """One observer's hold on a run, released when the client's RPC ends; closing twice is harmless."""
+
+    def __init__(self, run: RequestRun):
+        self.run = run
+        self._lock = threading.Lock()
+        self._is_closed = False
+
+    @classmethod
+    def hold(cls, run: RequestRun, link: ClientLink) -> "_Attachment | None":
+        """Attaches to `run` for the life of the client's RPC; None if the run is already ending."""
+        if not run.attach():
+            return None
+        attachment = cls(run)
+        if not link.add_callback(attachment.close):  # the RPC has already ended
+            attachment.close()
+        return attachment
+
+    def close(self) -> None:
+        with self._lock:
+            if self._is_closed:
+                return
+            self._is_closed = True
+        self.run.detach()
+
+
+def encode_turn(tokenizer: TextTokenizer, text: str, has_history: bool) -> tuple[int, ...]:
+    """A turn's token ids; a continuation turn gets no second BOS."""
+    ids = tokenizer.encode(text)
+    if has_history and tokenizer.bos_token_id is not None and ids[:1] == [tokenizer.bos_token_id]:
+        ids = ids[1:]
+    return tuple(ids)
+
+
+class GatewayCore:
+    def __init__(self, cfg: GatewayConfig, tokenizer: TextTokenizer, store: Store, verifier: VerifierClient,
+                 metrics: GatewayMetrics):
+        self.cfg = cfg
+        self.limits = cfg.limits
+        self.tokenizer = tokenizer
+        self.store = store
+        self.verifier = verifier
+        self.metrics = metrics
+        self.registry = RunRegistry(cfg.limits.max_concurrent_requests)
+        self.deps = RunDeps(tokenizer, store, verifier, metrics, self.registry.remove)
+        self._context_lock = threading.Lock()
+        self._max_context: int | None = None
+        self._max_context_expires = 0.0
+
+    # -- generate ----------------------------------------------------------------------------
+    def generate(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
+        """Validates and starts a request; yields a header chunk, then its progress."""
+        req = validate_request(req, self.limits)
+        if req.request_id:
+            existing = self.store.get_request(req.request_id)
+            if existing is not None:
+                yield from self._retry(req, existing, call)
+                return
+        session = self._session(req.session_id) if req.session_id else None
+        history = session.history_ids if session else ()
+        turn_ids = encode_turn(self.tokenizer, req.prompt, bool(history))
+        check_prompt_length(len(turn_ids), len(history), self.limits)
+        self._check_context(len(history) + len(turn_ids), req.params.max_tokens)
+        request_id = req.request_id or uuid.uuid4().hex
+        params = req.params
+        if params.sampling.seed is None:
+            params = replace(params, sampling=replace(params.sampling, seed=secrets.randbits(63)))
+        record = RequestRecord(request_id, RUNNING, req.prompt, req.session_id, params.to_json(), history + turn_ids,
+                               owner=self.cfg.gateway_id, session_base_len=len(history))
+        run = RequestRun(self._plan(record, call), self.deps)
+        is_new = self.registry.add(run) is None  # else the same id arrived concurrently: a retry
+        if is_new:
+            try:
+                is_new = self.store.create_request(record)
+            except BaseException:
+                self.registry.remove(run)
+                raise
+            if not is_new:
+                self.registry.remove(run)
+        attachment = _Attachment.hold(run, call.link) if is_new else None
+        if is_new:
+            run.start()
+        try:
+            yield Chunk(request_id, (), 0, "", 0, 0)  # the id first, so a client can always resume
+            yield from self._stream(request_id, 0, call, attachment)
+        finally:
+            if attachment is not None:
+                attachment.close()
+
+    def _retry(self, req: NewRequest, existing: RequestRecord, call: CallContext) -> Iterator[Chunk]:
+        if existing.prompt != req.prompt or existing.session_id != req.session_id:
+            raise UserError(f"request_id: {req.request_id!r} is already used by a different request")
+        call.on_event("retry", {"request_id": req.request_id})
+        yield Chunk(req.request_id, (), 0, "", 0, 0)
+        yield from self._stream(req.request_id, 0, call)
+
+    def _check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Prompt plus max_tokens must fit the LLM's context (from Verifier.Info, cached for a minute)."""
+        max_context = self._verifier_max_context()
+        if max_context and num_prompt_tokens + max_tokens > max_context:
+            raise UserError(f"max_tokens: the prompt's {num_prompt_tokens} tokens plus max_tokens={max_tokens} "
+                            f"exceed the model's context of {max_context} tokens")
+
+    def _verifier_max_context(self) -> int | None:
+        now = time.monotonic()
+        with self._context_lock:
+            if now < self._max_context_expires:
+                return self._max_context
+        try:
+            value, ttl_s = self.verifier.info(0.5, []).max_context or None, 60.0
+        except Exception:  # noqa: BLE001 - unknown for now; the verifier checks it itself
+            value, ttl_s = None, 5.0
+        with self._context_lock:
+            self._max_context, self._max_context_expires = value, now + ttl_s
+        return value
+
+    def _session(self, session_id: str) -> SessionRecord:
+        session = self.store.get_session(session_id)
+        if session is None:
+            raise NotFoundError(f"session_id: unknown session {session_id!r}")
+        return session
+
+    def _plan(self, rec: RequestRecord, call: CallContext) -> RunPlan:
+        return RunPlan(rec.request_id, rec.prompt, rec.prompt_ids, rec.generated_ids,
+                       GenerationParams.from_json(rec.params), rec.session_id, rec.session_base_len, rec.stats,
+                       call.deadline_s, call.metadata, call.started_at or time.monotonic())
+
+    # -- resume ------------------------------------------------------------------------------
+    def resume(self, request_id: str, token_offset: int, call: CallContext) -> Iterator[Chunk]:
+        check_request_id(request_id)
+        if token_offset < 0:
+            raise UserError(f"token_offset: must be >= 0, got {token_offset}")
+        call.on_event("resume", {"request_id": request_id, "token_offset": token_offset})
+        yield from self._stream(request_id, token_offset, call)
+
+    def _stream(self, request_id: str, offset: int, call: CallContext, attachment: _Attachment | None = None
+                ) -> Iterator[Chunk]:
+        """Yields progress after `offset` tokens until the request ends or the client leaves."""
+        num_tokens, num_chars = offset, None
+        for _ in range(8):  # re-resolutions: a run ending under us, a request changing hands
+            if attachment is None:
+                attachment, record = self._resolve(request_id, num_tokens, call)
+            if attachment is not None:
+                chunks = self._observe(attachment, num_tokens, num_chars, call.link)
+            else:
+                chunks = self._follow(record, num_tokens, num_chars, call.link)
+            is_done = False
+            for chunk in chunks:
+                num_tokens, num_chars, is_done = chunk.num_tokens, chunk.num_chars, chunk.is_done
+                if chunk.error is not None:
+                    if chunk.token_ids or chunk.text_delta:
+                        yield replace(chunk, is_done=False, finish_reason="", stats=None, error=None)
+                    raise chunk.error
+                yield chunk
+            if is_done or not call.link.is_active():
+                return
+            attachment = None
+        raise UnavailableError(f"request {request_id} keeps changing hands; retry")
+
+    def _resolve(self, request_id: str, offset: int, call: CallContext
+                 ) -> tuple[_Attachment | None, RequestRecord | None]:
+        """A live run to observe (attached), or a stored record to read."""
+        for _ in range(4):
+            live = self.registry.get(request_id)
+            if live is not None:
+                attachment = _Attachment.hold(live, call.link)
+                if attachment is not None:
+                    if offset > live.num_tokens:
+                        attachment.close()
+                        raise UserError(f"token_offset: {offset} is past the {live.num_tokens} tokens generated")
+                    return attachment, None
+                live.join(2.0)  # it is ending: wait for its final state in the store
+                continue
+            rec = self.store.get_request(request_id)
+            if rec is None:
+                raise NotFoundError(f"request_id: unknown request {request_id!r}")
+            if offset > len(rec.generated_ids):
+                raise UserError(f"token_offset: {offset} is past the {len(rec.generated_ids)} tokens generated")
+            if rec.is_terminal or self._is_running_elsewhere(rec):
+                return None, rec
+            attachment = self._continue(rec, call)
+            if attachment is not None:
+                return attachment, None
+        raise UnavailableError(f"request {request_id} keeps changing hands; retry")
+
+    def _is_running_elsewhere(self, rec: RequestRecord) -> bool:
+        return (rec.status == RUNNING and rec.owner != self.cfg.gateway_id
+                and rec.updated_at >= time.time() - self.cfg.stale_after_s)
+
+    def _continue(self, rec: RequestRecord, call: CallContext) -> _Attachment | None:
+        """Takes over an interrupted (or orphaned) request and continues it with a new verifier call."""
+        run = RequestRun(self._plan(rec, call), self.deps)
+        existing = self.registry.add(run)
+        if existing is not None:
+            return _Attachment.hold(existing, call.link)
+        me, stale_before = self.cfg.gateway_id, time.time() - self.cfg.stale_after_s
+
+        def claim(r: RequestRecord) -> dict | None:
+            is_orphan = r.status == RUNNING and (r.owner == me or r.updated_at < stale_before)
+            if r.status == INTERRUPTED or is_orphan:
+                return {"status": RUNNING, "owner": me, "error": ""}
+            return None
+
+        try:
+            _, is_claimed = self.store.update_request_if(rec.request_id, claim)
+        except BaseException:
+            self.registry.remove(run)
+            raise
+        if not is_claimed:
+            self.registry.remove(run)
+            return None
+        call.on_event("continue", {"request_id": rec.request_id, "num_generated": len(rec.generated_ids)})
+        attachment = _Attachment.hold(run, call.link)
+        run.start()
+        return attachment
+
+    def _observe(self, attachment: _Attachment, since_tokens: int, since_chars: int | None, link: ClientLink
+                 ) -> Iterator[Chunk]:
+        run = attachment.run
+        try:
+            since_chars = run.text_len_at(since_tokens) if since_chars is None else since_chars
+            while True:
+                chunk = run.read(since_tokens, since_chars, POLL_S)
+                if chunk is None:
+                    if not link.is_active():
+                        return
+                    continue
+                since_tokens, since_chars = chunk.num_tokens, chunk.num_chars
+                yield chunk
+                if chunk.is_done:
+                    return
+        finally:
+            attachment.close()
+
+    def _follow(self, rec: RequestRecord, since_tokens: int, since_chars: int | None, link: ClientLink
+                ) -> Iterator[Chunk]:
+        """Streams a stored request: its tail if it has ended, else its progress on another gateway."""
+        params = GenerationParams.from_json(rec.params)
+        state = TextState.replay(self.tokenizer, params.stop, rec.generated_ids[:since_tokens])
+        since_chars = len(state.text_at(since_tokens)) if since_chars is None else since_chars
+        while True:
+            ids = rec.generated_ids
+            for t in ids[state.num_tokens:]:
+                if state.is_stopped or state.push(t):
+                    break
+            n = len(ids)
+            text = rec.text if rec.is_terminal else state.text_at(min(n, state.num_tokens))
+            error = RuntimeError(f"request failed: {rec.error}") if rec.status == "failed" else None
+            if rec.is_terminal or n > since_tokens:
+                yield Chunk(rec.request_id, tuple(ids[since_tokens:]), since_tokens, text[since_chars:], n,
+                            max(len(text), since_chars), rec.is_terminal, rec.status, rec.finish_reason,
+                            rec.stats if rec.is_terminal else None, error)
+                since_tokens, since_chars = n, max(len(text), since_chars)
+            if rec.is_terminal or not self._is_running_elsewhere(rec) or not link.is_active():
+                return
+            time.sleep(FOLLOW_POLL_S)
+            rec = self.store.get_request(rec.request_id) or rec
+
+    # -- cancel, state, sessions, info ---------------------------------------------------------
+    def cancel(self, request_id: str) -> bool:
+        check_request_id(request_id)
+        live = self.registry.get(request_id)
+        if live is not None:
+            is_cancelled = live.cancel()
+            live.join(1.0)
+            if is_cancelled:
+                return True
+        me, stale_before = self.cfg.gateway_id, time.time() - self.cfg.stale_after_s
+
+        def decide(r: RequestRecord) -> dict | None:
+            if r.is_terminal:
+                return None
+            if r.status == RUNNING and r.owner != me and r.updated_at >= stale_before:
+                return {"cancel_requested": "1"}  # its gateway stops it at the next step
+            return {"status": "cancelled", "finish_reason": "cancelled", "cancel_requested": "1"}
+
+        rec, is_applied = self.store.update_request_if(request_id, decide)
+        if rec is None:
+            raise NotFoundError(f"request_id: unknown request {request_id!r}")
+        return is_applied
+
+    def get_request(self, request_id: str) -> RequestRecord:
+        check_request_id(request_id)
+        rec = self.store.get_request(request_id)
+        if rec is None:
+            raise NotFoundError(f"request_id: unknown request {request_id!r}")
+        return rec
+
+    def create_session(self, prefix: str) -> str:
+        history = encode_turn(self.tokenizer, prefix, False) if prefix else ()
+        if len(history) > self.limits.max_prompt_tokens:
+            raise UserError(f"prefix: {len(history)} tokens, more than "
+                            f"max_prompt_tokens={self.limits.max_prompt_tokens}")
+        session_id = uuid.uuid4().hex
+        self.store.put_session(SessionRecord(session_id, history, prefix))
+        return session_id
+
+    def delete_session(self, session_id: str, metadata: tuple[tuple[str, str], ...]) -> bool:
+        check_request_id(session_id, "session_id")
+        is_deleted = self.store.delete_session(session_id)
+        try:
+            self.verifier.release_session(session_id, 2.0, list(metadata))
+        except Exception as exc:  # noqa: BLE001 - best effort: the verifier's cache also evicts on its own
+            log.warning("session %s: verifier ReleaseSession failed: %s", session_id, exc)
+        return is_deleted
+
+    def verifier_info(self, metadata: tuple[tuple[str, str], ...]) -> VerifierSummary:
+        return self.verifier.info(2.0, list(metadata))
+
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Interrupts every run (they stay resumable) and waits briefly for their final states."""
+        runs = self.registry.all()
+        for run in runs:
+            run.interrupt()
+        deadline = time.monotonic() + timeout_s
+        for run in runs:
+            run.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,327 @@
+"""One request's generation: a worker thread that consumes one Verifier.Generate stream.
+
+The worker appends every verified step's tokens to the request's state (in memory, and in the
+store in one round trip per step), applies stop sequences and max tokens, and records how the
+request ended. Client RPCs are observers: they read progress from here and never talk to the
+verifier themselves, so a client can disconnect and later resume without losing tokens.
+
+When the last observer leaves, the run is *interrupted*: the verifier call is cancelled (the
+verifier frees the request's KV caches) and the request stays resumable. `cancel()` ends it
+for good. The worker is the only writer of its request's record while it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from services.gateway.stats import counted_stats, final_stats, merge_stats
+from services.gateway.stops import TextState
+from services.gateway.store import CANCELLED, FAILED, FINISHED, INTERRUPTED, RUNNING, Progress, Store
+from services.gateway.telemetry import GatewayMetrics
+from services.gateway.validation import GenerationParams
+from services.gateway.verifier_client import VerifierCall, VerifierClient, VerifierStep, domain_error
+from specinfer.errors import CapacityError, UnavailableError
+from specinfer.tokenizer import TextTokenizer
+
+log = logging.getLogger(__name__)
+
+_RESUMABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+
+
+class _Stopped(Exception):
+    """Raised in the worker when an observer or CancelRequest asked it to stop."""
+
+
+def derive_seed(seed: int, num_done: int) -> int:
+    """A continuation's seed: the original one for a fresh start, else mixed with the offset."""
+    return seed if num_done == 0 else (seed * 1_000_003 + num_done) % (1 << 63)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    request_id: str
+    prompt: str  # the turn's text (for the session history)
+    prompt_ids: tuple[int, ...]  # the full context: session history + this turn
+    generated_ids: tuple[int, ...]  # tokens earlier segments produced (resume)
+    params: GenerationParams  # seed resolved
+    session_id: str
+    session_base_len: int
+    prior_stats: dict
+    deadline_s: float  # for the verifier call
+    metadata: tuple[tuple[str, str], ...]  # trace context for the verifier
+    started_at: float  # time.monotonic() when the client's RPC arrived
+
+
+@dataclass(frozen=True)
+class RunDeps:
+    tokenizer: TextTokenizer
+    store: Store
+    verifier: VerifierClient
+    metrics: GatewayMetrics
+    on_exit: Callable[["RequestRun"], None]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """What an observer gets: progress since what it already holds."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    token_offset: int
+    text_delta: str
+    num_tokens: int  # tokens the observer holds after this chunk
+    num_chars: int  # characters of text it holds after this chunk
+    is_done: bool = False
+    status: str = RUNNING
+    finish_reason: str = ""
+    stats: dict | None = None
+    error: Exception | None = None
+
+
+class RequestRun:
+    def __init__(self, plan: RunPlan, deps: RunDeps):
+        self.plan = plan
+        self.deps = deps
+        self.request_id = plan.request_id
+        self.cond = threading.Condition()
+        self.text = TextState.replay(deps.tokenizer, plan.params.stop, plan.generated_ids)
+        self.status = RUNNING
+        self.finish_reason = ""
+        self.final_text: str | None = None
+        self.stats: dict | None = None
+        self.error: Exception | None = None
+        self.num_observers = 0
+        self._stop_reason = ""  # "", "interrupted" or "cancelled"
+        self._stream = None
+        self._num_steps = 0
+        self._num_step_tokens = 0
+        self._verifier_stats: dict | None = None
+        self._last_token_at: float | None = None
+        self._thread = threading.Thread(target=self._work, name=f"run-{plan.request_id}", daemon=True)
+
+    # -- control (any thread) ---------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def num_tokens(self) -> int:
+        with self.cond:
+            return self.text.num_tokens
+
+    def attach(self) -> bool:
+        """Registers an observer; False if the run is already ending."""
+        with self.cond:
+            if self._stop_reason or self.status != RUNNING:
+                return False
+            self.num_observers += 1
+            return True
+
+    def detach(self) -> None:
+        with self.cond:
+            self.num_observers -= 1
+            if self.num_observers <= 0 and self.status == RUNNING:
+                self._request_stop("interrupted")
+
+    def cancel(self) -> bool:
+        with self.cond:
+            if self.status != RUNNING:
+                return False
+            self._request_stop("cancelled")
+            return True
+
+    def interrupt(self) -> None:
+        with self.cond:
+            if self.status == RUNNING:
+                self._request_stop("interrupted")
+
+    def _request_stop(self, reason: str) -> None:
+        if reason == "cancelled" or not self._stop_reason:
+            self._stop_reason = reason
+        if self._stream is not None:
+            self._stream.cancel()
+        self.cond.notify_all()
+
+    # -- observing ---------------------------------------------------------------------------
+    def text_len_at(self, num_tokens: int) -> int:
+        with self.cond:
+            return len(self.text.text_at(num_tokens))
+
+    def read(self, since_tokens: int, since_chars: int, timeout_s: float) -> Chunk | None:
+        """Waits up to `timeout_s` for progress past `since_tokens`; None if there is none."""
+        with self.cond:
+            if self.status == RUNNING and self.text.num_tokens <= since_tokens:
+                self.cond.wait(timeout_s)
+            n, is_done = self.text.num_tokens, self.status != RUNNING
+            if not is_done and n <= since_tokens:
+                return None
+            text = self.final_text if is_done and self.final_text is not None else self.text.text_at(n)
+            return Chunk(self.request_id, tuple(self.text.ids[since_tokens:n]), since_tokens, text[since_chars:],
+                         n, max(len(text), since_chars), is_done, self.status, self.finish_reason,
+                         self.stats if is_done else None, self.error if is_done else None)
+
+    # -- the worker ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        self.deps.metrics.active_requests.inc()
+        try:
+            self._generate()
+        except Exception as exc:  # noqa: BLE001 - a worker must always leave a final state
+            log.exception("request %s: worker failed", self.request_id)
+            self._end(FAILED, "", exc)
+        finally:
+            self.deps.metrics.active_requests.dec()
+            self.deps.on_exit(self)
+
+    def _generate(self) -> None:
+        plan = self.plan
+        num_done = len(plan.generated_ids)
+        if num_done >= plan.params.max_tokens:
+            return self._end(FINISHED, "length")
+        call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, plan.params.max_tokens - num_done,
+                            plan.params, derive_seed(plan.params.sampling.seed or 0, num_done), plan.session_id)
+        stream = self.deps.verifier.generate(call, plan.deadline_s, list(plan.metadata))
+        with self.cond:
+            self._stream = stream
+            if self._stop_reason:
+                stream.cancel()
+        try:
+            for step in stream:
+                end_reason = self._apply(step)
+                if end_reason:
+                    stream.cancel()  # a stop string matched: free the verifier's KV now
+                    return self._end(FINISHED, end_reason)
+                if step.finish_reason:
+                    return self._end(FINISHED, step.finish_reason)
+                if self._persist_running():  # one store round trip per verified step
+                    self.cancel()  # another gateway's CancelRequest
+            return self._end(FINISHED, "length")
+        except (grpc.RpcError, _Stopped) as exc:
+            return self._end_on_rpc_error(exc)
+        except UnavailableError as exc:  # the store failed mid-request: stop, stay resumable
+            stream.cancel()
+            return self._end(INTERRUPTED, "", exc)
+
+    def _apply(self, step: VerifierStep) -> str:
+        """Adds one verified step's tokens; returns a finish reason if the gateway ends it here."""
+        max_tokens = self.plan.params.max_tokens
+        end_reason = ""
+        with self.cond:
+            if self._stop_reason:
+                raise _Stopped()
+            if step.token_ids and self._last_token_at is None and not self.plan.generated_ids:
+                self.deps.metrics.time_to_first_token.observe(time.monotonic() - self.plan.started_at)
+            for token in step.token_ids:
+                if self.text.num_tokens >= max_tokens:
+                    end_reason = "length"
+                    break
+                if self.text.push(token):
+                    end_reason = "stop"
+                    break
+            if step.token_ids:
+                self._last_token_at = time.monotonic()
+                self._num_steps += 1
+                self._num_step_tokens += len(step.token_ids)
+            if step.stats is not None:
+                self._verifier_stats = step.stats
+            self.cond.notify_all()
+        return end_reason
+
+    def _persist_running(self) -> bool:
+        with self.cond:
+            progress = Progress(RUNNING, tuple(self.text.ids), self.text.visible)
+        return self.deps.store.put_progress(self.request_id, progress)
+
+    def _end_on_rpc_error(self, exc: Exception) -> None:
+        with self.cond:
+            reason = self._stop_reason
+        if reason == "cancelled":
+            return self._end(CANCELLED, "cancelled")
+        if reason == "interrupted":
+            return self._end(INTERRUPTED, "", UnavailableError(f"request {self.request_id} was interrupted; resume it"))
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        error = domain_error(exc)
+        return self._end(INTERRUPTED if code in _RESUMABLE_CODES else FAILED, "", error)
+
+    def _segment_stats(self) -> dict:
+        stats = self._verifier_stats or counted_stats(self._num_step_tokens, self._num_steps)
+        end = self._last_token_at or time.monotonic()
+        return dict(stats, latency_s=end - self.plan.started_at)
+
+    def _end(self, status: str, finish_reason: str, error: Exception | None = None) -> None:
+        """Persists the final state first, then tells observers (so GetRequest agrees with them)."""
+        with self.cond:
+            ids = tuple(self.text.ids)
+            is_final = status in (FINISHED, CANCELLED, FAILED)
+            text = self.text.final_text() if is_final else self.text.visible
+            stats = final_stats(merge_stats(self.plan.prior_stats, self._segment_stats()),
+                                len(self.plan.prompt_ids), len(ids))
+        self.deps.metrics.output_tokens.inc(len(ids) - len(self.plan.generated_ids))
+        try:
+            self.deps.store.put_progress(self.request_id, Progress(status, ids, text, finish_reason, stats,
+                                                                   str(error or "")))
+            if status == FINISHED and self.plan.session_id:
+                self._append_turn(ids, text)
+        except UnavailableError as exc:
+            log.warning("request %s: could not store its final state: %s", self.request_id, exc)
+        if status == INTERRUPTED and error is None:
+            error = UnavailableError(f"request {self.request_id} was interrupted; resume it")
+        if isinstance(error, CapacityError):
+            error = CapacityError(f"{error}; request {self.request_id} can be resumed")
+        with self.cond:
+            self.status, self.finish_reason, self.stats, self.error = status, finish_reason, stats, error
+            self.final_text = text if is_final else None
+            self.cond.notify_all()
+        log.info("request %s %s", self.request_id, status,
+                 extra={"fields": {"request_id": self.request_id, "status": status, "finish_reason": finish_reason,
+                                   "output_tokens": len(ids), "error": str(error or "")}})
+
+    def _append_turn(self, ids: tuple[int, ...], text: str) -> None:
+        plan = self.plan
+        turn_ids = plan.prompt_ids[plan.session_base_len:] + ids
+        if not self.deps.store.append_turn(plan.session_id, plan.session_base_len, turn_ids, plan.prompt + text):
+            log.warning("session %s changed during request %s (or is gone); turn not appended",
+                        plan.session_id, self.request_id)
+
+
+class RunRegistry:
+    """The runs this gateway drives; its size is the concurrency limit (no hidden queue)."""
+
+    def __init__(self, max_active: int):
+        self.max_active = max_active
+        self._lock = threading.Lock()
+        self._runs: dict[str, RequestRun] = {}
+
+    def get(self, request_id: str) -> RequestRun | None:
+        with self._lock:
+            return self._runs.get(request_id)
+
+    def add(self, run: RequestRun) -> RequestRun | None:
+        """Adds `run`, or returns the run already driving that id; CapacityError when full."""
+        with self._lock:
+            existing = self._runs.get(run.request_id)
+            if existing is not None:
+                return existing
+            if len(self._runs) >= self.max_active:
+                raise CapacityError(f"the gateway is at its limit of {self.max_active} concurrent requests; "
+                                    "retry later")
+            self._runs[run.request_id] = run
+            return None
+
+    def remove(self, run: RequestRun) -> None:
+        with self._lock:
+            if self._runs.get(run.request_id) is run:
+                del self._runs[run.request_id]
+
+    def all(self) -> list[RequestRun]:
+        with self._lock:
+            return list(self._runs.values())

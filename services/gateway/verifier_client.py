@@ -1,0 +1,143 @@
+"""The gateway's client for the Verifier service: one outbound Generate stream per request.
+
+Calls never use wait_for_ready, so a verifier that is down fails the call at once (UNAVAILABLE),
+and reconnect backoff is capped at 1 s so a restarted verifier is found again quickly. A
+`dns:///host:port` target spreads requests over all resolved verifiers (round robin).
+gRPC errors are turned into the project's domain errors here, at the edge.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+
+from services.gateway.validation import GenerationParams
+from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.serving.grpc_server import CHANNEL_OPTIONS
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+STATS_FIELDS = ("prompt_tokens", "output_tokens", "llm_steps", "tokens_per_step", "mean_accepted",
+                "mean_tree_nodes", "acceptance_rate", "latency_s", "fell_back")
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 1000),  # also bounds one connection attempt to ~1 s
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+@dataclass(frozen=True)
+class VerifierCall:
+    request_id: str
+    prompt_ids: tuple[int, ...]  # everything the LLM has to attend to: context plus tokens so far
+    max_new_tokens: int
+    params: GenerationParams
+    seed: int
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class VerifierStep:
+    token_ids: tuple[int, ...]
+    finish_reason: str = ""
+    stats: dict | None = None
+
+
+@dataclass(frozen=True)
+class VerifierSummary:
+    model: str
+    vocab_size: int
+    max_context: int
+    default_widths: tuple[int, ...]
+    default_max_nodes: int
+    num_speculators: int
+    ssm_names: tuple[str, ...] = ()
+
+
+def stats_to_dict(msg: pb.GenerationStats) -> dict:
+    return {f: getattr(msg, f) for f in STATS_FIELDS}
+
+
+def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
+    """Maps a downstream gRPC status to the domain error that maps back to the same status."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = f"{what}: {exc.details() if hasattr(exc, 'details') else exc}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return UnavailableError(details)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return TimeoutError(details)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return UserError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFoundError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return CapacityError(details)
+    return RuntimeError(f"{details} ({code.name})")
+
+
+def channel_options(target: str) -> list[tuple[str, object]]:
+    options = list(CHANNEL_OPTIONS) + _RECONNECT_OPTIONS
+    if target.startswith("dns:"):
+        options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
+    return options
+
+
+def _to_proto(call: VerifierCall) -> pb.VerifierGenerateRequest:
+    p = call.params
+    return pb.VerifierGenerateRequest(
+        request_id=call.request_id, prompt_ids=list(call.prompt_ids), max_new_tokens=call.max_new_tokens,
+        sampling=pb.SamplingParams(temperature=p.sampling.temperature, top_p=p.sampling.top_p,
+                                   top_k=p.sampling.top_k, seed=call.seed),
+        speculate=p.is_speculative,
+        shape=pb.TreeShape(widths=list(p.tree.widths), max_nodes=p.tree.max_nodes, sampled=p.tree.is_sampled,
+                           proposal_top_k=p.tree.proposal_top_k),
+        session_id=call.session_id, ignore_eos=p.is_ignore_eos,
+    )
+
+
+class VerifierStream:
+    """One running Verifier.Generate call: iterate for steps, `cancel()` from any thread."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def __iter__(self) -> Iterator[VerifierStep]:
+        for msg in self._call:
+            yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
+                               stats_to_dict(msg.stats) if msg.HasField("stats") else None)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class VerifierClient:
+    def __init__(self, target: str):
+        self.target = target
+        self.channel = grpc.insecure_channel(target, options=channel_options(target))
+        self.stub = pb_grpc.VerifierStub(self.channel)
+
+    def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:
+        return VerifierStream(self.stub.Generate(_to_proto(call), timeout=timeout_s, metadata=metadata))
+
+    def release_session(self, session_id: str, timeout_s: float, metadata: list[tuple[str, str]]) -> bool:
+        try:
+            resp = self.stub.ReleaseSession(pb.ReleaseSessionRequest(session_id=session_id),
+                                            timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from exc
+        return resp.released
+
+    def info(self, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierSummary:
+        try:
+            msg = self.stub.Info(pb.InfoRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as exc:
+            raise domain_error(exc) from exc
+        ssm_names = tuple(msg.ssm_names)
+        return VerifierSummary(msg.model, msg.vocab_size, msg.max_context, tuple(msg.default_shape.widths),
+                               msg.default_shape.max_nodes, msg.num_speculators, ssm_names)
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,246 @@
+"""A small Python client for the SpecInfer gateway, and the `specinfer client ...` commands.
+
+    with GatewayClient("127.0.0.1:50051") as client:
+        print(client.generate("def add(", max_tokens=32).text)
+        for delta in client.generate_stream("def add(", max_tokens=32):
+            print(delta.text_delta, end="", flush=True)
+
+Every call has a deadline (`timeout_s`). Results are plain dataclasses and dicts; gRPC errors
+are raised as `GatewayError(code, details)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Iterator, Sequence
+
+import grpc
+
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
+                 grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS}
+
+
+class GatewayError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+@dataclass(frozen=True)
+class Stats:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    llm_steps: int = 0
+    tokens_per_step: float = 0.0
+    mean_accepted: float = 0.0
+    mean_tree_nodes: float = 0.0
+    acceptance_rate: float = 0.0
+    latency_s: float = 0.0
+    fell_back: bool = False
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Delta:
+    request_id: str
+    text_delta: str
+    token_ids: tuple[int, ...]
+    token_offset: int
+    finish_reason: str = ""  # set on the last delta
+    stats: Stats | None = None  # set on the last delta
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    status: str  # running, interrupted, finished, cancelled, failed
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    stats: Stats
+    session_id: str
+    error: str
+
+
+def _stats(msg: pb.GenerationStats) -> Stats:
+    return Stats(**{f: getattr(msg, f) for f in Stats.__dataclass_fields__})
+
+
+def _delta(msg: pb.GenerateStreamResponse) -> Delta:
+    return Delta(msg.request_id, msg.text_delta, tuple(msg.token_ids), msg.token_offset, msg.finish_reason,
+                 _stats(msg.stats) if msg.HasField("stats") else None)
+
+
+def _call(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except grpc.RpcError as exc:
+        raise GatewayError(exc.code(), exc.details() or "") from None
+
+
+def _stream(call) -> Iterator[Delta]:
+    try:
+        for msg in call:
+            yield _delta(msg)
+    except grpc.RpcError as exc:
+        raise GatewayError(exc.code(), exc.details() or "") from None
+    finally:
+        call.cancel()  # a consumer that stops early disconnects (the request becomes resumable)
+
+
+class GatewayClient:
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = 300.0):
+        self.target = target
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.GatewayStub(self.channel)
+
+    def __enter__(self) -> "GatewayClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    @staticmethod
+    def _request(prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: int | None = None, stop: Sequence[str] = (), speculate: bool | None = None,
+                 tree_width: Sequence[int] | None = None, max_tree_nodes: int = 0, session_id: str = "",
+                 request_id: str = "", ignore_eos: bool = False) -> pb.GenerateRequest:
+        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+        if seed is not None:
+            sampling.seed = seed
+        req = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=list(stop),
+                                 shape=pb.TreeShape(widths=list(tree_width or ()), max_nodes=max_tree_nodes),
+                                 session_id=session_id, request_id=request_id, ignore_eos=ignore_eos)
+        if speculate is not None:
+            req.speculate = speculate
+        return req
+
+    def generate(self, prompt: str, *, timeout_s: float | None = None, **params) -> Completion:
+        """Generates and returns the whole result. `params`: see `_request`."""
+        msg = _call(self.stub.Generate, self._request(prompt, **params), timeout=timeout_s or self.timeout_s)
+        return Completion(msg.request_id, msg.text, tuple(msg.token_ids), msg.finish_reason, _stats(msg.stats))
+
+    def generate_stream(self, prompt: str, *, timeout_s: float | None = None, **params) -> Iterator[Delta]:
+        """Yields deltas; the first one (no tokens) carries the request id for `resume`."""
+        return _stream(self.stub.GenerateStream(self._request(prompt, **params), timeout=timeout_s or self.timeout_s))
+
+    def resume(self, request_id: str, token_offset: int = 0, *, timeout_s: float | None = None) -> Iterator[Delta]:
+        """Re-attaches to a request, streaming from `token_offset` (the tokens already held)."""
+        req = pb.ResumeStreamRequest(request_id=request_id, token_offset=token_offset)
+        return _stream(self.stub.ResumeStream(req, timeout=timeout_s or self.timeout_s))
+
+    def cancel(self, request_id: str) -> bool:
+        return _call(self.stub.CancelRequest, pb.CancelRequestRequest(request_id=request_id),
+                     timeout=self.timeout_s).cancelled
+
+    def get_request(self, request_id: str) -> RequestInfo:
+        m = _call(self.stub.GetRequest, pb.GetRequestRequest(request_id=request_id), timeout=self.timeout_s)
+        return RequestInfo(m.request_id, m.status, m.text, tuple(m.token_ids), m.finish_reason, _stats(m.stats),
+                           m.session_id, m.error)
+
+    def create_session(self, prefix: str = "") -> str:
+        return _call(self.stub.CreateSession, pb.CreateSessionRequest(prefix=prefix), timeout=self.timeout_s).session_id
+
+    def delete_session(self, session_id: str) -> bool:
+        return _call(self.stub.DeleteSession, pb.DeleteSessionRequest(session_id=session_id),
+                     timeout=self.timeout_s).deleted
+
+    def info(self) -> dict:
+        m = _call(self.stub.Info, pb.InfoRequest(), timeout=self.timeout_s)
+        return {"model": m.model, "ssm_names": list(m.ssm_names), "max_prompt_tokens": m.max_prompt_tokens,
+                "max_tokens": m.max_tokens, "max_concurrent_requests": m.max_concurrent_requests,
+                "max_stop_sequences": m.max_stop_sequences,
+                "default_shape": {"widths": list(m.default_shape.widths), "max_nodes": m.default_shape.max_nodes}}
+
+
+# -- CLI glue: `specinfer client generate|info|get|cancel` ----------------------------------
+def _tree_width(text: str) -> tuple[int, ...]:
+    from specinfer.tree import parse_tree_width
+
+    try:
+        return parse_tree_width(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_client_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `client` command (with generate, info, get and cancel) to a CLI's subparsers."""
+    c = subparsers.add_parser("client", help="call a running gateway")
+    sub = c.add_subparsers(dest="client_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--target", help=f"gateway host:port (env SPECINFER_GATEWAY_TARGET, default {DEFAULT_TARGET})")
+        p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default 300)")
+
+    g = sub.add_parser("generate", help="generate from a prompt; prints JSON (JSON lines with --stream)")
+    common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the gateway's)")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", nargs="+", default=[], help="stop sequences")
+    g.add_argument("--no-speculate", action="store_true", help="plain incremental decoding")
+    g.add_argument("--tree-width", type=_tree_width, help="children per level, e.g. 1,1,3")
+    g.add_argument("--session", default="", help="session id to continue")
+    g.add_argument("--request-id", default="")
+    g.add_argument("--stream", action="store_true", help="print one JSON line per delta")
+    common(sub.add_parser("info", help="the gateway's model, limits and tree configuration"))
+    for name in ("get", "cancel"):
+        p = sub.add_parser(name, help=f"{name} a request by id")
+        common(p)
+        p.add_argument("request_id")
+    return c
+
+
+def _print(obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def run_client(args: argparse.Namespace) -> int:
+    """Runs a `client` subcommand; gRPC errors print one line and return 2 (caller's fault) or 1."""
+    target = args.target or os.environ.get("SPECINFER_GATEWAY_TARGET") or DEFAULT_TARGET
+    try:
+        with GatewayClient(target, timeout_s=args.timeout) as client:
+            if args.client_command == "info":
+                _print(client.info())
+            elif args.client_command == "get":
+                _print(asdict(client.get_request(args.request_id)))
+            elif args.client_command == "cancel":
+                _print({"request_id": args.request_id, "cancelled": client.cancel(args.request_id)})
+            else:
+                params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, stop=args.stop, tree_width=args.tree_width,
+                              speculate=False if args.no_speculate else None, session_id=args.session,
+                              request_id=args.request_id)
+                if args.stream:
+                    for delta in client.generate_stream(args.prompt, **params):
+                        _print(asdict(delta))
+                else:
+                    _print(asdict(client.generate(args.prompt, **params)))
+    except GatewayError as exc:
+        print(f"specinfer: error: {exc.code.name}: {exc.details}", file=sys.stderr)
+        return 2 if exc.code in CALLER_ERRORS else 1
+    return 0

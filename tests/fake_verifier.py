@@ -1,0 +1,125 @@
+"""A fake Verifier gRPC service for gateway tests: deterministic tokens, recorded calls.
+
+Each step emits `tokens_per_step` tokens after `delay_s`; the next token is `successor(prev)`,
+a function of the previous token only, so a continuation from (prompt + tokens so far) yields
+exactly the tokens an uninterrupted call would have (like greedy decoding). Every call records
+what the gateway sent (prompt ids, limits, deadline, trace metadata) and when and how it ended.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specinfer.serving.grpc_server import RunningServer, ServerConfig, start_server
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+
+def cycle_successor(script: list[int]) -> Callable[[int], int]:
+    """next(t) = the token after t in `script` (cyclically); script[0] after any other token."""
+    index = {t: i for i, t in enumerate(script)}
+    assert len(index) == len(script), "script tokens must be distinct"
+    return lambda t: script[(index[t] + 1) % len(script)] if t in index else script[0]
+
+
+def expected_tokens(successor: Callable[[int], int], last_prompt_token: int, n: int) -> list[int]:
+    out, prev = [], last_prompt_token
+    for _ in range(n):
+        prev = successor(prev)
+        out.append(prev)
+    return out
+
+
+@dataclass
+class FakeCall:
+    request: pb.VerifierGenerateRequest
+    time_remaining: float | None
+    metadata: dict
+    started_at: float = field(default_factory=time.monotonic)
+    ended_at: float | None = None
+    is_finished: bool = False  # emitted everything it was asked for
+    num_sent: int = 0
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.ended_at is not None and not self.is_finished
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.ended_at is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return self.ended_at is not None
+
+
+class FakeVerifier(pb_grpc.VerifierServicer):
+    def __init__(self, successor: Callable[[int], int], *, tokens_per_step: int = 2, delay_s: float = 0.01,
+                 vocab_size: int = 512, model: str = "fake-llm", max_context: int = 4096):
+        self.successor = successor
+        self.tokens_per_step = tokens_per_step
+        self.delay_s = delay_s
+        self.vocab_size = vocab_size
+        self.model = model
+        self.max_context = max_context
+        self.calls: list[FakeCall] = []
+        self.released: list[str] = []
+        self._lock = threading.Lock()
+
+    def reset(self, *, delay_s: float = 0.01, tokens_per_step: int = 2) -> None:
+        with self._lock:
+            self.calls.clear()
+            self.released.clear()
+        self.delay_s, self.tokens_per_step = delay_s, tokens_per_step
+
+    def wait_for_calls(self, n: int, timeout_s: float = 2.0) -> list[FakeCall]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.calls) < n and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return list(self.calls)
+
+    def Generate(self, request, context):
+        remaining = context.time_remaining()
+        call = FakeCall(request, remaining, dict(context.invocation_metadata() or ()))
+        with self._lock:
+            self.calls.append(call)
+
+        def ended():
+            call.ended_at = time.monotonic()
+
+        context.add_callback(ended)
+        prev, n, steps = request.prompt_ids[-1], 0, 0
+        while n < request.max_new_tokens:
+            time.sleep(self.delay_s)
+            if not context.is_active():
+                return
+            ids = []
+            for _ in range(min(self.tokens_per_step, request.max_new_tokens - n)):
+                prev = self.successor(prev)
+                ids.append(prev)
+            n, steps = n + len(ids), steps + 1
+            if n < request.max_new_tokens:
+                call.num_sent = n
+                yield pb.VerifierGenerateResponse(token_ids=ids)
+                continue
+            call.num_sent, call.is_finished = n, True
+            stats = pb.GenerationStats(prompt_tokens=len(request.prompt_ids), output_tokens=n, llm_steps=steps,
+                                       tokens_per_step=n / steps, mean_accepted=n / steps - 1,
+                                       mean_tree_nodes=4.0, acceptance_rate=(n / steps - 1) / 3)
+            yield pb.VerifierGenerateResponse(token_ids=ids, finish_reason="length", stats=stats)
+
+    def ReleaseSession(self, request, context):
+        self.released.append(request.session_id)
+        return pb.ReleaseSessionResponse(released=True)
+
+    def Info(self, request, context):
+        return pb.VerifierInfo(model=self.model, vocab_size=self.vocab_size, max_context=self.max_context,
+                               default_shape=pb.TreeShape(widths=[1, 1, 3, 1], max_nodes=64), num_speculators=2,
+                               kv_capacity_tokens=65536)
+
+
+def start_fake_verifier(fake: FakeVerifier, port: int = 0) -> RunningServer:
+    return start_server(ServerConfig(port=port, max_workers=32, grace_s=0.0),
+                        [lambda server: pb_grpc.add_VerifierServicer_to_server(fake, server)],
+                        ["specinfer.v1.Verifier"])

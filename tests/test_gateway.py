@@ -1,0 +1,657 @@
+"""The public gateway, end to end over real gRPC on localhost, against a fake Verifier.
+
+Covers generation (unary and streamed), the validation matrix, NOT_FOUND and RESOURCE_EXHAUSTED,
+stop sequences, sessions, cancellation (client-side and CancelRequest) freeing the verifier call
+within 1 s, resuming with no duplicate or missing tokens, a verifier outage, a Redis outage and
+a real Redis round trip, deadlines, health, reflection, tracing, metrics, and the client library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from dataclasses import replace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from fake_verifier import FakeVerifier, cycle_successor, expected_tokens, start_fake_verifier
+from services.gateway.config import GatewayConfig, GatewayLimits, config_from_args
+from services.gateway.server import serve
+from services.gateway.stops import TextState, held_back_len
+from services.gateway.store import MemoryStore, RedisStore
+from specinfer.client import GatewayClient, GatewayError, add_client_parser, run_client
+from specinfer.serving.metrics import new_registry
+from specinfer.serving.tracing import outgoing_metadata, setup_tracing
+from specinfer.tokenizer import TextTokenizer
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from util import add_tokenizer
+
+VOCAB = 400
+CORPUS = ["the quick brown fox jumps over the lazy dog. ", "hello world, hello gateway. ",
+          "stop here and go on. ", "caf\u00e9 na\u00efve r\u00e9sum\u00e9. "] * 30
+SCRIPT_TEXT = " quick brown fox jumps over lazy dog."
+LIMITS = GatewayLimits(max_prompt_tokens=64, max_tokens=256, default_max_tokens=16, max_concurrent_requests=8,
+                       max_stop_sequences=4, max_tree_depth=8)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gateway_tok")
+    add_tokenizer(d, VOCAB, CORPUS)
+    return d
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tok_dir) -> TextTokenizer:
+    return TextTokenizer.from_dir(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def script(tokenizer) -> list[int]:
+    """Distinct token ids cycling through a readable text, plus 'é' split into two byte tokens."""
+    ids = list(dict.fromkeys(tokenizer.encode(SCRIPT_TEXT)))
+    byte_ids = [tokenizer.tok.token_to_id("\u00c3"), tokenizer.tok.token_to_id("\u00a9")]  # UTF-8 of 'é'
+    assert None not in byte_ids and not set(byte_ids) & set(ids)
+    return ids + byte_ids
+
+
+@pytest.fixture(scope="module")
+def fake_server(script):
+    fake = FakeVerifier(cycle_successor(script), max_context=240)
+    server = start_fake_verifier(fake)
+    yield fake, server
+    server.stop(0)
+
+
+@pytest.fixture
+def fake(fake_server) -> FakeVerifier:
+    fake_server[0].reset()
+    return fake_server[0]
+
+
+def gateway_config(verifier_port: int, **overrides) -> GatewayConfig:
+    return GatewayConfig(**{"port": 0, "verifier_addr": f"127.0.0.1:{verifier_port}", "limits": LIMITS,
+                            "grace_s": 0.5, **overrides})
+
+
+@pytest.fixture(scope="module")
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture(scope="module")
+def gateway(fake_server, tok_dir, tokenizer, exporter):
+    registry = new_registry()
+    tracer = setup_tracing("specinfer-gateway", None, exporter=exporter)
+    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir), tracer, registry, tokenizer=tokenizer)
+    gw.registry = registry
+    yield gw
+    gw.stop(0)
+
+
+@pytest.fixture(scope="module")
+def channel(gateway):
+    ch = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
+    yield ch
+    ch.close()
+
+
+@pytest.fixture
+def stub(channel) -> pb_grpc.GatewayStub:
+    return pb_grpc.GatewayStub(channel)
+
+
+def gen_request(prompt: str = "hello", **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt=prompt, **kw)
+
+
+def status_of(fn) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value
+
+
+def collect(stream) -> tuple[list[int], str, list[pb.GenerateStreamResponse]]:
+    msgs = list(stream)
+    ids = [t for m in msgs for t in m.token_ids]
+    return ids, "".join(m.text_delta for m in msgs), msgs
+
+
+def wait_status(stub, request_id: str, status: str, timeout_s: float = 2.0) -> pb.RequestState:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=5)
+        if state.status == status or time.monotonic() > deadline:
+            return state
+        time.sleep(0.01)
+
+
+# -- generation ------------------------------------------------------------------------------
+def test_generate_unary(stub, fake, tokenizer, script):
+    resp = stub.Generate(gen_request("hello", max_tokens=10), timeout=10)
+    prompt_ids = tokenizer.encode("hello")
+    want = expected_tokens(cycle_successor(script), prompt_ids[-1], 10)
+    assert list(resp.token_ids) == want
+    assert resp.text == tokenizer.decode(want)
+    assert resp.finish_reason == "length" and resp.request_id
+    assert resp.stats.output_tokens == 10 and resp.stats.prompt_tokens == len(prompt_ids)
+    assert resp.stats.tokens_per_step == pytest.approx(2.0) and resp.stats.llm_steps == 5
+    assert resp.stats.latency_s > 0
+    (call,) = fake.calls
+    assert list(call.request.prompt_ids) == prompt_ids and call.request.max_new_tokens == 10
+    assert call.request.speculate and call.request.request_id == resp.request_id
+    assert call.request.sampling.HasField("seed")
+
+
+def test_default_max_tokens_and_params_pass_through(stub, fake):
+    resp = stub.Generate(gen_request(
+        "hi", sampling=pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=42), speculate=False,
+        shape=pb.TreeShape(widths=[1, 2], max_nodes=8), ignore_eos=True), timeout=10)
+    assert len(resp.token_ids) == LIMITS.default_max_tokens
+    req = fake.calls[0].request
+    assert not req.speculate and req.ignore_eos and list(req.shape.widths) == [1, 2] and req.shape.max_nodes == 8
+    assert req.sampling.temperature == pytest.approx(0.7) and req.sampling.top_p == pytest.approx(0.9)
+    assert req.sampling.top_k == 5 and req.sampling.seed == 42
+
+
+def test_generate_stream(stub, fake, tokenizer, script):
+    ids, text, msgs = collect(stub.GenerateStream(gen_request("hello", max_tokens=25), timeout=10))
+    want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 25)
+    assert ids == want and text == tokenizer.decode(want)
+    assert msgs[0].request_id and not msgs[0].token_ids  # the id comes first
+    assert all(m.request_id == msgs[0].request_id for m in msgs)
+    offset = 0
+    for m in msgs:
+        assert m.token_offset == offset
+        offset += len(m.token_ids)
+        assert "\ufffd" not in m.text_delta  # never a split UTF-8 character
+    assert msgs[-1].finish_reason == "length" and msgs[-1].stats.output_tokens == 25
+    assert "\u00e9" in text
+
+
+def test_retry_with_same_request_id_is_idempotent(stub, fake):
+    rid = f"idem-{uuid.uuid4().hex[:8]}"
+    first = stub.Generate(gen_request("hello", max_tokens=6, request_id=rid), timeout=10)
+    again = stub.Generate(gen_request("hello", max_tokens=6, request_id=rid), timeout=10)
+    assert list(again.token_ids) == list(first.token_ids) and again.text == first.text
+    assert len(fake.calls) == 1
+    err = status_of(lambda: stub.Generate(gen_request("other", request_id=rid), timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
+
+
+# -- validation ------------------------------------------------------------------------------
+INVALID = [
+    ("empty prompt", dict(prompt=""), "prompt"),
+    ("prompt too long", dict(prompt="hello world " * 200), "prompt"),
+    ("negative max_tokens", dict(max_tokens=-1), "max_tokens"),
+    ("zero max_tokens", dict(max_tokens=0), "max_tokens"),
+    ("over the model's context", dict(max_tokens=LIMITS.max_tokens), "max_tokens"),
+    ("max_tokens over limit", dict(max_tokens=LIMITS.max_tokens + 1), "max_tokens"),
+    ("negative temperature", dict(sampling=pb.SamplingParams(temperature=-0.5)), "temperature"),
+    ("NaN temperature", dict(sampling=pb.SamplingParams(temperature=math.nan)), "temperature"),
+    ("top_p above 1", dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+    ("negative top_p", dict(sampling=pb.SamplingParams(top_p=-0.1)), "top_p"),
+    ("negative top_k", dict(sampling=pb.SamplingParams(top_k=-1)), "top_k"),
+    ("too many stops", dict(stop=["a", "b", "c", "d", "e"]), "stop"),
+    ("empty stop", dict(stop=["ok", ""]), "stop"),
+    ("zero tree width", dict(shape=pb.TreeShape(widths=[1, 0, 2])), "shape.widths"),
+    ("tree too deep", dict(shape=pb.TreeShape(widths=[1] * 9)), "shape.widths"),
+    ("bad request id", dict(request_id="no spaces!"), "request_id"),
+]
+
+
+@pytest.mark.parametrize("fields,name", [(f, n) for _, f, n in INVALID], ids=[c for c, _, _ in INVALID])
+def test_invalid_argument(stub, fake, fields, name):
+    request = pb.GenerateRequest(**{"prompt": "hello", **fields})
+    for call in (lambda: stub.Generate(request, timeout=5), lambda: list(stub.GenerateStream(request, timeout=5))):
+        err = status_of(call)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert name in err.details()
+    assert fake.calls == []  # nothing went downstream
+
+
+def test_not_found(stub, fake):
+    err = status_of(lambda: stub.Generate(gen_request(session_id="nope"), timeout=5))
+    assert err.code() == grpc.StatusCode.NOT_FOUND and "session_id" in err.details()
+    for call in (lambda: stub.GetRequest(pb.GetRequestRequest(request_id="nope"), timeout=5),
+                 lambda: stub.CancelRequest(pb.CancelRequestRequest(request_id="nope"), timeout=5),
+                 lambda: list(stub.ResumeStream(pb.ResumeStreamRequest(request_id="nope"), timeout=5))):
+        err = status_of(call)
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "request_id" in err.details()
+    assert fake.calls == []
+
+
+def test_resource_exhausted_over_the_limit(fake_server, tok_dir, tokenizer):
+    fake, server = fake_server
+    fake.reset(delay_s=0.05)
+    gw = serve(gateway_config(server.port, model_dir=tok_dir, limits=replace(LIMITS, max_concurrent_requests=1)),
+               trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            s = pb_grpc.GatewayStub(ch)
+            first = s.GenerateStream(gen_request(max_tokens=200), timeout=10)
+            next(first)
+            t0 = time.monotonic()
+            err = status_of(lambda: s.Generate(gen_request(max_tokens=5), timeout=5))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 0.5
+            first.cancel()
+            fake.calls[0].wait_ended(1.0)
+            time.sleep(0.1)  # the worker leaves the registry after storing its final state
+            assert len(s.Generate(gen_request(max_tokens=3), timeout=5).token_ids) == 3
+    finally:
+        gw.stop(0)
+
+
+# -- stop sequences --------------------------------------------------------------------------
+def test_stop_sequence_truncates_and_cancels_verifier(stub, fake, tokenizer, script):
+    want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 200)
+    full = tokenizer.decode(want)
+    stop = " over"
+    assert stop in full
+    resp = stub.Generate(gen_request("hello", max_tokens=200, stop=[stop, "zzz"]), timeout=10)
+    assert resp.finish_reason == "stop" and resp.text == full[: full.find(stop)]
+    assert stop in tokenizer.decode(list(resp.token_ids))  # tokens run up to the one completing the stop
+    call = fake.calls[0]
+    assert call.wait_ended(1.0) and call.is_cancelled and call.num_sent < 200
+
+    ids, text, msgs = collect(stub.GenerateStream(gen_request("hello", max_tokens=200, stop=[stop]), timeout=10))
+    assert text == resp.text and ids == list(resp.token_ids) and msgs[-1].finish_reason == "stop"
+    assert not any(stop.strip() in m.text_delta for m in msgs)
+
+
+def test_text_state_holds_back_stop_prefixes(tokenizer):
+    assert held_back_len("abc ov", (" over",)) == 3 and held_back_len("abc", (" over",)) == 0
+    ids = tokenizer.encode(" the lazy dog. hello")
+    state = TextState(tokenizer, (" dog",))
+    texts = []
+    for t in ids:
+        is_stop = state.push(t)
+        texts.append(state.visible)
+        if is_stop:
+            break
+    assert state.is_stopped and state.final_text() == " the lazy"
+    assert all(" dog" not in t for t in texts)
+    assert TextState.replay(tokenizer, (" dog",), ids).final_text() == " the lazy"
+
+
+# -- sessions --------------------------------------------------------------------------------
+def test_sessions_reuse_history(stub, fake, tokenizer):
+    sid = stub.CreateSession(pb.CreateSessionRequest(prefix="System: be brief."), timeout=5).session_id
+    r1 = stub.Generate(gen_request("hello", max_tokens=4, session_id=sid), timeout=10)
+    r2 = stub.Generate(gen_request(" go on", max_tokens=3, session_id=sid), timeout=10)
+    c1, c2 = fake.calls
+    prefix_ids = tokenizer.encode("System: be brief.")
+    assert list(c1.request.prompt_ids) == prefix_ids + tokenizer.encode("hello")
+    assert list(c2.request.prompt_ids) == list(c1.request.prompt_ids) + list(r1.token_ids) + tokenizer.encode(" go on")
+    assert c1.request.session_id == sid and c2.request.session_id == sid
+    assert r2.stats.prompt_tokens == len(c2.request.prompt_ids)
+
+    assert stub.DeleteSession(pb.DeleteSessionRequest(session_id=sid), timeout=5).deleted
+    assert fake.released == [sid]
+    err = status_of(lambda: stub.Generate(gen_request(session_id=sid), timeout=5))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert not stub.DeleteSession(pb.DeleteSessionRequest(session_id=sid), timeout=5).deleted
+
+
+# -- cancellation and resume -----------------------------------------------------------------
+def test_cancel_request_stops_the_verifier_call(stub, fake):
+    fake.reset(delay_s=0.05)
+    stream = stub.GenerateStream(gen_request(max_tokens=200), timeout=10)
+    rid = next(stream).request_id
+    next(stream)
+    t0 = time.monotonic()
+    assert stub.CancelRequest(pb.CancelRequestRequest(request_id=rid), timeout=5).cancelled
+    call = fake.calls[0]
+    assert call.wait_ended(1.0) and call.ended_at - t0 < 1.0 and call.is_cancelled
+    rest = list(stream)
+    assert rest[-1].finish_reason == "cancelled"
+    assert stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "cancelled"
+    assert not stub.CancelRequest(pb.CancelRequestRequest(request_id=rid), timeout=5).cancelled
+    resumed = list(stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=5))
+    assert resumed[-1].finish_reason == "cancelled" and len(fake.calls) == 1  # not resumable
+
+
+def test_client_disconnect_interrupts_and_resume_continues(stub, fake, tokenizer, script):
+    fake.reset(delay_s=0.03)
+    rid = f"resume-{uuid.uuid4().hex[:8]}"
+    stream = stub.GenerateStream(gen_request("hello", max_tokens=40, request_id=rid), timeout=10)
+    got_ids, got_text = [], ""
+    for msg in stream:
+        got_ids += list(msg.token_ids)
+        got_text += msg.text_delta
+        if len(got_ids) >= 6:
+            break
+    t0 = time.monotonic()
+    stream.cancel()
+    call = fake.calls[0]
+    assert call.wait_ended(1.0) and call.ended_at - t0 < 1.0 and call.is_cancelled
+    state = wait_status(stub, rid, "interrupted")
+    assert state.status == "interrupted" and len(state.token_ids) >= len(got_ids)
+
+    ids, text, msgs = collect(stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid, token_offset=len(got_ids)),
+                                                timeout=10))
+    want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 40)
+    assert got_ids + ids == want  # no duplicates, none missing
+    assert got_text + text == tokenizer.decode(want)
+    assert msgs[0].token_offset == len(got_ids) and msgs[-1].finish_reason == "length"
+    cont = fake.calls[1].request
+    assert list(cont.prompt_ids) == tokenizer.encode("hello") + list(state.token_ids)
+    assert cont.max_new_tokens == 40 - len(state.token_ids)
+    final = stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5)
+    assert final.status == "finished" and list(final.token_ids) == want and final.stats.output_tokens == 40
+    replay_ids, replay_text, _ = collect(stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=5))
+    assert replay_ids == want and replay_text == final.text and len(fake.calls) == 2
+
+
+def test_resume_attaches_to_a_live_request(stub, fake):
+    fake.reset(delay_s=0.03)
+    stream = stub.GenerateStream(gen_request(max_tokens=30), timeout=10)
+    rid = next(stream).request_id
+    ids, _, _ = collect(stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid, token_offset=0), timeout=10))
+    first_ids, _, _ = collect(stream)
+    assert ids == first_ids and len(ids) == 30 and len(fake.calls) == 1
+
+
+def test_disconnect_right_after_the_request_id_stops_the_verifier(stub, fake):
+    fake.reset(delay_s=0.05)
+    stream = stub.GenerateStream(gen_request(max_tokens=200), timeout=10)
+    rid = next(stream).request_id
+    (call,) = fake.wait_for_calls(1)
+    stream.cancel()
+    assert call.wait_ended(1.0) and call.is_cancelled
+    assert wait_status(stub, rid, "interrupted").status == "interrupted"
+
+
+def test_gateways_sharing_a_store_follow_and_take_over(fake, fake_server, tok_dir, tokenizer, script):
+    """A second gateway follows a request running on the first, then continues it once the first
+    shuts down (a restart), and takes over an orphan whose gateway died without a word."""
+    fake.reset(delay_s=0.04)
+    store = MemoryStore()
+    cfg = gateway_config(fake_server[1].port, model_dir=tok_dir)
+    gw_a = serve(cfg, trace.NoOpTracer(), new_registry(), store=store, tokenizer=tokenizer)
+    gw_b = serve(replace(cfg, gateway_id="b"), trace.NoOpTracer(), new_registry(), store=store, tokenizer=tokenizer)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw_a.port}") as ch_a, \
+                grpc.insecure_channel(f"127.0.0.1:{gw_b.port}") as ch_b:
+            a, b = pb_grpc.GatewayStub(ch_a), pb_grpc.GatewayStub(ch_b)
+            want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 30)
+            stream = a.GenerateStream(gen_request("hello", max_tokens=30), timeout=10)
+            rid = next(stream).request_id
+            followed, _, _ = collect(b.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=10))
+            assert followed == want == collect(stream)[0] and len(fake.calls) == 1
+
+            fake.reset(delay_s=0.04)
+            stream = a.GenerateStream(gen_request("hello", max_tokens=30), timeout=10)
+            rid = next(stream).request_id
+            next(stream)
+            gw_a.stop(0.0)  # a restart: in-flight requests become interrupted
+            assert store.get_request(rid).status == "interrupted"
+            ids, _, _ = collect(b.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=10))
+            assert ids == want and len(fake.calls) == 2
+
+            rec = store.get_request(rid)
+            orphan = replace(rec, request_id="orphan", status="running", owner="dead", generated_ids=tuple(want[:7]),
+                             updated_at=time.time() - 3600, text="")
+            assert store.create_request(orphan)
+            ids, _, _ = collect(b.ResumeStream(pb.ResumeStreamRequest(request_id="orphan", token_offset=7),
+                                               timeout=10))
+            assert ids == want[7:]
+    finally:
+        gw_a.stop(0)
+        gw_b.stop(0)
+
+
+# -- deadlines -------------------------------------------------------------------------------
+def test_deadline_exceeded_and_propagated(stub, fake):
+    fake.reset(delay_s=0.1)
+    t0 = time.monotonic()
+    err = status_of(lambda: stub.Generate(gen_request(max_tokens=100), timeout=0.4))
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1.0
+    call = fake.calls[0]
+    assert call.time_remaining is not None and call.time_remaining <= 0.4
+    assert call.wait_ended(1.0) and call.is_cancelled
+
+
+def test_default_deadline_when_client_sets_none(stub, fake):
+    stub.Generate(gen_request(max_tokens=2))
+    assert 250 < fake.calls[0].time_remaining <= 300
+
+
+# -- failures --------------------------------------------------------------------------------
+def test_verifier_down_then_resumable(tok_dir, tokenizer, script):
+    port = free_port()
+    gw = serve(gateway_config(port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
+    fake = FakeVerifier(cycle_successor(script))
+    verifier = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            s = pb_grpc.GatewayStub(ch)
+            rid = f"down-{uuid.uuid4().hex[:8]}"
+            t0 = time.monotonic()
+            err = status_of(lambda: list(s.GenerateStream(gen_request("hello", max_tokens=12, request_id=rid),
+                                                          timeout=30)))
+            assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+            assert s.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "interrupted"
+
+            verifier = start_fake_verifier(fake, port)
+            deadline, ids = time.monotonic() + 5, None
+            while ids is None:
+                try:
+                    ids, _, _ = collect(s.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=10))
+                except grpc.RpcError as exc:  # the channel may still be in its (<= 1 s) reconnect backoff
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
+                    time.sleep(0.2)
+            assert ids == expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 12)
+            assert s.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "finished"
+    finally:
+        gw.stop(0)
+        if verifier:
+            verifier.stop(0)
+
+
+def _start_redis(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def test_redis_down_fails_fast_then_recovers(fake, tok_dir, tokenizer, fake_server):
+    port = free_port()
+    store = RedisStore(f"redis://127.0.0.1:{port}/0", key_prefix=f"t-{uuid.uuid4().hex[:6]}:")
+    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(),
+               store=store, tokenizer=tokenizer)
+    proc = None
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            s = pb_grpc.GatewayStub(ch)
+            for call in (lambda: s.Generate(gen_request(max_tokens=3), timeout=10),
+                         lambda: s.CreateSession(pb.CreateSessionRequest(), timeout=10)):
+                t0 = time.monotonic()
+                err = status_of(call)
+                assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+            assert fake.calls == []
+            if shutil.which("redis-server") is None:
+                pytest.skip("no redis-server binary to test recovery")
+            proc = _start_redis(port)
+            resp = s.Generate(gen_request(max_tokens=3), timeout=10)  # same gateway, no restart
+            assert s.GetRequest(pb.GetRequestRequest(request_id=resp.request_id), timeout=5).status == "finished"
+    finally:
+        gw.stop(0)
+        if proc:
+            proc.kill()
+            proc.wait()
+
+
+def _redis_reachable() -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", 6379), timeout=0.3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _redis_reachable(), reason="no Redis on 127.0.0.1:6379")
+def test_real_redis_round_trip(fake, tok_dir, tokenizer, fake_server):
+    prefix = f"specinfer-test-{uuid.uuid4().hex[:8]}:"
+    store = RedisStore("redis://127.0.0.1:6379/0", request_ttl_s=120, session_ttl_s=120, key_prefix=prefix)
+    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(),
+               store=store, tokenizer=tokenizer)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            s = pb_grpc.GatewayStub(ch)
+            sid = s.CreateSession(pb.CreateSessionRequest(prefix="hi"), timeout=5).session_id
+            resp = s.Generate(gen_request("hello", max_tokens=7, stop=["\u00e9"], session_id=sid), timeout=10)
+            state = s.GetRequest(pb.GetRequestRequest(request_id=resp.request_id), timeout=5)
+            assert state.status == "finished" and state.text == resp.text and state.session_id == sid
+            assert list(state.token_ids) == list(resp.token_ids) and state.finish_reason == resp.finish_reason
+            assert state.stats.output_tokens == len(resp.token_ids)
+            assert 0 < store.r.ttl(f"{prefix}req:{resp.request_id}") <= 120
+            assert 0 < store.r.ttl(f"{prefix}session:{sid}") <= 120
+            assert len(store.get_session(sid).history_ids) > len(fake.calls[0].request.prompt_ids)
+    finally:
+        gw.stop(0)
+        for key in store.r.scan_iter(f"{prefix}*"):
+            store.r.delete(key)
+
+
+def test_memory_store_expires():
+    store = MemoryStore(request_ttl_s=1, session_ttl_s=1)
+    from services.gateway.store import SessionRecord
+
+    store.put_session(SessionRecord("s", (1, 2), "x"))
+    assert store.get_session("s").history_ids == (1, 2)
+    store._data["specinfer:session:s"] = (store._data["specinfer:session:s"][0], time.monotonic() - 1)
+    assert store.get_session("s") is None
+
+
+# -- health, reflection, info, tracing, metrics ----------------------------------------------
+def test_health_and_reflection(channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    resp = health.Check(health_pb2.HealthCheckRequest(service="specinfer.v1.Gateway"), timeout=5)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    (answer,) = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                               timeout=5))
+    assert "specinfer.v1.Gateway" in [s.name for s in answer.list_services_response.service]
+
+
+def test_info(stub, fake):
+    info = stub.Info(pb.InfoRequest(), timeout=5)
+    assert info.model == "fake-llm" and list(info.default_shape.widths) == [1, 1, 3, 1]
+    assert info.max_tokens == LIMITS.max_tokens and info.max_prompt_tokens == LIMITS.max_prompt_tokens
+    assert info.max_concurrent_requests == LIMITS.max_concurrent_requests
+    assert info.max_stop_sequences == LIMITS.max_stop_sequences
+
+
+def test_trace_context_reaches_the_verifier(stub, fake, exporter):
+    exporter.clear()
+    client_tracer = TracerProvider().get_tracer("test-client")
+    with client_tracer.start_as_current_span("client") as span:
+        trace_id = format(span.get_span_context().trace_id, "032x")
+        resp = stub.Generate(gen_request(max_tokens=4), timeout=10, metadata=outgoing_metadata())
+    (gw_span,) = [s for s in exporter.get_finished_spans() if s.name == "gateway.generate"]
+    assert format(gw_span.context.trace_id, "032x") == trace_id and gw_span.kind == trace.SpanKind.SERVER
+    assert gw_span.attributes["request_id"] == resp.request_id and gw_span.attributes["output_tokens"] == 4
+    assert gw_span.attributes["finish_reason"] == "length" and gw_span.attributes["prompt_tokens"] > 0
+    assert trace_id in fake.calls[0].metadata["traceparent"]
+
+
+def test_metrics(stub, fake, gateway):
+    stub.Generate(gen_request(max_tokens=3), timeout=10)
+    reg = gateway.registry
+    assert reg.get_sample_value("specinfer_gateway_requests_total", {"method": "Generate", "code": "OK"}) >= 1
+    assert reg.get_sample_value("specinfer_gateway_output_tokens_total") >= 3
+    assert reg.get_sample_value("specinfer_gateway_active_requests") == 0
+    assert reg.get_sample_value("specinfer_gateway_time_to_first_token_seconds_count") >= 1
+    assert reg.get_sample_value("specinfer_gateway_request_latency_seconds_count", {"method": "Generate"}) >= 1
+
+
+# -- config and the client library -----------------------------------------------------------
+def test_config_flags_and_env(tmp_path):
+    env = {"SPECINFER_GATEWAY_PORT": "6000", "SPECINFER_MODEL_DIR": str(tmp_path),
+           "SPECINFER_VERIFIER_ADDR": "dns:///verifier:50052", "SPECINFER_MAX_TOKENS": "64"}
+    cfg = config_from_args(["--port", "7000", "--max-concurrent-requests", "3"], env)
+    assert cfg.port == 7000 and cfg.verifier_addr == "dns:///verifier:50052" and cfg.redis_url is None
+    assert cfg.limits.max_tokens == 64 and cfg.limits.max_concurrent_requests == 3 and cfg.model_dir == tmp_path
+
+
+def test_client_library(gateway, fake):
+    with GatewayClient(f"127.0.0.1:{gateway.port}", timeout_s=10) as client:
+        done = client.generate("hello", max_tokens=5, stop=["zzz"])
+        assert len(done.token_ids) == 5 and done.finish_reason == "length" and done.stats.output_tokens == 5
+        deltas = list(client.generate_stream("hello", max_tokens=5, tree_width=(1, 2)))
+        assert "".join(d.text_delta for d in deltas) == done.text and deltas[-1].finish_reason == "length"
+        assert list(fake.calls[1].request.shape.widths) == [1, 2]
+        assert client.get_request(done.request_id).status == "finished"
+        assert [t for d in client.resume(done.request_id, 2) for t in d.token_ids] == list(done.token_ids[2:])
+        assert client.info()["model"] == "fake-llm"
+        sid = client.create_session("hi")
+        assert client.delete_session(sid)
+        assert not client.cancel(done.request_id)
+        with pytest.raises(GatewayError) as info:
+            client.generate("hello", temperature=-1)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in info.value.details
+
+
+def test_client_cli(gateway, fake, capsys):
+    parser = argparse.ArgumentParser()
+    add_client_parser(parser.add_subparsers(dest="command"))
+    target = f"127.0.0.1:{gateway.port}"
+    code = run_client(parser.parse_args(["client", "generate", "--target", target, "--prompt", "hello",
+                                         "--max-tokens", "4", "--no-speculate", "--tree-width", "1,1,3"]))
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["token_ids"]) == 4 and not fake.calls[0].request.speculate
+    code = run_client(parser.parse_args(["client", "generate", "--target", target, "--prompt", "hello",
+                                         "--max-tokens", "3", "--stream"]))
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and lines[-1]["finish_reason"] == "length"
+    code = run_client(parser.parse_args(["client", "info", "--target", target]))
+    assert code == 0 and json.loads(capsys.readouterr().out)["model"] == "fake-llm"
+    code = run_client(parser.parse_args(["client", "generate", "--target", target, "--prompt", "x",
+                                         "--top-p", "2"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("specinfer: error: INVALID_ARGUMENT: ") and "top_p" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_concurrent_streams_are_independent(stub, fake, tokenizer, script):
+    results = {}
+
+    def one(prompt: str):
+        results[prompt] = collect(stub.GenerateStream(gen_request(prompt, max_tokens=12), timeout=10))[0]
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in ("hello", "the dog", "caf\u00e9")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for prompt, ids in results.items():
+        assert ids == expected_tokens(cycle_successor(script), tokenizer.encode(prompt)[-1], 12)
