@@ -1,0 +1,113 @@
+"""The `specinfer` CLI contract: JSONL output, and one-line exit-code-2 errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from specinfer.cli import main
+from util import add_tokenizer, perturbed_copy, save_tiny_llama, set_config
+
+CORPUS = ["def add(a, b):\n    return a + b\n", "class Foo:\n    pass\n", "for i in range(10):\n    print(i)\n"] * 20
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def cli_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    llm = save_tiny_llama(root / "llm", vocab=VOCAB, hidden=32, layers=2, max_pos=128, seed=4, eos_token_id=None)
+    add_tokenizer(llm, VOCAB, CORPUS)
+    ssm = perturbed_copy(llm, root / "ssm", noise=0.05, seed=5)
+    other = save_tiny_llama(root / "other_vocab", vocab=VOCAB + 8, hidden=32, layers=1, max_pos=128, seed=6)
+    gpt2 = root / "gpt2"
+    shutil.copytree(llm, gpt2)
+    set_config(gpt2, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    return {"llm": llm, "ssm": ssm, "other": other, "gpt2": gpt2, "root": root}
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_writes_jsonl(cli_models, capsys):
+    m = cli_models
+    code, out, err = run_cli(["generate", "--llm", str(m["llm"]), "--ssm", str(m["ssm"]), "--prompt", "def add(",
+                              "--max-new-tokens", "12", "--tree-width", "2,1,1", "--device", "cpu"], capsys)
+    assert code == 0, err
+    (record,) = [json.loads(line) for line in out.splitlines()]
+    for key in ("prompt", "text", "output_token_ids", "num_llm_steps", "tokens_per_step", "latency_s"):
+        assert key in record
+    assert record["prompt"] == "def add(" and len(record["output_token_ids"]) == 12
+    assert record["tokens_per_step"] == pytest.approx(12 / record["num_llm_steps"], rel=1e-3)
+
+
+def test_generate_prompts_file_in_order_and_modes_agree(cli_models, capsys, tmp_path):
+    m = cli_models
+    prompts = tmp_path / "p.jsonl"
+    texts = ["class Foo", "for i in", "def add(a"]
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    outputs = {}
+    for mode in ("incremental", "sequence", "tree"):
+        dest = tmp_path / f"{mode}.jsonl"
+        code, _, err = run_cli(["generate", "--llm", str(m["llm"]), "--ssm", str(m["ssm"]), "--prompts", str(prompts),
+                                "--mode", mode, "--max-new-tokens", "10", "--output", str(dest)], capsys)
+        assert code == 0, err
+        records = [json.loads(line) for line in dest.read_text().splitlines()]
+        assert [r["prompt"] for r in records] == texts
+        outputs[mode] = [r["output_token_ids"] for r in records]
+    assert outputs["incremental"] == outputs["sequence"] == outputs["tree"]
+
+
+def test_sampling_flags_and_seed_reproducible(cli_models, capsys):
+    m = cli_models
+    argv = ["generate", "--llm", str(m["llm"]), "--ssm", str(m["ssm"]), "--prompt", "def", "--max-new-tokens", "10",
+            "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--seed", "7"]
+    first = run_cli(argv, capsys)
+    second = run_cli(argv, capsys)
+    assert first[0] == 0 and json.loads(first[1])["output_token_ids"] == json.loads(second[1])["output_token_ids"]
+
+
+BAD = {
+    "missing directory": (["--llm", "{root}/nope"], "not found"),
+    "unsupported architecture": (["--llm", "{gpt2}"], "unsupported architecture"),
+    "empty prompt": (["--llm", "{llm}", "--prompt", ""], "empty"),
+    "beyond context": (["--llm", "{llm}", "--max-new-tokens", "500"], "exceeds the model context"),
+    "malformed tree width": (["--llm", "{llm}", "--ssm", "{ssm}", "--tree-width", "1,x"], "tree width"),
+    "ssm vocabulary differs": (["--llm", "{llm}", "--ssm", "{other}"], "vocabulary"),
+    "bad max tokens": (["--llm", "{llm}", "--max-new-tokens", "0"], "max-new-tokens"),
+    "bad temperature": (["--llm", "{llm}", "--temperature", "-1"], "temperature"),
+    "tree mode without ssm": (["--llm", "{llm}", "--mode", "tree"], "needs at least one --ssm"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_one_line_exit_2(cli_models, capsys, case):
+    extra, fragment = BAD[case]
+    argv = ["generate"] + [a.format(**{k: str(v) for k, v in cli_models.items()}) for a in extra]
+    if "--prompt" not in argv:
+        argv += ["--prompt", "def f"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert "Traceback" not in err and out == ""
+
+
+def test_bad_prompts_file(cli_models, capsys, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\nnot json\n')
+    code, _, err = run_cli(["generate", "--llm", str(cli_models["llm"]), "--prompts", str(bad)], capsys)
+    assert code == 2 and "bad.jsonl:2" in err
+
+
+def test_real_entry_point_has_no_traceback(cli_models):
+    proc = subprocess.run([sys.executable, "-m", "specinfer.cli", "generate", "--llm", str(cli_models["root"] / "nope"),
+                           "--prompt", "x"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
