@@ -128,7 +128,10 @@ class SpeculatorWorker:
         return self.worker.call("step", session, feedback, max_depth, shape, timeout=timeout)
 
     def close(self, session: SpecSession) -> None:
-        self.worker.call("close", session)
+        try:
+            self.worker.call("close", session)
+        except UnavailableError:  # shutting down: the whole cache goes with the process
+            pass
 
     def _process(self, jobs: list[Job]) -> None:
         start = time.perf_counter()
@@ -197,7 +200,10 @@ class VerifierWorker:
     def close(self, session: VerifySession, history: list[int] | None) -> None:
         """Frees the request's KV, or keeps it as its session's cache when `history` is given
         (the tokens the session's conversation now holds)."""
-        self.worker.call("close", session, history)
+        try:
+            self.worker.call("close", session, history)
+        except UnavailableError:  # shutting down: the whole cache goes with the process
+            pass
 
     def release_session(self, session_id: str) -> bool:
         return self.worker.call("release_session", session_id)

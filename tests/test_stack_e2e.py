@@ -1,0 +1,189 @@
+"""The whole stack over real gRPC on localhost with a real Redis: gateway -> verifier -> speculator.
+
+Checks greedy exactness against the in-process engine, streaming, trace propagation across all
+three services in one trace, cancellation freeing every KV cache, a speculator dying mid-request,
+and resuming a stream after the client went away.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.gateway.config import GatewayConfig
+from services.gateway.server import serve as serve_gateway
+from services.speculator.config import SpeculatorConfig
+from services.speculator.server import build as build_speculator
+from services.verifier.config import VerifierConfig
+from services.verifier.server import build as build_verifier
+from specinfer.engine import Engine, SpecConfig
+from specinfer.runner import ModelRunner
+from specinfer.serving.metrics import new_registry
+from specinfer.serving.tracing import setup_tracing
+from specinfer.tokenizer import TextTokenizer
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from util import add_tokenizer, perturbed_copy, save_tiny_llama
+
+VOCAB = 320
+WIDTHS = (1, 2, 1, 1)
+CORPUS = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "for x in range(3):\n    print(x)\n"] * 30
+
+
+def redis_url() -> str:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        if s.connect_ex(("127.0.0.1", 6379)) != 0:
+            pytest.skip("no Redis on 127.0.0.1:6379 (.ci/run starts one)")
+    return "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stack")
+    llm = save_tiny_llama(root / "llm", vocab=VOCAB, hidden=48, layers=2, max_pos=512, seed=8, eos_token_id=None)
+    add_tokenizer(llm, VOCAB, CORPUS)
+    ssm = perturbed_copy(llm, root / "ssm", noise=0.04, seed=9)
+    return llm, ssm
+
+
+@pytest.fixture(scope="module")
+def stack(models):
+    llm, ssm = models
+    exporter = InMemorySpanExporter()
+    spec, spec_servicer = build_speculator(SpeculatorConfig((ssm,), port=0, device="cpu", grace_s=0), exporter)
+    verifier, ver_servicer = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
+                                                           tree_width=WIDTHS, speculator_step_timeout_s=2), exporter)
+    cfg = GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", redis_url=redis_url(), model_dir=llm,
+                        key_prefix=f"specinfer-test-{uuid.uuid4().hex[:8]}:")
+    gateway = serve_gateway(cfg, setup_tracing("gateway", None, exporter), new_registry())
+    stub = pb_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{gateway.port}"))
+    yield {"stub": stub, "exporter": exporter, "spec": (spec, spec_servicer), "verifier": (verifier, ver_servicer),
+           "gateway": gateway}
+    gateway.stop(0)
+    verifier.stop(0)
+    spec.stop(0)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    llm, ssm = models
+    return Engine(ModelRunner.from_dir(llm), [ModelRunner.from_dir(ssm)]), TextTokenizer.from_dir(llm)
+
+
+def wait_until(predicate, timeout=1.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@pytest.mark.parametrize("prompt", ["def add(a, b", "import os\n", "for x in range(3):\n    "])
+def test_greedy_through_stack_equals_in_process(stack, reference, prompt):
+    engine, tokenizer = reference
+    resp = stack["stub"].Generate(pb.GenerateRequest(prompt=prompt, max_tokens=40), timeout=60)
+    expected = engine.generate(tokenizer.encode(prompt), 40, spec=SpecConfig(widths=WIDTHS))
+    assert list(resp.token_ids) == expected.output_ids
+    assert resp.text == tokenizer.decode(expected.output_ids)
+    assert resp.stats.llm_steps == expected.num_llm_steps and resp.stats.tokens_per_step > 1.0
+
+
+def test_speculation_off_gives_same_greedy_text(stack):
+    on = stack["stub"].Generate(pb.GenerateRequest(prompt="import sys", max_tokens=30), timeout=60)
+    off = stack["stub"].Generate(pb.GenerateRequest(prompt="import sys", max_tokens=30, speculate=False), timeout=60)
+    assert on.text == off.text and off.stats.tokens_per_step == pytest.approx(1.0)
+
+
+def test_streaming_deltas_add_up(stack):
+    chunks = list(stack["stub"].GenerateStream(pb.GenerateRequest(prompt="def add(", max_tokens=32), timeout=60))
+    offsets = [c.token_offset for c in chunks if c.token_ids]
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert offsets == sorted(offsets) and len(tokens) == 32 and len(chunks) > 2
+    whole = stack["stub"].Generate(pb.GenerateRequest(prompt="def add(", max_tokens=32), timeout=60)
+    assert "".join(c.text_delta for c in chunks) == whole.text
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_one_trace_spans_gateway_verifier_speculator(stack):
+    exporter = stack["exporter"]
+    exporter.clear()
+    stack["stub"].Generate(pb.GenerateRequest(prompt="import os", max_tokens=12), timeout=60)
+    wanted = {"gateway.generate", "verifier.generate", "verifier.verify_tree", "speculator.speculate",
+              "speculator.build_tree"}
+
+    def names_in_root_trace():
+        spans = exporter.get_finished_spans()
+        roots = [s for s in spans if s.name == "gateway.generate"]
+        return {s.name for s in spans if roots and s.context.trace_id == roots[0].context.trace_id}
+
+    assert wait_until(lambda: wanted <= names_in_root_trace(), 3.0), names_in_root_trace()
+    spans = exporter.get_finished_spans()
+    root = next(s for s in spans if s.name == "gateway.generate")
+    assert len({s.context.trace_id for s in spans}) == 1  # one client request, one trace
+    verify = [s for s in spans if s.name == "verifier.verify_tree" and s.context.trace_id == root.context.trace_id]
+    assert all("accepted_length" in s.attributes and "tree_nodes" in s.attributes for s in verify)
+
+
+def test_cancel_request_frees_all_kv_within_1s(stack):
+    stub = stack["stub"]
+    llm_alloc = stack["verifier"][1].worker.runner.allocator
+    ssm_alloc = stack["spec"][1].worker.speculator.runners[0].allocator
+    stream = stub.GenerateStream(pb.GenerateRequest(prompt="for x in", max_tokens=500, ignore_eos=True), timeout=60)
+    first = next(stream)
+    rid = first.request_id
+    while llm_alloc.num_used == 0:
+        next(stream)
+    assert stub.CancelRequest(pb.CancelRequestRequest(request_id=rid), timeout=5).cancelled
+    assert wait_until(lambda: llm_alloc.num_used == 0 and ssm_alloc.num_used == 0, timeout=1.0)
+    assert stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "cancelled"
+
+
+def test_resume_after_disconnect_no_duplicates_or_gaps(stack):
+    stub = stack["stub"]
+    full = stub.Generate(pb.GenerateRequest(prompt="import os\nimport", max_tokens=60), timeout=60)
+    rid = f"resume-{uuid.uuid4().hex[:8]}"
+    stream = stub.GenerateStream(pb.GenerateRequest(prompt="import os\nimport", max_tokens=60, request_id=rid),
+                                 timeout=60)
+    got = []
+    for chunk in stream:
+        got += list(chunk.token_ids)
+        if len(got) >= 10:
+            stream.cancel()  # the client goes away mid-stream
+            break
+    assert wait_until(lambda: stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status != "running", 3)
+    rest = []
+    for chunk in stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid, token_offset=len(got)), timeout=60):
+        assert chunk.token_offset == len(got) + len(rest) or not chunk.token_ids
+        rest += list(chunk.token_ids)
+    assert got + rest == list(full.token_ids)
+
+
+def test_speculator_death_mid_request_completes_exactly(models, reference):
+    llm, ssm = models
+    engine, tokenizer = reference
+    spec, _ = build_speculator(SpeculatorConfig((ssm,), port=0, device="cpu", grace_s=0))
+    verifier, _ = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
+                                                tree_width=WIDTHS, speculator_step_timeout_s=2))
+    gateway = serve_gateway(GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", model_dir=llm),
+                            setup_tracing("gateway", None), new_registry())
+    try:
+        stub = pb_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{gateway.port}"))
+        tokens = []
+        for i, chunk in enumerate(stub.GenerateStream(pb.GenerateRequest(prompt="def add(", max_tokens=50),
+                                                      timeout=60)):
+            tokens += list(chunk.token_ids)
+            if i == 3:
+                spec.stop(0)
+        expected = engine.generate(tokenizer.encode("def add("), 50, spec=SpecConfig(mode="incremental"))
+        assert tokens == expected.output_ids
+    finally:
+        gateway.stop(0)
+        verifier.stop(0)
+        spec.stop(0)
