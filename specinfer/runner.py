@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,6 +61,7 @@ class ModelRunner:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.kv = KVCache.allocate(model.cfg, num_blocks * block_size, model.dtype, model.device)
         self.max_context = min(model.cfg.max_position_embeddings, model.cfg.sliding_window or 1 << 62)
+        self.on_forward: Callable[[int], None] | None = None  # told the token count of every forward
 
     @classmethod
     def from_dir(
@@ -158,6 +160,8 @@ class ModelRunner:
         """One forward pass over all work items; returns each item's fp32 logits (rows, vocab)."""
         batch, spans = self.prepare(works)
         logits = self.model.forward(batch, self.kv)
+        if self.on_forward is not None:
+            self.on_forward(int(batch.token_ids.shape[0]))
         return [logits[a:b] for a, b in spans]
 
     def prefill(self, seq: SequenceKV, token_ids: list[int], chunk_size: int = 512) -> torch.Tensor | None:

@@ -9,7 +9,6 @@ built together, one batched SSM forward per tree level (speculator worker).
 from __future__ import annotations
 
 import logging
-import threading
 
 import grpc
 
@@ -18,7 +17,7 @@ from specinfer.errors import UserError
 from specinfer.serving.convert import sampling_from_proto, shape_from_proto, tree_to_proto
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, start_server
 from specinfer.serving.logs import setup_logging
-from specinfer.serving.metrics import MetricsServer, new_registry
+from specinfer.serving.metrics import MetricsServer, ModelMetrics, RpcMetrics, new_registry
 from specinfer.serving.tracing import server_span, setup_tracing
 from specinfer.serving.workers import SpeculatorWorker
 from specinfer.speculator import Speculator, TreeShape
@@ -38,8 +37,6 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
         runners = worker.speculator.runners
         self.vocab_size = runners[0].cfg.vocab_size
         self.max_context = min(r.max_context for r in runners)
-        self.num_open = 0
-        self._lock = threading.Lock()
 
     def Info(self, request, context):
         return pb.SpeculatorInfo(ssm_names=self.names, vocab_size=self.vocab_size, max_context=self.max_context)
@@ -58,7 +55,6 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
         with server_span(self.tracer, "speculator.speculate", context, request_id=start.request_id,
                          ssm_names=",".join(self.names[i] for i in ssm_indices)) as span:
             session = self.worker.open(context_ids, params, shape, ssm_indices)
-            self._count(+1)
             try:
                 step = 0
                 feedback, max_depth, shape_override = None, int(start.max_depth), None
@@ -84,11 +80,6 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                 span.set_attribute("steps", step)
             finally:
                 self.worker.close(session)
-                self._count(-1)
-
-    def _count(self, delta: int) -> None:
-        with self._lock:
-            self.num_open += delta
 
     def _tokens(self, ids, field: str) -> list[int]:
         ids = list(ids)
@@ -117,9 +108,10 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
         raise UserError("all SSMs of one speculator must share a vocabulary")
     names = [d.name for d in cfg.ssm_dirs]
     tracer = setup_tracing("speculator", cfg.otlp_endpoint, exporter)
-    worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch)
-    servicer = SpeculatorServicer(worker, names, tracer)
     registry = new_registry()
+    worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
+                              metrics=ModelMetrics.create(registry, "speculator"))
+    servicer = SpeculatorServicer(worker, names, tracer)
     metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
 
     def on_stop():
@@ -132,6 +124,7 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
         [lambda s: pb_grpc.add_SpeculatorServicer_to_server(servicer, s)],
         [pb.DESCRIPTOR.services_by_name["Speculator"].full_name],
         on_stop,
+        RpcMetrics.create(registry, "speculator"),
     )
     return server, servicer
 

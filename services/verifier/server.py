@@ -24,7 +24,7 @@ from specinfer.sampling import make_generator
 from specinfer.serving.convert import sampling_from_proto, sampling_to_proto, shape_from_proto, shape_to_proto
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server
 from specinfer.serving.logs import setup_logging
-from specinfer.serving.metrics import MetricsServer, new_registry
+from specinfer.serving.metrics import MetricsServer, ModelMetrics, RpcMetrics, SpecDecodeMetrics, new_registry
 from specinfer.serving.tracing import outgoing_metadata, server_span, setup_tracing
 from specinfer.serving.workers import VerifierWorker
 from specinfer.speculator import TreeShape
@@ -36,10 +36,11 @@ POLL_S = 0.05
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, cfg: VerifierConfig, worker: VerifierWorker, tracer):
+    def __init__(self, cfg: VerifierConfig, worker: VerifierWorker, tracer, metrics: SpecDecodeMetrics):
         self.cfg = cfg
         self.worker = worker
         self.tracer = tracer
+        self.metrics = metrics
         runner = worker.runner
         self.vocab_size = runner.cfg.vocab_size
         self.max_context = runner.max_context
@@ -101,6 +102,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         s.set_attribute("tree_nodes", len(tree))
                         for name in failed:
                             fell_back = True
+                            self.metrics.fallbacks.inc()
                             span.add_event("speculator_fallback", {"speculator": name})
                     with self.tracer.start_as_current_span("verifier.verify_tree") as s:
                         future = self.worker.verify(session, tree, params, verify_gen)
@@ -108,6 +110,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         s.set_attribute("tree_nodes", len(tree))
                         s.set_attribute("accepted_length", len(accepted))
                     kept = result.record_step(accepted, bonus, len(tree), max_new, stops)
+                    self.metrics.observe_step(len(tree), len(accepted), is_speculated=len(tree) > 1)
+                    self.metrics.output_tokens.inc(len(kept))
                     is_done = result.is_finished(max_new)
                     if not is_done and links:
                         next_depth = speculation_depth(max_new - len(result.output_ids),
@@ -123,6 +127,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     yield response
                     if is_done:
                         is_ok = True
+                        result.latency_s = timeout_s - (deadline - time.monotonic())
+                        self.metrics.time_per_output_token.observe(result.latency_s / max(1, len(result.output_ids)))
                         span.set_attribute("output_tokens", len(result.output_ids))
                         span.set_attribute("llm_steps", result.num_llm_steps)
                         return
@@ -165,9 +171,10 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
                                   max_kv_tokens=cfg.max_kv_tokens)
     tracer = setup_tracing("verifier", cfg.otlp_endpoint, exporter)
-    worker = VerifierWorker(Verifier(runner), max_batch=cfg.max_batch, max_sessions=cfg.max_sessions)
-    servicer = VerifierServicer(cfg, worker, tracer)
     registry = new_registry()
+    worker = VerifierWorker(Verifier(runner), max_batch=cfg.max_batch, max_sessions=cfg.max_sessions,
+                            metrics=ModelMetrics.create(registry, "verifier"))
+    servicer = VerifierServicer(cfg, worker, tracer, SpecDecodeMetrics.create(registry))
     metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
 
     def on_stop():
@@ -180,6 +187,7 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
         [lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s)],
         [pb.DESCRIPTOR.services_by_name["Verifier"].full_name],
         on_stop,
+        RpcMetrics.create(registry, "verifier"),
     )
     return server, servicer
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable
@@ -18,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.serving.metrics import RpcMetrics
 
 log = logging.getLogger(__name__)
 
@@ -53,32 +55,56 @@ def _abort(context: grpc.ServicerContext, exc: BaseException):
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
-    """Turns exceptions raised by servicers (also mid-stream) into proper gRPC statuses."""
+    """Turns exceptions raised by servicers (also mid-stream) into proper gRPC statuses, and
+    counts every RPC's outcome when given metrics."""
+
+    def __init__(self, metrics: RpcMetrics | None = None):
+        self.metrics = metrics
+
+    def _record(self, method: str, code: grpc.StatusCode, start: float) -> None:
+        if self.metrics is not None:
+            service = self.metrics.service
+            self.metrics.requests.labels(service, method, code.name).inc()
+            self.metrics.latency.labels(service, method).observe(time.monotonic() - start)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
 
         def wrap_unary(fn):
             def wrapped(request, context):
+                start, code = time.monotonic(), grpc.StatusCode.OK
                 try:
                     return fn(request, context)
                 except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
                     if context.code() is not None and context.code() != grpc.StatusCode.OK:
+                        code = context.code()
                         raise
+                    code = status_for(exc)[0]
                     _abort(context, exc)
+                finally:
+                    self._record(method, code, start)
 
             return wrapped
 
         def wrap_stream(fn):
             def wrapped(request, context):
+                start, code = time.monotonic(), grpc.StatusCode.OK
                 try:
                     yield from fn(request, context)
+                except GeneratorExit:
+                    code = grpc.StatusCode.CANCELLED
+                    raise
                 except Exception as exc:  # noqa: BLE001
                     if context.code() is not None and context.code() != grpc.StatusCode.OK:
+                        code = context.code()
                         raise
+                    code = status_for(exc)[0]
                     _abort(context, exc)
+                finally:
+                    self._record(method, code, start)
 
             return wrapped
 
@@ -148,11 +174,12 @@ def start_server(
     add_servicers: list[Callable[[grpc.Server], None]],
     service_names: list[str],
     on_stop: Callable[[], None] | None = None,
+    rpc_metrics: RpcMetrics | None = None,
 ) -> RunningServer:
     """Builds, starts and returns a server with the error interceptor, health and reflection."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[ErrorInterceptor(rpc_metrics)],
         options=CHANNEL_OPTIONS,
         maximum_concurrent_rpcs=None,
     )

@@ -13,6 +13,8 @@ from threading import Thread
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -24,19 +26,104 @@ def new_registry() -> CollectorRegistry:
 class RpcMetrics:
     """Per-RPC outcome counters and latency, shared by all services."""
 
+    service: str
     requests: Counter
     latency: Histogram
-    in_flight: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry, service: str) -> "RpcMetrics":
         return cls(
+            service=service,
             requests=Counter("specinfer_rpc_requests", "RPCs handled, by method and gRPC status code",
                              ["service", "method", "code"], registry=registry),
             latency=Histogram("specinfer_rpc_latency_seconds", "RPC wall time", ["service", "method"],
                               buckets=LATENCY_BUCKETS, registry=registry),
-            in_flight=Gauge("specinfer_rpc_in_flight", "RPCs in progress", ["service", "method"], registry=registry),
         )
+
+
+@dataclass
+class ModelMetrics:
+    """A model worker's batching and KV-cache figures (verifier and speculator alike)."""
+
+    batch_size: Histogram
+    iteration_tokens: Histogram
+    step_seconds: Histogram
+    kv_blocks_used: Gauge
+    kv_blocks_free: Gauge
+    kv_usage: Gauge
+    requests_running: Gauge
+    requests_waiting: Gauge
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry, service: str) -> "ModelMetrics":
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, ["service"], buckets=buckets, registry=registry).labels(service)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["service"], registry=registry).labels(service)
+
+        return cls(
+            batch_size=hist("specinfer_batch_size", "Requests in one model iteration", BATCH_BUCKETS),
+            iteration_tokens=hist("specinfer_iteration_tokens", "Tokens in one forward pass", TOKEN_BUCKETS),
+            step_seconds=hist("specinfer_step_seconds", "Wall time of one model iteration", LATENCY_BUCKETS),
+            kv_blocks_used=gauge("specinfer_kv_cache_blocks_used", "KV-cache blocks in use"),
+            kv_blocks_free=gauge("specinfer_kv_cache_blocks_free", "KV-cache blocks free"),
+            kv_usage=gauge("specinfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
+            requests_running=gauge("specinfer_num_requests_running", "Requests being served"),
+            requests_waiting=gauge("specinfer_num_requests_waiting", "Jobs queued for the model worker"),
+        )
+
+    def observe_kv(self, num_used: int, num_free: int) -> None:
+        self.kv_blocks_used.set(num_used)
+        self.kv_blocks_free.set(num_free)
+        self.kv_usage.set(num_used / max(1, num_used + num_free))
+
+
+@dataclass
+class SpecDecodeMetrics:
+    """Speculative decoding outcomes at the verifier, named like vLLM's spec_decode metrics."""
+
+    num_drafts: Counter
+    num_draft_tokens: Counter
+    num_accepted_tokens: Counter
+    accepted_per_pos: Counter
+    accepted_length: Histogram
+    tree_nodes: Histogram
+    time_per_output_token: Histogram
+    fallbacks: Counter
+    output_tokens: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> "SpecDecodeMetrics":
+        return cls(
+            num_drafts=Counter("specinfer_spec_decode_num_drafts", "Token trees verified", registry=registry),
+            num_draft_tokens=Counter("specinfer_spec_decode_num_draft_tokens", "Speculated tree nodes verified",
+                                     registry=registry),
+            num_accepted_tokens=Counter("specinfer_spec_decode_num_accepted_tokens", "Tree tokens accepted",
+                                        registry=registry),
+            accepted_per_pos=Counter("specinfer_spec_decode_num_accepted_tokens_per_pos",
+                                     "Tree tokens accepted, by tree depth", ["position"], registry=registry),
+            accepted_length=Histogram("specinfer_spec_decode_accepted_length", "Tree tokens accepted per step",
+                                      buckets=tuple(range(0, 17)), registry=registry),
+            tree_nodes=Histogram("specinfer_tree_nodes_per_step", "Token-tree nodes verified per step (root included)",
+                                 buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128), registry=registry),
+            time_per_output_token=Histogram("specinfer_time_per_output_token_seconds",
+                                            "Request latency divided by its output tokens", buckets=LATENCY_BUCKETS,
+                                            registry=registry),
+            fallbacks=Counter("specinfer_speculator_fallbacks", "Speculators dropped mid-request", registry=registry),
+            output_tokens=Counter("specinfer_output_tokens", "Tokens generated", registry=registry),
+        )
+
+    def observe_step(self, num_nodes: int, num_accepted: int, is_speculated: bool) -> None:
+        self.tree_nodes.observe(num_nodes)
+        if not is_speculated:
+            return
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(num_nodes - 1)
+        self.num_accepted_tokens.inc(num_accepted)
+        self.accepted_length.observe(num_accepted)
+        for depth in range(1, num_accepted + 1):
+            self.accepted_per_pos.labels(str(depth)).inc()
 
 
 class MetricsServer:

@@ -21,6 +21,7 @@ import torch
 from specinfer.engine import LLMState, Verifier
 from specinfer.errors import CapacityError, UnavailableError
 from specinfer.sampling import SamplingParams, make_generator
+from specinfer.serving.metrics import ModelMetrics
 from specinfer.speculator import SSMState, SSMTree, Speculator, TreeShape
 from specinfer.tree import TokenTree
 
@@ -37,9 +38,11 @@ class Job:
 class BatchWorker:
     """A daemon thread that takes all pending jobs at once and hands them to `process`."""
 
-    def __init__(self, name: str, process: Callable[[list[Job]], None], max_batch: int = 256):
+    def __init__(self, name: str, process: Callable[[list[Job]], None], max_batch: int = 256,
+                 metrics: ModelMetrics | None = None):
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._process = process
+        self._metrics = metrics
         self._max_batch = max_batch
         self._lock = threading.Lock()
         self._is_stopped = False
@@ -87,8 +90,13 @@ class BatchWorker:
                     self._queue.put(None)
                     break
                 jobs.append(nxt)
+            start = time.perf_counter()
             try:
                 self._process(jobs)
+                if self._metrics is not None:
+                    self._metrics.step_seconds.observe(time.perf_counter() - start)
+                    self._metrics.batch_size.observe(sum(1 for j in jobs if j.kind in ("step", "verify")))
+                    self._metrics.requests_waiting.set(self._queue.qsize())
             except Exception as exc:  # noqa: BLE001 - a failed batch fails its jobs, not the worker
                 log.exception("worker batch failed")
                 for j in jobs:
@@ -113,13 +121,21 @@ class SpecSession:
 class SpeculatorWorker:
     """Builds token trees for many requests at once (one batched SSM pass per tree level)."""
 
-    def __init__(self, speculator: Speculator, max_batch: int = 256):
+    def __init__(self, speculator: Speculator, max_batch: int = 256, metrics: ModelMetrics | None = None):
         self.speculator = speculator
-        self.worker = BatchWorker("speculator-worker", self._process, max_batch)
+        self.metrics = metrics
+        self.num_open = 0
+        self._count_lock = threading.Lock()
+        if metrics is not None:
+            for runner in speculator.runners:
+                runner.on_forward = metrics.iteration_tokens.observe
+        self.worker = BatchWorker("speculator-worker", self._process, max_batch, metrics)
 
     def open(self, context_ids: list[int], params: SamplingParams, shape: TreeShape,
              ssm_indices: list[int] | None = None) -> SpecSession:
         states = self.speculator.start(context_ids, ssm_indices)
+        with self._count_lock:
+            self.num_open += 1
         return SpecSession(states, params, shape, make_generator(params.seed, 1))
 
     def step(self, session: SpecSession, feedback: tuple[list[int], int] | None, max_depth: int,
@@ -134,11 +150,21 @@ class SpeculatorWorker:
             pass
 
     def _process(self, jobs: list[Job]) -> None:
+        self._propose(jobs)
+        if self.metrics is not None:
+            used = sum(r.allocator.num_used for r in self.speculator.runners)
+            free = sum(r.allocator.num_free for r in self.speculator.runners)
+            self.metrics.observe_kv(used, free)
+            self.metrics.requests_running.set(self.num_open)
+
+    def _propose(self, jobs: list[Job]) -> None:
         start = time.perf_counter()
         proposing: list[Job] = []
         for job in jobs:
             if job.kind == "close":
                 self.speculator.release(job.args[0].states)
+                with self._count_lock:
+                    self.num_open -= 1
                 job.future.set_result(None)
                 continue
             session, feedback, max_depth, shape, = job.args
@@ -183,12 +209,17 @@ class CachedSession:
 class VerifierWorker:
     """Verifies many requests' trees in one LLM pass; keeps multi-turn sessions' KV prefixes."""
 
-    def __init__(self, verifier: Verifier, max_batch: int = 256, max_sessions: int = 64):
+    def __init__(self, verifier: Verifier, max_batch: int = 256, max_sessions: int = 64,
+                 metrics: ModelMetrics | None = None):
         self.verifier = verifier
         self.runner = verifier.runner
         self.sessions: dict[str, CachedSession] = {}
         self.max_sessions = max_sessions
-        self.worker = BatchWorker("verifier-worker", self._process, max_batch)
+        self.metrics = metrics
+        self.num_open = 0
+        if metrics is not None:
+            self.runner.on_forward = metrics.iteration_tokens.observe
+        self.worker = BatchWorker("verifier-worker", self._process, max_batch, metrics)
 
     def open(self, prompt_ids: list[int], session_id: str | None) -> VerifySession:
         return self.worker.call("open", prompt_ids, session_id)
@@ -213,6 +244,12 @@ class VerifierWorker:
         return self.runner.allocator.num_free
 
     def _process(self, jobs: list[Job]) -> None:
+        self._run(jobs)
+        if self.metrics is not None:
+            self.metrics.observe_kv(self.runner.allocator.num_used, self.runner.allocator.num_free)
+            self.metrics.requests_running.set(self.num_open)
+
+    def _run(self, jobs: list[Job]) -> None:
         verifies = []
         for job in jobs:
             try:
@@ -251,6 +288,7 @@ class VerifierWorker:
         return needed <= allocator.num_free
 
     def _open(self, prompt_ids: list[int], session_id: str | None) -> VerifySession:
+        self.num_open += 1
         cached = self.sessions.pop(session_id, None) if session_id else None
         if cached is None:
             return VerifySession(self.verifier.start(prompt_ids), session_id)
@@ -265,6 +303,7 @@ class VerifierWorker:
         return VerifySession(state, session_id, num_reused=common)
 
     def _close(self, session: VerifySession, history: list[int] | None) -> None:
+        self.num_open -= 1
         state = session.state
         if history is None or not session.session_id:
             self.verifier.release(state)
