@@ -15,7 +15,7 @@ import torch
 
 from specinfer.blocks import SequenceKV
 from specinfer.errors import UserError
-from specinfer.runner import ModelRunner, Work
+from specinfer.runner import ModelRunner, Work, chain_work
 from specinfer.sampling import SamplingParams, make_generator, target_probs
 from specinfer.speculator import SSMState, SSMTree, Speculator, TreeShape
 from specinfer.tree import PAPER_TREE_WIDTH, TokenTree
@@ -74,31 +74,46 @@ class Verifier:
     def verify_batch(
         self, items: list[tuple[LLMState, TokenTree, SamplingParams, torch.Generator | None]]
     ) -> list[tuple[list[int], int]]:
-        runner = self.runner
-        prefills = []
+        return self.step(items, [])
+
+    def step(
+        self,
+        items: list[tuple[LLMState, TokenTree, SamplingParams, torch.Generator | None]],
+        prefills: list[tuple[LLMState, int]],
+    ) -> list[tuple[list[int], int]]:
+        """One LLM forward pass: every item's pending tokens plus its tree, and `prefills`
+        (state, n): the next n pending tokens of requests whose prompt is still being read in
+        chunks. Returns (accepted tokens, bonus) per item."""
+        works = [chain_work(state.seq, state.pending[:n], "none") for state, n in prefills]
         for state, tree, _, _ in items:
-            if tree.tokens[0] != state.pending[-1]:
-                raise ValueError("tree root must be the last verified token")
-            if len(state.pending) > 1:  # e.g. the prompt, or a new turn: commit all but the root
-                prefills.append((state.seq, state.pending[:-1]))
-                state.pending = state.pending[-1:]
-        if prefills:
-            runner.prefill_batch(prefills)
-        works = []
-        for state, tree, _, _ in items:
-            base = state.seq.num_committed
-            works.append(Work(state.seq, tree.tokens, [base + d for d in tree.depths], tree.parents, "all"))
-        all_logits = runner.run(works)  # one pass over every request's tree
+            works.append(self._tree_work(state, tree))
+        all_logits = self.runner.run(works)  # one pass over every request's chunk or tree
+        for state, n in prefills:
+            state.seq.num_committed += n
+            state.pending = state.pending[n:]
         results = []
-        for (state, tree, params, gen), logits in zip(items, all_logits):
+        for (state, tree, params, gen), logits in zip(items, all_logits[len(prefills):]):
             if params.is_greedy:
                 path, bonus = verify_greedy(tree, logits.argmax(dim=-1).tolist())
             else:
                 path, bonus = verify_stochastic(tree, target_probs(logits, params), gen)
-            runner.commit(state.seq, path)
+            num_chain = len(state.pending) - 1
+            self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
             state.pending = [bonus]
             results.append(([tree.tokens[n] for n in path[1:]], bonus))
         return results
+
+    @staticmethod
+    def _tree_work(state: LLMState, tree: TokenTree) -> Work:
+        """The pending verified tokens (a chain) followed by the tree hanging off the last one."""
+        if tree.tokens[0] != state.pending[-1]:
+            raise ValueError("tree root must be the last verified token")
+        chain = state.pending[:-1]
+        k = len(chain)
+        base = state.seq.num_committed
+        parents = list(range(-1, k - 1)) + [(p + k if p >= 0 else k - 1) for p in tree.parents]
+        positions = list(range(base, base + k)) + [base + k + d for d in tree.depths]
+        return Work(state.seq, chain + tree.tokens, positions, parents, len(tree))
 
 
 @dataclass

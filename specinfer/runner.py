@@ -38,7 +38,7 @@ class Work:
     token_ids: list[int]
     positions: list[int]
     parents: list[int]
-    logits: str = "all"  # "all" | "last" | "none"
+    logits: str | int = "all"  # "all" | "last" | "none" | n: the last n rows
 
     @property
     def num_scratch_before(self) -> int:
@@ -113,13 +113,9 @@ class ModelRunner:
             mask, is_causal = self._mask(work, seq.num_committed, end, device)
             seqs.append(SeqAttention(q_start, q_start + n, context, mask, is_causal))
             first_row = len(logit_rows)
-            if work.logits == "all":
-                logit_rows.extend(range(q_start, q_start + n))
-            elif work.logits == "last":
-                logit_rows.append(q_start + n - 1)
-                is_all_rows = is_all_rows and n == 1
-            else:
-                is_all_rows = False
+            num_rows = {"all": n, "last": 1, "none": 0}.get(work.logits, work.logits)
+            logit_rows.extend(range(q_start + n - num_rows, q_start + n))
+            is_all_rows = is_all_rows and num_rows == n
             spans.append((first_row, len(logit_rows)))
         write = single_write or torch.tensor(write_slots, dtype=torch.long, device=device)
         batch = ForwardBatch(

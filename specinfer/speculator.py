@@ -14,14 +14,17 @@ lie on the accepted path and queues the rest of the accepted tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from specinfer.blocks import SequenceKV
+from specinfer.errors import UserError
 from specinfer.runner import ModelRunner, Work, chain_work
 from specinfer.sampling import SamplingParams, proposal_probs
 from specinfer.tree import DEFAULT_MAX_NODES, TokenTree, merge_trees, plan_level
+
+TREE_POLICIES = ("merge", "mixed")
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,25 @@ class TreeShape:
     max_nodes: int = DEFAULT_MAX_NODES
     is_sampled: bool = True  # stochastic mode: draw children from q (True) or take top-k (False)
     proposal_top_k: int = 32  # sampled children come from q truncated to this many tokens
+    # --- SSM pool policy (boost-tuning work, issue 5) ---
+    # "merge": every SSM the request uses expands the full width vector; the trees are merged.
+    # "mixed": only the request's first SSM (in pool order: the best one) expands `widths`; every
+    # other SSM adds its top-1 path (a width-1 chain of the same depth) to the merged tree.
+    policy: str = "merge"
+
+    def __post_init__(self):
+        if self.policy not in TREE_POLICIES:
+            raise UserError(f"unknown tree policy {self.policy!r}: choose one of {', '.join(TREE_POLICIES)}")
 
     def clipped(self, max_depth: int) -> "TreeShape":
-        return TreeShape(self.widths[: max(0, max_depth)], self.max_nodes, self.is_sampled, self.proposal_top_k)
+        return replace(self, widths=self.widths[: max(0, max_depth)])
+
+    def for_ssm(self, is_primary: bool) -> "TreeShape":
+        """The shape one SSM of the request's pool expands under this policy."""
+        if self.policy == "merge" or is_primary:
+            return self
+        return replace(self, widths=(1,) * len(self.widths))
+    # --- end SSM pool policy ---
 
 
 @dataclass
@@ -149,7 +168,10 @@ class Speculator:
             users = [b for b, (states, *_) in enumerate(batch) if states[m] is not None]
             if not users:
                 continue
-            expansions = [_Expansion(batch[b][0][m], batch[b][1], batch[b][2], batch[b][3]) for b in users]
+            expansions = [
+                _Expansion(batch[b][0][m], batch[b][1].for_ssm(m == _first_used(batch[b][0])), batch[b][2], batch[b][3])
+                for b in users
+            ]
             for b, built in zip(users, self._expand(runner, expansions)):
                 per_item[b][m] = built
         out = []
@@ -201,3 +223,8 @@ class Speculator:
                 fed.append(st.scratch_of[node])
             self.runners[m].commit(state.seq, fed)
             state.pending = accepted[len(fed) :] + [bonus]
+
+
+def _first_used(states: list[SSMState | None]) -> int:
+    """The request's first SSM in pool order: the one that expands the full tree under "mixed"."""
+    return next(m for m, s in enumerate(states) if s is not None)

@@ -113,21 +113,22 @@ def test_streaming_deltas_add_up(stack):
 
 def test_one_trace_spans_gateway_verifier_speculator(stack):
     exporter = stack["exporter"]
-    exporter.clear()
-    stack["stub"].Generate(pb.GenerateRequest(prompt="import os", max_tokens=12), timeout=60)
-    wanted = {"gateway.generate", "verifier.generate", "verifier.verify_tree", "speculator.speculate",
-              "speculator.build_tree"}
+    rid = f"trace-{uuid.uuid4().hex[:8]}"
+    stack["stub"].Generate(pb.GenerateRequest(prompt="import os", max_tokens=12, request_id=rid), timeout=60)
+    wanted = {"gateway.generate", "verifier.generate", "verifier.speculate", "verifier.verify_tree",
+              "speculator.speculate", "speculator.build_tree"}
 
-    def names_in_root_trace():
+    def request_spans():
         spans = exporter.get_finished_spans()
-        roots = [s for s in spans if s.name == "gateway.generate"]
-        return {s.name for s in spans if roots and s.context.trace_id == roots[0].context.trace_id}
+        roots = [s for s in spans if s.name == "gateway.generate" and s.attributes.get("request_id") == rid]
+        return [s for s in spans if roots and s.context.trace_id == roots[0].context.trace_id]
 
-    assert wait_until(lambda: wanted <= names_in_root_trace(), 3.0), names_in_root_trace()
-    spans = exporter.get_finished_spans()
-    root = next(s for s in spans if s.name == "gateway.generate")
-    assert len({s.context.trace_id for s in spans}) == 1  # one client request, one trace
-    verify = [s for s in spans if s.name == "verifier.verify_tree" and s.context.trace_id == root.context.trace_id]
+    assert wait_until(lambda: wanted <= {s.name for s in request_spans()}, 3.0), request_spans()
+    # Every service's span for this request id sits in the one trace the gateway started.
+    tagged = [s for s in exporter.get_finished_spans() if s.attributes.get("request_id") == rid]
+    assert {s.name for s in tagged} >= {"gateway.generate", "verifier.generate", "speculator.speculate"}
+    assert len({s.context.trace_id for s in tagged}) == 1
+    verify = [s for s in request_spans() if s.name == "verifier.verify_tree"]
     assert all("accepted_length" in s.attributes and "tree_nodes" in s.attributes for s in verify)
 
 

@@ -23,6 +23,9 @@ class VerifierConfig:
     default_deadline_s: float = 300.0
     speculator_step_timeout_s: float = 5.0
     max_sessions: int = 64
+    token_budget: int = 512
+    max_waiting: int = 64
+    admission_timeout_s: float = 30.0
     otlp_endpoint: str | None = None
     metrics_port: int = 0
     log_level: str = "info"
@@ -49,6 +52,11 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     p.add_argument("--speculator-step-timeout-s", type=float,
                    default=float(env.get("SPECINFER_SPECULATOR_STEP_TIMEOUT_S", "5")))
     p.add_argument("--max-sessions", type=int, default=int(env.get("SPECINFER_MAX_SESSIONS", "64")))
+    p.add_argument("--token-budget", type=int, default=int(env.get("SPECINFER_TOKEN_BUDGET", "512")),
+                   help="tokens per forward pass (trees first, then prompt chunks)")
+    p.add_argument("--max-waiting", type=int, default=int(env.get("SPECINFER_MAX_WAITING", "64")),
+                   help="requests that may queue for KV memory before RESOURCE_EXHAUSTED")
+    p.add_argument("--admission-timeout-s", type=float, default=float(env.get("SPECINFER_ADMISSION_TIMEOUT_S", "30")))
     p.add_argument("--otlp-endpoint", default=env.get("SPECINFER_OTLP_ENDPOINT") or None)
     p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
     p.add_argument("--log-level", default=env.get("SPECINFER_LOG_LEVEL", "info"))
@@ -62,6 +70,7 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         device=a.device, max_kv_tokens=a.max_kv_tokens, max_batch=a.max_batch,
         tree_width=parse_tree_width(a.tree_width), max_tree_nodes=a.max_tree_nodes,
         default_deadline_s=a.default_deadline_s, speculator_step_timeout_s=a.speculator_step_timeout_s,
-        max_sessions=a.max_sessions, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
+        max_sessions=a.max_sessions, token_budget=a.token_budget, max_waiting=a.max_waiting,
+        admission_timeout_s=a.admission_timeout_s, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
         log_level=a.log_level, grace_s=a.grace_s,
     )

@@ -26,7 +26,7 @@ from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining
 from specinfer.serving.logs import setup_logging
 from specinfer.serving.metrics import MetricsServer, ModelMetrics, RpcMetrics, SpecDecodeMetrics, new_registry
 from specinfer.serving.tracing import outgoing_metadata, server_span, setup_tracing
-from specinfer.serving.workers import VerifierWorker
+from specinfer.serving.verifier_worker import SchedulerConfig, VerifierWorker
 from specinfer.speculator import TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
@@ -79,13 +79,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         context.add_callback(cancelled.set)
         with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
                          session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
-            session = self.worker.open(prompt_ids, request.session_id or None)
+            use_speculators = bool(request.speculate and self.speculators)
+            # Worst case: the prompt, every new token, and the merged trees of all speculators.
+            num_slots = len(prompt_ids) + max_new + 1 + (shape.max_nodes * len(self.speculators) if use_speculators else 0)
+            session = self.worker.open(prompt_ids, request.session_id or None, num_slots, timeout_s)
             span.set_attribute("reused_prefix_tokens", session.num_reused)
             links: list[SpeculatorLink] = []
             result = GenerationResult(prompt_ids, [], 0)
             is_ok = False
             try:
-                if request.speculate and self.speculators:
+                if use_speculators:
                     links = self._open_links(request, params, shape, prompt_ids, max_new, timeout_s)
                 verify_gen = make_generator(params.seed, 2)
                 fell_back = False
@@ -96,9 +99,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     with self.tracer.start_as_current_span("verifier.speculate") as s:
                         if links and depth > 0:
                             tree, failed = gather_tree(links, root, self.cfg.speculator_step_timeout_s,
-                                                       self.vocab_size, params.is_greedy)
+                                                       self.vocab_size, params.is_greedy, shape.max_nodes)
                         else:
-                            tree, failed = gather_tree([], root, 0, self.vocab_size, True)
+                            tree, failed = gather_tree([], root, 0, self.vocab_size, True, 1)
                         s.set_attribute("tree_nodes", len(tree))
                         for name in failed:
                             fell_back = True
@@ -172,8 +175,9 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
                                   max_kv_tokens=cfg.max_kv_tokens)
     tracer = setup_tracing("verifier", cfg.otlp_endpoint, exporter)
     registry = new_registry()
-    worker = VerifierWorker(Verifier(runner), max_batch=cfg.max_batch, max_sessions=cfg.max_sessions,
-                            metrics=ModelMetrics.create(registry, "verifier"))
+    scheduler = SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget, max_waiting=cfg.max_waiting,
+                                admission_timeout_s=cfg.admission_timeout_s, max_sessions=cfg.max_sessions)
+    worker = VerifierWorker(Verifier(runner), scheduler, metrics=ModelMetrics.create(registry, "verifier"))
     servicer = VerifierServicer(cfg, worker, tracer, SpecDecodeMetrics.create(registry))
     metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
 

@@ -89,8 +89,11 @@ class SpeculatorLink:
 
 
 def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_size: int,
-                is_greedy: bool) -> tuple[TokenTree, list[str]]:
-    """Merges the trees of all live links; returns it and the names of links that failed now."""
+                is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str]]:
+    """Merges the trees of all live links; returns it and the names of links that failed now.
+
+    A tree over `max_nodes` breaks the contract (the verifier reserved KV for that many per
+    speculator), so its speculator is dropped."""
     trees, failed = [], []
     for link in links:
         if not link.is_alive:
@@ -100,8 +103,8 @@ def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_
         except (TimeoutError, ConnectionError, ValueError):
             failed.append(link.name)
             continue
-        if tree.tokens[0] != root:
-            link.fail("tree root is not the last verified token")
+        if tree.tokens[0] != root or len(tree) > max_nodes:
+            link.fail("tree root is not the last verified token" if tree.tokens[0] != root else "tree too large")
             failed.append(link.name)
             continue
         trees.append(tree)

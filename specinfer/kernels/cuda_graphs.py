@@ -260,10 +260,6 @@ class GraphRunner:
         for b, w in enumerate(works):
             first = b * bucket.tokens
             n = len(w.token_ids)
-            if w.logits == "all":
-                out.append(logits[first : first + n].clone())
-            elif w.logits == "last":
-                out.append(logits[first + n - 1 : first + n].clone())
-            else:
-                out.append(logits[first:first].clone())
+            num_rows = {"all": n, "last": 1, "none": 0}.get(w.logits, w.logits)  # int: the last n rows
+            out.append(logits[first + n - num_rows : first + n].clone())
         return out

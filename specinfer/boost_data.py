@@ -1,0 +1,266 @@
+"""Training data for collective boost-tuning: corpus prompts and the LLM's own continuations.
+
+SpecInfer (arXiv 2305.09781, Section 3, "collective boost-tuning") tunes the SSM pool without
+labels: take prompts from a corpus, let the LLM generate continuations, and train the SSMs to
+reproduce the LLM. This module builds that data, deterministically from a seed:
+
+1. **Prompts.** Every corpus file is tokenized with the LLM's tokenizer and split by position: the
+   first ``1 - eval_fraction`` of its tokens can give training prompts, the rest held-out
+   (evaluation) prompts, so the "before/after" agreement is measured on text no SSM trained on.
+   A prompt is a window that starts at a line start, ``prompt_tokens // 2 ..  prompt_tokens``
+   tokens long, in a file drawn in proportion to its size.
+2. **Continuations.** The LLM continues every prompt with the engine (`Engine.generate_batch`,
+   many requests in lockstep): greedily, or, for a seeded ``sampled_fraction`` of the prompts,
+   by sampling at ``temperature`` (the contexts a stochastic request visits).
+3. **Targets.** The LLM re-reads every sequence in one teacher-forced pass: at each continuation
+   position the target is the LLM's top-1 token there (for greedy continuations that is the next
+   continuation token itself) and, when a KL term is wanted, its top ``kl_top_k`` probabilities.
+
+`BoostData` holds the result as padded tensors and round-trips through safetensors.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from specinfer.errors import UserError
+
+PAD_ID = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_prompts: int = 256
+    eval_prompts: int = 32
+    prompt_tokens: int = 96  # prompts are prompt_tokens // 2 .. prompt_tokens tokens long
+    continuation_tokens: int = 64
+    sampled_fraction: float = 0.0
+    temperature: float = 1.0  # for the sampled continuations
+    kl_top_k: int = 0  # 0: no LLM distributions are kept (no KL term)
+    eval_fraction: float = 0.1
+    gen_batch_size: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.eval_prompts < 1:
+            raise UserError("--num-prompts and --eval-prompts must be >= 1")
+        if self.prompt_tokens < 2 or self.continuation_tokens < 1:
+            raise UserError("--prompt-tokens must be >= 2 and --continuation-tokens >= 1")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise UserError(f"--sampled-fraction must be in [0, 1], got {self.sampled_fraction}")
+        if self.temperature <= 0.0:
+            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise UserError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.kl_top_k < 0 or self.gen_batch_size < 1:
+            raise UserError("--kl-top-k must be >= 0 and the generation batch size >= 1")
+
+
+@dataclass
+class BoostData:
+    """Padded sequences (prompt + LLM continuation) and the LLM's targets.
+
+    Position j of a row is the prediction of token j + 1; `mask[n, j]` marks the continuation
+    positions (prompt_len - 1 <= j <= length - 2), the only ones trained and evaluated.
+    """
+
+    tokens: torch.Tensor  # (N, L) long, PAD_ID after `lengths`
+    lengths: torch.Tensor  # (N,) long
+    prompt_lens: torch.Tensor  # (N,) long
+    targets: torch.Tensor  # (N, L) long: the LLM's top-1 at each position (0 outside the mask)
+    mask: torch.Tensor  # (N, L) bool
+    sampled: torch.Tensor  # (N,) bool: continuation sampled (True) or greedy
+    topk_ids: torch.Tensor  # (N, L, K) long; K = 0 without KL
+    topk_probs: torch.Tensor  # (N, L, K) float32
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.mask.sum())
+
+    def to_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {f"{prefix}.{f.name}": getattr(self, f.name).contiguous() for f in fields(self)}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], prefix: str) -> "BoostData":
+        return cls(**{f.name: tensors[f"{prefix}.{f.name}"] for f in fields(cls)})
+
+
+# ---- corpus and prompts ----------------------------------------------------------------------
+
+
+def read_corpus(paths: Sequence[str | Path], exclude: Sequence[str | Path] = ()) -> list[Path]:
+    """Corpus files: given files, plus every ``*.py`` under given directories; sorted, deduplicated."""
+    excluded = {Path(p).resolve() for p in exclude}
+    files: set[Path] = set()
+    for p in map(Path, paths):
+        if p.is_dir():
+            files.update(f.resolve() for f in p.rglob("*.py") if f.is_file())
+        elif p.is_file():
+            files.add(p.resolve())
+        else:
+            raise UserError(f"corpus path not found: {p}")
+    out = sorted(f for f in files if f not in excluded)
+    if not out:
+        raise UserError("the corpus is empty (no files left after exclusions)")
+    return out
+
+
+def newline_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokens whose text ends a line: a prompt may start right after one."""
+    tok = tokenizer.tok
+    return frozenset(i for i in range(tok.get_vocab_size()) if tok.decode([i]).endswith("\n"))
+
+
+@dataclass(frozen=True)
+class _Region:
+    ids: list[int]
+    starts: list[int]  # line-start offsets inside the region with room for a shortest prompt
+
+
+def split_regions(token_lists: Sequence[list[int]], newline_ids: frozenset[int], eval_fraction: float,
+                  min_len: int) -> tuple[list[_Region], list[_Region]]:
+    """Each file's tokens cut at `1 - eval_fraction`: (training regions, evaluation regions)."""
+    train, evals = [], []
+    for ids in token_lists:
+        cut = int(len(ids) * (1 - eval_fraction))
+        for part, out in ((ids[:cut], train), (ids[cut:], evals)):
+            starts = [0] + [i + 1 for i, t in enumerate(part) if t in newline_ids]
+            starts = [s for s in starts if s + min_len <= len(part)]
+            if starts:
+                out.append(_Region(part, starts))
+    return train, evals
+
+
+def draw_prompts(regions: Sequence[_Region], count: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """`count` prompts: a region in proportion to its size, a line start, a length in [min_len, max_len]."""
+    if not regions:
+        raise UserError(f"no corpus file is long enough for prompts of {min_len} tokens")
+    rng = random.Random(seed)
+    cumulative, total = [], 0
+    for r in regions:
+        total += len(r.ids)
+        cumulative.append(total)
+    prompts = []
+    for _ in range(count):
+        region = regions[bisect.bisect_right(cumulative, rng.randrange(total))]
+        start = region.starts[rng.randrange(len(region.starts))]
+        length = min(rng.randint(min_len, max_len), len(region.ids) - start)
+        prompts.append(region.ids[start : start + length])
+    return prompts
+
+
+# ---- the LLM's continuations and targets -----------------------------------------------------
+
+
+def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig, seed: int,
+                           progress: bool) -> tuple[list[list[int]], list[bool]]:
+    """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset)."""
+    from specinfer.engine import SpecConfig
+    from specinfer.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    sampled = set(order[: round(cfg.sampled_fraction * len(prompts))])
+    spec = SpecConfig(mode="incremental")
+    outputs: list[list[int]] = []
+    with _bar(len(prompts), "LLM continuations", progress) as bar:
+        for lo in range(0, len(prompts), cfg.gen_batch_size):
+            requests = []
+            for n in range(lo, min(lo + cfg.gen_batch_size, len(prompts))):
+                params = (SamplingParams(temperature=cfg.temperature, seed=seed * 100_003 + n)
+                          if n in sampled else SamplingParams())
+                requests.append(engine.start(list(prompts[n]), cfg.continuation_tokens, params, spec))
+            outputs.extend(r.output_ids for r in engine.generate_batch(requests))
+            bar.update(len(requests))
+    return outputs, [n in sampled for n in range(len(prompts))]
+
+
+def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress: bool,
+                    batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One teacher-forced LLM pass per sequence: (top-1 ids, top-k ids, top-k probs) per position."""
+    from specinfer.runner import chain_work
+
+    out = []
+    with _bar(len(sequences), "LLM targets", progress) as bar:
+        for lo in range(0, len(sequences), batch):
+            chunk = sequences[lo : lo + batch]
+            seqs = [runner.new_sequence() for _ in chunk]
+            try:
+                logits = runner.run([chain_work(s, ids, "all") for s, ids in zip(seqs, chunk)])
+            finally:
+                for s in seqs:
+                    s.free()
+            for rows in logits:
+                rows = rows.float().cpu()
+                if top_k:
+                    top = torch.topk(torch.softmax(rows, dim=-1), top_k, dim=-1)
+                    out.append((rows.argmax(-1), top.indices, top.values))
+                else:
+                    empty = torch.zeros(rows.shape[0], 0)
+                    out.append((rows.argmax(-1), empty.long(), empty))
+            bar.update(len(chunk))
+    return out
+
+
+def assemble(prompts: Sequence[list[int]], continuations: Sequence[list[int]], sampled: Sequence[bool],
+             scores: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int) -> BoostData:
+    n = len(prompts)
+    width = max(len(p) + len(c) for p, c in zip(prompts, continuations))
+    data = BoostData(
+        tokens=torch.full((n, width), PAD_ID, dtype=torch.long),
+        lengths=torch.zeros(n, dtype=torch.long),
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        targets=torch.zeros(n, width, dtype=torch.long),
+        mask=torch.zeros(n, width, dtype=torch.bool),
+        sampled=torch.tensor(list(sampled), dtype=torch.bool),
+        topk_ids=torch.zeros(n, width, top_k, dtype=torch.long),
+        topk_probs=torch.zeros(n, width, top_k, dtype=torch.float32),
+    )
+    for i, (p, c, (top1, ids, probs)) in enumerate(zip(prompts, continuations, scores)):
+        seq = list(p) + list(c)
+        length, first, last = len(seq), len(p) - 1, len(seq) - 1  # positions first .. last - 1
+        data.tokens[i, :length] = torch.tensor(seq)
+        data.lengths[i] = length
+        data.mask[i, first:last] = True
+        data.targets[i, first:last] = top1[first:last]
+        if top_k:
+            data.topk_ids[i, first:last] = ids[first:last]
+            data.topk_probs[i, first:last] = probs[first:last]
+    return data
+
+
+def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
+               progress: bool = True) -> tuple[BoostData, BoostData]:
+    """(training data, held-out evaluation data) for the LLM in `llm_runner`."""
+    from specinfer.engine import Engine
+
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus]
+    token_lists = [enc.ids for enc in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
+    min_len = max(1, cfg.prompt_tokens // 2)
+    train_regions, eval_regions = split_regions(token_lists, newline_token_ids(tokenizer), cfg.eval_fraction, min_len)
+    engine = Engine(llm_runner)
+    out = []
+    for split, regions, count in (("train", train_regions, cfg.num_prompts), ("eval", eval_regions, cfg.eval_prompts)):
+        seed = cfg.seed * 2 + (split == "eval")
+        prompts = draw_prompts(regions, count, min_len, cfg.prompt_tokens, seed)
+        continuations, sampled = generate_continuations(engine, prompts, cfg, seed, progress)
+        sequences = [p + c for p, c in zip(prompts, continuations)]
+        scores = score_sequences(llm_runner, sequences, cfg.kl_top_k, progress)
+        out.append(assemble(prompts, continuations, sampled, scores, cfg.kl_top_k))
+    return out[0], out[1]
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)

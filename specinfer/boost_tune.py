@@ -1,0 +1,496 @@
+"""`specinfer boost-tune`: collective boost-tuning of an SSM pool (SpecInfer Section 3).
+
+SpecInfer (arXiv 2305.09781) aligns a pool of small speculative models (SSMs) with the LLM by an
+unsupervised, AdaBoost-like procedure, "collective boost-tuning":
+
+1. take prompts from a corpus and let the LLM generate continuations (`specinfer.boost_data`);
+2. fine-tune SSM 1 to reproduce the LLM on all of them;
+3. mark the samples where SSM 1 now reproduces the LLM, and fine-tune SSM 2 on the rest;
+4. and so on through the pool: SSM k trains on what none of SSMs 1..k-1 got right.
+
+**What a sample is here: a position.** A sample is one continuation position (a context and the
+LLM's next token there). SSM k has it right when its top-1 token equals the LLM's top-1 token,
+which is exactly when its width-1 draft at that node would be accepted by greedy verification.
+Sequences would be too coarse: a small SSM almost never reproduces a whole 64-token
+continuation, so "drop the sequences SSM 1 got right" would drop nothing. SSM k still reads
+every context in full; only its loss is restricted to the positions the earlier SSMs missed.
+
+**Loss.** Cross-entropy on the LLM's top-1 tokens (the continuation tokens, for greedy
+continuations), plus optionally ``kl_weight`` times the cross-entropy against the LLM's top
+``kl_top_k`` probabilities (forward KL to the truncated, renormalised LLM distribution, up to a
+constant): useful for stochastic serving, where the whole distribution matters.
+
+**Determinism and resuming.** Data is built once from the seed and stored. Training batches and
+the learning rate are pure functions of (seed, SSM index, step), so a run resumed from a
+checkpoint (weights + AdamW moments, every ``checkpoint_every`` steps, written atomically) ends
+with the same weights as an uninterrupted one. Everything is stored as safetensors/JSON.
+
+Layout of ``OUT``: ``ssm-<i>-<name>/`` (tuned checkpoints, in pool order), ``summary.json``, and
+``.boost/`` (the run's state: config, data, per-SSM checkpoints and agreement marks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from specinfer.boost_data import BoostData, DataConfig, build_data, read_corpus
+from specinfer.errors import UserError
+
+STATE_DIR = ".boost"
+RUN_FORMAT = 1
+SUMMARY_NAME = "summary.json"
+DONE_NAME = "boost.json"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 1e-3
+    kl_weight: float = 0.0
+    warmup_steps: int = 10
+    min_lr_factor: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    eval_batch_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
+            raise UserError("--steps must be >= 0, --batch-size and --checkpoint-every >= 1")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"--lr must be a positive number, got {self.lr}")
+        if self.kl_weight < 0:
+            raise UserError(f"--kl-weight must be >= 0, got {self.kl_weight}")
+
+
+@dataclass(frozen=True)
+class BoostConfig:
+    llm: Path
+    ssms: tuple[Path, ...]
+    corpus: tuple[Path, ...]
+    out: Path
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    device: str = "cpu"
+
+    def run_record(self) -> dict:
+        """What must match for `--resume` to continue a run (the output dir and device may differ)."""
+        return {"format": RUN_FORMAT, "llm": str(self.llm.resolve()), "ssms": [str(s.resolve()) for s in self.ssms],
+                "corpus": [str(c) for c in self.corpus], "data": asdict(self.data), "train": asdict(self.train)}
+
+    def ssm_names(self) -> list[str]:
+        return [f"ssm-{i}-{p.resolve().name}" for i, p in enumerate(self.ssms)]
+
+
+StepHook = Callable[[int, int], None]  # (ssm index, steps done) after every optimizer step
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def boost_tune(cfg: BoostConfig, resume: bool = False, progress: bool = True, on_step: StepHook | None = None) -> dict:
+    """Boost-tunes every SSM of the pool in order; returns (and writes) the summary."""
+    state = _prepare_state(cfg, resume)
+    train, evals = load_or_build_data(cfg, state, progress)
+    agreed = torch.zeros_like(train.mask)  # positions some earlier SSM already gets right
+    entries = []
+    for i, (source, name) in enumerate(zip(cfg.ssms, cfg.ssm_names())):
+        entry, agree = tune_one(cfg, state, i, source, cfg.out / name, train, evals, agreed, progress, on_step)
+        agreed |= agree
+        entries.append(entry)
+    summary = make_summary(cfg, state, entries, train, evals)
+    _write_json(cfg.out / SUMMARY_NAME, summary)
+    if progress:
+        print(format_summary(summary), file=sys.stderr)
+    return summary
+
+
+def _prepare_state(cfg: BoostConfig, resume: bool) -> Path:
+    state = cfg.out / STATE_DIR
+    record_path = state / "run.json"
+    record = cfg.run_record()
+    if record_path.is_file():
+        if not resume:
+            raise UserError(f"{cfg.out} already holds a boost-tune run: pass --resume to continue it, or another --out")
+        if json.loads(record_path.read_text()) != json.loads(json.dumps(record)):
+            raise UserError(f"--resume: the run in {cfg.out} was started with different models, corpus or settings")
+        return state
+    if cfg.out.exists() and any(p.name != STATE_DIR for p in cfg.out.iterdir()):
+        raise UserError(f"output directory {cfg.out} is not empty")
+    state.mkdir(parents=True, exist_ok=True)
+    _write_json(record_path, record)
+    return state
+
+
+def load_or_build_data(cfg: BoostConfig, state: Path, progress: bool) -> tuple[BoostData, BoostData]:
+    from safetensors.torch import load_file, save_file
+
+    path = state / "data.safetensors"
+    if path.is_file():
+        tensors = load_file(str(path))
+        return BoostData.from_tensors(tensors, "train"), BoostData.from_tensors(tensors, "eval")
+    from specinfer.config import ModelConfig
+    from specinfer.runner import ModelRunner
+    from specinfer.tokenizer import TextTokenizer
+
+    d = cfg.data
+    kv_tokens = max(d.gen_batch_size, 8) * (d.prompt_tokens + d.continuation_tokens + 16)
+    llm = ModelRunner.from_dir(cfg.llm, "float32", cfg.device, max_kv_tokens=kv_tokens)
+    tokenizer = TextTokenizer.from_dir(cfg.llm, ModelConfig.from_dir(cfg.llm).eos_token_ids)
+    train, evals = build_data(llm, tokenizer, cfg.corpus, d, progress)
+    _atomic(path, lambda tmp: save_file({**train.to_tensors("train"), **evals.to_tensors("eval")}, str(tmp)))
+    return train, evals
+
+
+def tune_one(cfg: BoostConfig, state: Path, index: int, source: Path, final_dir: Path, train: BoostData,
+             evals: BoostData, agreed: torch.Tensor, progress: bool, on_step: StepHook | None) -> tuple[dict, torch.Tensor]:
+    """Tunes SSM `index` on the positions no earlier SSM gets right; returns its summary entry and
+    the training positions it gets right afterwards."""
+    from safetensors.torch import load_file, save_file
+
+    ssm_state = state / f"ssm-{index}"
+    ssm_state.mkdir(exist_ok=True)
+    if (final_dir / DONE_NAME).is_file():  # finished in an earlier (interrupted) run
+        marks = load_file(str(ssm_state / "marks.safetensors"))
+        return json.loads((final_dir / DONE_NAME).read_text()), marks["train_agree"]
+    model = load_model(source, cfg.device)
+    before_path = ssm_state / "before.safetensors"
+    if not before_path.is_file():
+        before = agreement(model, evals, cfg.train.eval_batch_size, cfg.device, progress, f"SSM {index} before")
+        _atomic(before_path, lambda tmp: save_file({"eval_agree": before}, str(tmp)))
+    before = load_file(str(before_path))["eval_agree"]
+    weights = train.mask & ~agreed
+    trainer = Trainer(model, cfg.train, index, cfg.device)
+    trainer.resume_from(ssm_state / "ckpt")
+    trainer.fit(train, weights, ssm_state / "ckpt", progress, on_step)
+    after = agreement(model, evals, cfg.train.eval_batch_size, cfg.device, progress, f"SSM {index} after")
+    train_agree = agreement(model, train, cfg.train.eval_batch_size, cfg.device, progress, f"SSM {index} marks")
+    _atomic(ssm_state / "marks.safetensors",
+            lambda tmp: save_file({"train_agree": train_agree, "eval_agree": after, "train_weights": weights}, str(tmp)))
+    entry = {
+        "index": index, "name": final_dir.name, "source": str(source), "checkpoint": str(final_dir),
+        "train_positions": int(weights.sum()), "train_positions_total": train.num_positions,
+        "steps": cfg.train.steps if int(weights.sum()) else 0, "final_loss": trainer.last_loss,
+        "eval_agreement_before": _rate(before, evals.mask), "eval_agreement_after": _rate(after, evals.mask),
+        "train_agreement_after": _rate(train_agree, train.mask),
+    }
+    save_final(model, source, final_dir, entry)
+    return entry, train_agree
+
+
+# ---- training --------------------------------------------------------------------------------
+
+
+class Trainer:
+    """AdamW on one SSM; batches and learning rate depend only on (seed, SSM index, step)."""
+
+    def __init__(self, model, cfg: TrainConfig, index: int, device: str):
+        self.model = model
+        self.cfg = cfg
+        self.index = index
+        self.device = device
+        self.params = dict(model.named_parameters())
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
+                                           weight_decay=cfg.weight_decay, foreach=False)
+        self.step = 0
+        self.last_loss: float | None = None
+
+    def lr_at(self, step: int) -> float:
+        cfg = self.cfg
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        factor = cfg.min_lr_factor + (1 - cfg.min_lr_factor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.lr * factor
+
+    def batch_rows(self, eligible: torch.Tensor, step: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(((self.cfg.seed * 1_000_003) + self.index) * 1_000_003 + step)
+        picks = torch.randint(0, len(eligible), (self.cfg.batch_size,), generator=gen)
+        return eligible[picks]
+
+    def fit(self, data: BoostData, weights: torch.Tensor, ckpt: Path, progress: bool, on_step: StepHook | None) -> None:
+        eligible = torch.nonzero(weights.any(dim=1)).flatten()
+        if len(eligible) == 0:
+            return  # every position is already right: nothing to train on
+        self.model.train()
+        with _bar(self.cfg.steps, f"SSM {self.index} tuning", progress, initial=self.step) as bar:
+            while self.step < self.cfg.steps:
+                rows = self.batch_rows(eligible, self.step)
+                loss = self.train_step(data, weights, rows)
+                self.step += 1
+                self.last_loss = round(loss, 5)
+                if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                    self.save(ckpt)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}")
+                if on_step is not None:
+                    on_step(self.index, self.step)
+        self.model.eval()
+
+    def train_step(self, data: BoostData, weights: torch.Tensor, rows: torch.Tensor) -> float:
+        width = int(data.lengths[rows].max())
+        w = weights[rows, :width]
+        picked = torch.nonzero(w, as_tuple=True)  # only weighted positions need the LM head
+        logits = logits_at(self.model, data.tokens[rows, :width].to(self.device), picked)
+        loss = boost_loss(logits, data.targets[rows, :width][picked].to(self.device),
+                          w[picked].float().to(self.device), data.topk_ids[rows, :width][picked].to(self.device),
+                          data.topk_probs[rows, :width][picked].to(self.device), self.cfg.kl_weight)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    # -- checkpoints: weights + AdamW moments + step, as safetensors, replaced atomically --
+
+    def save(self, ckpt: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"param.{n}": p.detach().cpu().contiguous() for n, p in self.params.items()}
+        for n, p in self.params.items():
+            st = self.optimizer.state.get(p)
+            if st:
+                tensors[f"exp_avg.{n}"] = st["exp_avg"].cpu().contiguous()
+                tensors[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].cpu().contiguous()
+                tensors[f"adam_step.{n}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
+        meta = {"step": str(self.step), "last_loss": json.dumps(self.last_loss)}
+        _atomic(ckpt.with_suffix(".safetensors"), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+
+    def resume_from(self, ckpt: Path) -> None:
+        from safetensors import safe_open
+
+        path = ckpt.with_suffix(".safetensors")
+        if not path.is_file():
+            return
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(tensors[f"param.{n}"])
+                if f"exp_avg.{n}" in tensors:
+                    self.optimizer.state[p] = {
+                        "step": tensors[f"adam_step.{n}"].reshape(()).clone(),
+                        "exp_avg": tensors[f"exp_avg.{n}"].to(p.device),
+                        "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(p.device),
+                    }
+        self.step = int(meta["step"])
+        self.last_loss = json.loads(meta["last_loss"])
+
+
+def boost_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+               topk_probs: torch.Tensor, kl_weight: float) -> torch.Tensor:
+    """Weighted mean over positions of CE(LLM top-1) + kl_weight * CE(renormalised LLM top-k).
+
+    Positions of weight 0 (padding, prompts, positions an earlier SSM gets right) contribute
+    nothing, neither to the loss nor to its gradient.
+    """
+    logp = F.log_softmax(logits, dim=-1)
+    per_pos = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if kl_weight and topk_ids.shape[-1]:
+        p = topk_probs / topk_probs.sum(-1, keepdim=True).clamp_min(1e-12)
+        per_pos = per_pos - kl_weight * (p * logp.gather(-1, topk_ids)).sum(-1)
+    per_pos = torch.where(weights > 0, per_pos, torch.zeros_like(per_pos))
+    return (per_pos * weights).sum() / weights.sum().clamp_min(1.0)
+
+
+def logits_at(model, tokens: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """(P, V) float32 logits of a causal LM at the positions `picked` = (rows, columns) of `tokens`."""
+    hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state
+    return model.lm_head(hidden[picked[0].to(hidden.device), picked[1].to(hidden.device)]).float()
+
+
+@torch.no_grad()
+def agreement(model, data: BoostData, batch: int, device: str, progress: bool, desc: str) -> torch.Tensor:
+    """(N, L) bool: the SSM's top-1 equals the LLM's top-1 (only inside `data.mask`)."""
+    model.eval()
+    out = torch.zeros_like(data.mask)
+    with _bar(len(data), desc, progress) as bar:
+        for lo in range(0, len(data), batch):
+            rows = slice(lo, min(lo + batch, len(data)))
+            width = int(data.lengths[rows].max())
+            picked = torch.nonzero(data.mask[rows, :width], as_tuple=True)
+            top1 = logits_at(model, data.tokens[rows, :width].to(device), picked).argmax(-1).cpu()
+            block = torch.zeros_like(data.mask[rows, :width])
+            block[picked] = top1 == data.targets[rows, :width][picked]
+            out[rows, :width] = block
+            bar.update(rows.stop - rows.start)
+    return out
+
+
+# ---- models and outputs ----------------------------------------------------------------------
+
+
+def load_model(model_dir: Path, device: str):
+    """An SSM as a float32 transformers `LlamaForCausalLM` (safetensors only)."""
+    from transformers import AutoModelForCausalLM
+
+    from specinfer.loader import safetensors_files
+
+    safetensors_files(Path(model_dir))  # refuses pickle-only checkpoints with a UserError
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
+    return model.to(device).eval()
+
+
+def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
+    """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer; `boost.json` last."""
+    from specinfer.make_ssm import copy_tokenizer_files
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
+    try:
+        with _quiet_transformers():
+            model.save_pretrained(tmp, safe_serialization=True)
+        copy_tokenizer_files(Path(source), tmp)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    _write_json(out_dir / DONE_NAME, entry)
+
+
+def make_summary(cfg: BoostConfig, state: Path, entries: list[dict], train: BoostData, evals: BoostData) -> dict:
+    from safetensors.torch import load_file
+
+    before_any = torch.zeros_like(evals.mask)
+    after_any = torch.zeros_like(evals.mask)
+    for i in range(len(entries)):
+        before_any |= load_file(str(state / f"ssm-{i}" / "before.safetensors"))["eval_agree"]
+        after_any |= load_file(str(state / f"ssm-{i}" / "marks.safetensors"))["eval_agree"]
+    return {
+        "llm": str(cfg.llm), "sample_unit": "position", "agreement": "SSM top-1 == LLM top-1",
+        "train_sequences": len(train), "train_positions": train.num_positions,
+        "eval_sequences": len(evals), "eval_positions": evals.num_positions,
+        "pool_eval_agreement_before": _rate(before_any, evals.mask),
+        "pool_eval_agreement_after": _rate(after_any, evals.mask),
+        "ssms": entries, "config": {"data": asdict(cfg.data), "train": asdict(cfg.train)},
+    }
+
+
+def format_summary(summary: dict) -> str:
+    lines = [f"boost-tune: held-out top-1 agreement with the LLM ({summary['eval_positions']} positions)"]
+    for e in summary["ssms"]:
+        lines.append(f"  {e['name']:<32} {e['eval_agreement_before']:.1%} -> {e['eval_agreement_after']:.1%}"
+                     f"   (trained on {e['train_positions']}/{e['train_positions_total']} positions)")
+    lines.append(f"  {'pool (any SSM)':<32} {summary['pool_eval_agreement_before']:.1%} -> "
+                 f"{summary['pool_eval_agreement_after']:.1%}")
+    return "\n".join(lines)
+
+
+def _rate(hits: torch.Tensor, mask: torch.Tensor) -> float:
+    return round(int((hits & mask).sum()) / max(1, int(mask.sum())), 4)
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+
+def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
+    d, t = DataConfig(), TrainConfig()
+    p = subparsers.add_parser("boost-tune", help="collective boost-tuning of an SSM pool on the LLM's own outputs")
+    p.add_argument("--llm", type=Path, required=True, help="LLM checkpoint directory")
+    p.add_argument("--ssm", type=Path, action="append", required=True,
+                   help="SSM checkpoint directory (repeatable; pool order: SSM 1 first)")
+    p.add_argument("--corpus", type=Path, nargs="+", required=True, help="text files, or directories (their *.py)")
+    p.add_argument("--exclude", type=Path, nargs="*", default=[], help="corpus files to leave out")
+    p.add_argument("--out", type=Path, required=True, help="output directory")
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="training prompts")
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for the summary")
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="longest prompt (shortest: half)")
+    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens)
+    p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
+                   help="fraction of prompts continued by sampling instead of greedily")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="for the sampled continuations")
+    p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps per SSM")
+    p.add_argument("--batch-size", type=int, default=t.batch_size)
+    p.add_argument("--lr", type=float, default=t.lr)
+    p.add_argument("--kl-weight", type=float, default=t.kl_weight, help="weight of the KL term (0 = none)")
+    p.add_argument("--kl-top-k", type=int, default=32, help="LLM probabilities kept per position for the KL term")
+    p.add_argument("--warmup-steps", type=int, default=t.warmup_steps, help="linear warmup, then cosine decay")
+    p.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BoostConfig:
+    from specinfer.app import ModelPaths, check_models, resolve_device
+
+    check_models(ModelPaths(args.llm, tuple(args.ssm)))  # dirs, architectures, same vocabulary
+    data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,
+                      continuation_tokens=args.continuation_tokens, sampled_fraction=args.sampled_fraction,
+                      temperature=args.temperature, kl_top_k=args.kl_top_k if args.kl_weight > 0 else 0,
+                      seed=args.seed)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, kl_weight=args.kl_weight,
+                        warmup_steps=args.warmup_steps, checkpoint_every=args.checkpoint_every, seed=args.seed)
+    return BoostConfig(llm=args.llm, ssms=tuple(args.ssm), corpus=tuple(read_corpus(args.corpus, args.exclude)),
+                       out=args.out, data=data, train=train, device=resolve_device(args.device))
+
+
+def run_boost_tune(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    summary = boost_tune(cfg, resume=args.resume, progress=not args.quiet)
+    if args.quiet:
+        print(format_summary(summary))
+    print(json.dumps({"out": str(cfg.out), "ssms": [e["checkpoint"] for e in summary["ssms"]],
+                      "summary": str(cfg.out / SUMMARY_NAME)}))
+    return 0
+
+
+# ---- small helpers ---------------------------------------------------------------------------
+
+
+def _atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def _write_json(path: Path, obj) -> None:
+    _atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
+
+
+def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True, initial=initial)
+
+
+class _quiet_transformers:
+    """Silences transformers' progress bars and load reports while loading/saving."""
+
+    def __enter__(self):
+        from transformers.utils import logging as hf_logging
+
+        self._bars = hf_logging.is_progress_bar_enabled()
+        self._level = hf_logging.get_verbosity()
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(self._level)
+        if self._bars:
+            hf_logging.enable_progress_bar()
+        return False

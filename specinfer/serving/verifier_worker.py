@@ -1,0 +1,243 @@
+"""The verifier's scheduler: continuous batching of prefills and tree verifications.
+
+SpecInfer (Section 5) verifies the token trees of many requests in one LLM pass. Each iteration
+here gathers the pending work of every active request: tree verifications (a one-node tree is
+plain decoding) and prompt prefills, read in chunks under a per-iteration token budget so one
+long prompt does not stall everyone; all of it runs as ONE forward pass. Requests join and leave
+between iterations.
+
+KV memory: a request is admitted only once the blocks for its whole worst case (prompt, new
+tokens, the largest tree it may verify) are reserved, so nothing runs out of memory mid-request
+and the allocator never fragments into failure under its budget. When memory is short, idle
+session caches are evicted first; then new requests wait in a bounded queue, and get
+RESOURCE_EXHAUSTED when it is full or their wait times out. Every exit path frees the blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.engine import LLMState, Verifier
+from specinfer.errors import CapacityError, UnavailableError
+from specinfer.sampling import SamplingParams
+from specinfer.serving.metrics import ModelMetrics
+from specinfer.serving.workers import BatchWorker, Job
+from specinfer.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 256
+    token_budget: int = 512  # tokens per forward pass, trees first, then prompt chunks
+    min_prefill_chunk: int = 32  # a prompt always advances by at least this much
+    max_waiting: int = 64  # requests queued for KV memory before RESOURCE_EXHAUSTED
+    admission_timeout_s: float = 30.0
+    max_sessions: int = 64
+
+
+@dataclass
+class VerifySession:
+    """One admitted request's LLM-side state."""
+
+    state: LLMState
+    session_id: str | None
+    num_reused: int = 0  # prompt tokens whose KV came from the session cache
+
+
+@dataclass
+class CachedSession:
+    state: LLMState
+    token_ids: list[int]  # tokens whose KV the cache holds, in order
+    last_used: float
+
+
+class VerifierWorker:
+    """Owns the LLM runner; every model call goes through its single thread."""
+
+    def __init__(self, verifier: Verifier, cfg: SchedulerConfig = SchedulerConfig(),
+                 metrics: ModelMetrics | None = None):
+        self.verifier = verifier
+        self.runner = verifier.runner
+        self.cfg = cfg
+        self.sessions: dict[str, CachedSession] = {}
+        self.metrics = metrics
+        self.num_open = 0
+        if metrics is not None:
+            self.runner.on_forward = metrics.iteration_tokens.observe
+        self.worker = BatchWorker("verifier-worker", self._process, cfg.max_batch, metrics)
+
+    # ---- API for request handlers (any thread) ---------------------------------------------
+
+    def open(self, prompt_ids: list[int], session_id: str | None, num_slots: int,
+             timeout_s: float | None = None) -> VerifySession:
+        """Admits a request once `num_slots` cache slots (its worst case) are reserved."""
+        wait_s = self.cfg.admission_timeout_s if timeout_s is None else min(timeout_s, self.cfg.admission_timeout_s)
+        return self.worker.call("open", prompt_ids, session_id, num_slots, time.monotonic() + wait_s)
+
+    def verify(self, session: VerifySession, tree: TokenTree, params: SamplingParams,
+               generator: torch.Generator | None) -> Future:
+        return self.worker.submit("verify", session, tree, params, generator)
+
+    def close(self, session: VerifySession, history: list[int] | None) -> None:
+        """Frees the request's KV, or keeps it as its session's cache when `history` is given
+        (the tokens the session's conversation now holds)."""
+        try:
+            self.worker.call("close", session, history)
+        except UnavailableError:  # shutting down: the whole cache goes with the process
+            pass
+
+    def release_session(self, session_id: str) -> bool:
+        return self.worker.call("release_session", session_id)
+
+    # ---- the worker thread -----------------------------------------------------------------
+
+    def _process(self, jobs: list[Job]) -> tuple[list[Job], bool]:
+        carried, is_busy = self._iterate(jobs)
+        if self.metrics is not None:
+            self.metrics.observe_kv(self.runner.allocator.num_used, self.runner.allocator.num_free)
+            self.metrics.requests_running.set(self.num_open)
+        return carried, is_busy
+
+    def _iterate(self, jobs: list[Job]) -> tuple[list[Job], bool]:
+        by_kind: dict[str, list[Job]] = {"open": [], "verify": [], "close": [], "release_session": []}
+        for job in jobs:
+            by_kind[job.kind].append(job)
+        for job in by_kind["close"]:  # free memory before admitting anyone
+            _settle(job, lambda: self._close(*job.args))
+        for job in by_kind["release_session"]:
+            _settle(job, lambda: self._release(job.args[0]))
+        waiting = self._admit(by_kind["open"])
+        prefilling, did_run = self._run_step(by_kind["verify"])
+        is_busy = did_run or bool(by_kind["close"] or by_kind["release_session"])
+        return waiting + prefilling, is_busy
+
+    def _admit(self, opens: list[Job]) -> list[Job]:
+        """Admits in arrival order; returns the jobs that keep waiting for memory."""
+        waiting = []
+        now = time.monotonic()
+        for job in opens:
+            prompt_ids, session_id, num_slots, deadline = job.args
+            if waiting or not self._try_admit(job, prompt_ids, session_id, num_slots):
+                if now > deadline:
+                    job.future.set_exception(CapacityError("KV cache full: timed out waiting for memory"))
+                elif len(waiting) >= self.cfg.max_waiting:
+                    job.future.set_exception(CapacityError("KV cache full and the admission queue is full"))
+                else:
+                    waiting.append(job)
+        return waiting
+
+    def _try_admit(self, job: Job, prompt_ids: list[int], session_id: str | None, num_slots: int) -> bool:
+        block_size = self.runner.allocator.block_size
+        cached = self.sessions.get(session_id) if session_id else None
+        needed = -(-num_slots // block_size) - (len(cached.state.seq.block_table) if cached else 0)
+        allocator = self.runner.allocator
+        if needed > allocator.num_blocks:
+            job.future.set_exception(CapacityError(
+                f"request needs {num_slots} KV slots; the cache holds {allocator.num_blocks * block_size}"))
+            return True
+        while needed > allocator.num_free and self._evict_one(keep=session_id):
+            pass
+        if needed > allocator.num_free:
+            return False
+        session = self._open(prompt_ids, session_id)
+        session.state.seq.ensure_capacity(num_slots)
+        self.num_open += 1
+        job.future.set_result(session)
+        return True
+
+    def _run_step(self, verifies: list[Job]) -> tuple[list[Job], bool]:
+        """One forward pass: every ready tree, plus prompt chunks under the token budget."""
+        budget = self.cfg.token_budget
+        ready, chunks, carried = [], [], []
+        verifies = [job for job in verifies if self._fits_reservation(job)]
+        for job in verifies:  # requests past their prompt: trees cost their node count
+            session, tree = job.args[0], job.args[1]
+            if len(session.state.pending) == 1:
+                ready.append(job)
+                budget -= len(tree)
+        for job in verifies:
+            session, tree = job.args[0], job.args[1]
+            num_chain = len(session.state.pending) - 1
+            if num_chain == 0:
+                continue
+            if num_chain + len(tree) <= max(budget, 0):  # the rest of the prompt and the tree fit
+                ready.append(job)
+                budget -= num_chain + len(tree)
+                continue
+            chunk = min(num_chain, max(budget, self.cfg.min_prefill_chunk if not chunks else 0))
+            if chunk > 0:
+                chunks.append((session.state, chunk))
+                budget -= chunk
+            carried.append(job)
+        if not ready and not chunks:
+            return carried, False
+        items = [(j.args[0].state, j.args[1], j.args[2], j.args[3]) for j in ready]
+        results = self.verifier.step(items, chunks)
+        for job, result in zip(ready, results):
+            job.future.set_result(result)
+        return carried, True
+
+    @staticmethod
+    def _fits_reservation(job: Job) -> bool:
+        """A tree must fit the slots reserved at admission (no allocation mid-request)."""
+        state, tree = job.args[0].state, job.args[1]
+        if state.seq.num_committed + len(state.pending) - 1 + len(tree) <= state.seq.capacity:
+            return True
+        job.future.set_exception(CapacityError(f"a tree of {len(tree)} nodes exceeds the request's reserved KV"))
+        return False
+
+    def _open(self, prompt_ids: list[int], session_id: str | None) -> VerifySession:
+        cached = self.sessions.pop(session_id, None) if session_id else None
+        if cached is None:
+            return VerifySession(self.verifier.start(prompt_ids), session_id)
+        common = 0
+        limit = min(len(cached.token_ids), len(prompt_ids) - 1)  # keep >= 1 pending token (the root)
+        while common < limit and cached.token_ids[common] == prompt_ids[common]:
+            common += 1
+        state = cached.state
+        state.seq.num_committed = common
+        state.pending = list(prompt_ids[common:])
+        return VerifySession(state, session_id, num_reused=common)
+
+    def _close(self, session: VerifySession, history: list[int] | None) -> None:
+        self.num_open -= 1
+        state = session.state
+        if history is None or not session.session_id:
+            self.verifier.release(state)
+            return
+        # The cache holds the committed prefix; the newest token is still pending.
+        num = min(state.seq.num_committed, len(history))
+        state.seq.num_committed = num
+        state.seq.trim(num)
+        old = self.sessions.pop(session.session_id, None)
+        if old is not None:
+            self.verifier.release(old.state)
+        self.sessions[session.session_id] = CachedSession(state, list(history[:num]), time.monotonic())
+        while len(self.sessions) > self.cfg.max_sessions:
+            self._evict_one(keep=None)
+
+    def _evict_one(self, keep: str | None) -> bool:
+        """Frees the least recently used idle session cache (not `keep`)."""
+        candidates = [k for k in self.sessions if k != keep]
+        if not candidates:
+            return False
+        self._release(min(candidates, key=lambda k: self.sessions[k].last_used))
+        return True
+
+    def _release(self, session_id: str) -> bool:
+        cached = self.sessions.pop(session_id, None)
+        if cached is None:
+            return False
+        self.verifier.release(cached.state)
+        return True
+
+
+def _settle(job: Job, fn) -> None:
+    try:
+        job.future.set_result(fn())
+    except Exception as exc:  # noqa: BLE001 - the error belongs to this job's caller
+        job.future.set_exception(exc)
