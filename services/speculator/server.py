@@ -64,6 +64,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                         step_span.set_attribute("tree_nodes", len(tree))
                         step_span.set_attribute("tree_depth", tree.max_depth)
                         step_span.set_attribute("step", step)
+                        step_span.set_attribute("batch_size", session.last_batch_size)
                     yield pb.SpeculateResponse(tree=tree_to_proto(tree, params.is_greedy), step=step,
                                                speculate_s=seconds)
                     step += 1
@@ -107,7 +108,7 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
     if len({r.cfg.vocab_size for r in runners}) != 1:
         raise UserError("all SSMs of one speculator must share a vocabulary")
     names = [d.name for d in cfg.ssm_dirs]
-    tracer = setup_tracing("speculator", cfg.otlp_endpoint, exporter)
+    tracer = setup_tracing("specinfer-speculator", cfg.otlp_endpoint, exporter)
     registry = new_registry()
     worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
                               metrics=ModelMetrics.create(registry, "speculator"))

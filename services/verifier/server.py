@@ -96,7 +96,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     remaining = max_new - len(result.output_ids)
                     depth = speculation_depth(remaining, len(prompt_ids) + len(result.output_ids), self.max_context)
                     root = session.state.pending[-1]
+                    step = result.num_llm_steps
                     with self.tracer.start_as_current_span("verifier.speculate") as s:
+                        s.set_attribute("step", step)
                         if links and depth > 0:
                             tree, failed = gather_tree(links, root, self.cfg.speculator_step_timeout_s,
                                                        self.vocab_size, params.is_greedy, shape.max_nodes)
@@ -110,8 +112,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     with self.tracer.start_as_current_span("verifier.verify_tree") as s:
                         future = self.worker.verify(session, tree, params, verify_gen)
                         accepted, bonus = self._wait(future, cancelled, deadline)
+                        s.set_attribute("step", step)
                         s.set_attribute("tree_nodes", len(tree))
                         s.set_attribute("accepted_length", len(accepted))
+                        s.set_attribute("batch_size", session.last_batch_size)
                     kept = result.record_step(accepted, bonus, len(tree), max_new, stops)
                     self.metrics.observe_step(len(tree), len(accepted), is_speculated=len(tree) > 1)
                     self.metrics.output_tokens.inc(len(kept))
@@ -173,7 +177,7 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
 
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
                                   max_kv_tokens=cfg.max_kv_tokens)
-    tracer = setup_tracing("verifier", cfg.otlp_endpoint, exporter)
+    tracer = setup_tracing("specinfer-verifier", cfg.otlp_endpoint, exporter)
     registry = new_registry()
     scheduler = SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget, max_waiting=cfg.max_waiting,
                                 admission_timeout_s=cfg.admission_timeout_s, max_sessions=cfg.max_sessions)

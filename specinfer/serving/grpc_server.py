@@ -125,6 +125,7 @@ class ServerConfig:
     port: int = 0
     max_workers: int = 64
     grace_s: float = 10.0
+    max_connection_age_s: int = 300
 
 
 class RunningServer:
@@ -180,7 +181,10 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
         interceptors=[ErrorInterceptor(rpc_metrics)],
-        options=CHANNEL_OPTIONS,
+        # Clients re-resolve DNS only when a connection closes: cycling connections lets them
+        # find replicas added by scaling; open streams get the grace period to finish.
+        options=CHANNEL_OPTIONS + [("grpc.max_connection_age_ms", cfg.max_connection_age_s * 1000),
+                                   ("grpc.max_connection_age_grace_ms", int(cfg.grace_s * 1000) + 600_000)],
         maximum_concurrent_rpcs=None,
     )
     for add in add_servicers:

@@ -46,6 +46,7 @@ class VerifySession:
     state: LLMState
     session_id: str | None
     num_reused: int = 0  # prompt tokens whose KV came from the session cache
+    last_batch_size: int = 0  # requests verified in the same pass as this one's last step
 
 
 @dataclass
@@ -178,6 +179,7 @@ class VerifierWorker:
         items = [(j.args[0].state, j.args[1], j.args[2], j.args[3]) for j in ready]
         results = self.verifier.step(items, chunks)
         for job, result in zip(ready, results):
+            job.args[0].last_batch_size = len(ready)
             job.future.set_result(result)
         return carried, True
 

@@ -35,6 +35,7 @@ class Job:
 
 
 IDLE_POLL_S = 0.05
+_NO_JOB = Job("none", ())
 
 
 class BatchWorker:
@@ -88,11 +89,11 @@ class BatchWorker:
             try:  # block only when nothing carried over can make progress
                 job = self._queue.get(timeout=None if not carried else (0 if is_busy else IDLE_POLL_S))
             except queue.Empty:
-                job = ...
+                job = _NO_JOB
             if job is None:
                 self._fail(carried, UnavailableError("model worker is shutting down"))
                 return
-            jobs = carried + ([] if job is ... else [job])
+            jobs = carried + ([] if job is _NO_JOB else [job])
             while len(jobs) < self._max_batch:
                 try:
                     nxt = self._queue.get_nowait()
@@ -133,6 +134,7 @@ class SpecSession:
     shape: TreeShape
     generator: torch.Generator
     last_trees: list[SSMTree | None] | None = None
+    last_batch_size: int = 0  # requests whose trees were built together with this one's last
 
 
 class SpeculatorWorker:
@@ -201,4 +203,5 @@ class SpeculatorWorker:
                  for j in proposing]
         for job, (tree, ssm_trees) in zip(proposing, self.speculator.propose(batch)):
             job.args[0].last_trees = ssm_trees
+            job.args[0].last_batch_size = len(proposing)
             job.future.set_result((tree, time.perf_counter() - start))
