@@ -33,6 +33,7 @@ class SpecConfig:
     max_nodes: int = 64
     is_sampled_tree: bool = True
     proposal_top_k: int = 32
+    min_path_prob: float = 0.0  # dynamic pruning of unlikely branches (see TreeShape)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -44,7 +45,8 @@ class SpecConfig:
         if self.mode == "incremental":
             return None
         widths = self.widths if self.mode == "tree" else (1,) * len(self.widths)
-        return TreeShape(widths, self.max_nodes, self.is_sampled_tree, self.proposal_top_k)
+        return TreeShape(widths, self.max_nodes, self.is_sampled_tree, self.proposal_top_k,
+                         min_path_prob=self.min_path_prob)
 
 
 @dataclass

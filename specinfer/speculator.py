@@ -33,6 +33,9 @@ class TreeShape:
     max_nodes: int = DEFAULT_MAX_NODES
     is_sampled: bool = True  # stochastic mode: draw children from q (True) or take top-k (False)
     proposal_top_k: int = 32  # sampled children come from q truncated to this many tokens
+    # Dynamic pruning: a node joins the tree only if the SSM's probability of its whole path
+    # (the product along it) is at least this; 0 keeps every node the widths allow.
+    min_path_prob: float = 0.0
     # --- SSM pool policy (boost-tuning work, issue 5) ---
     # "merge": every SSM the request uses expands the full width vector; the trees are merged.
     # "mixed": only the request's first SSM (in pool order: the best one) expands `widths`; every
@@ -94,11 +97,15 @@ class _Expansion:
         """
         shape = self.shape
         k = shape.widths[self.level]
-        plan = plan_level([k] * len(self.frontier), len(self.tree), shape.max_nodes)
+        min_logprob = math.log(shape.min_path_prob) if shape.min_path_prob > 0 else -math.inf
         self.level += 1
         tree = self.tree
         before = len(tree)
         if self.is_sampled:
+            # Draft counts are fixed per node before anything is drawn at it, so the drafts stay
+            # i.i.d. from q (what exact verification assumes).
+            wanted = [k if self.path_logprob[n] >= min_logprob else 0 for n in self.frontier]
+            plan = plan_level(wanted, len(tree), shape.max_nodes)
             q = proposal_probs(logits, self.params, shape.proposal_top_k)  # (F, V)
             for row, node in enumerate(self.frontier):
                 if plan[row] == 0:
@@ -110,15 +117,20 @@ class _Expansion:
                     if child >= len(self.path_logprob):
                         self.path_logprob.append(self.path_logprob[node] + math.log(max(qrow[token].item(), 1e-30)))
         else:
-            width = max(plan) if plan else 0
-            if width:
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                top = torch.topk(logp, width, dim=-1)
-                values, indices = top.values.tolist(), top.indices.tolist()
-                for row, node in enumerate(self.frontier):
-                    for j in range(plan[row]):
-                        child = tree.add_draft(node, indices[row][j], None)
-                        self.path_logprob.append(self.path_logprob[node] + values[row][j])
+            # Deterministic children: the level's most probable paths win the node budget.
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+            values, indices = top.values.tolist(), top.indices.tolist()
+            candidates = [
+                (self.path_logprob[node] + values[row][j], node, indices[row][j])
+                for row, node in enumerate(self.frontier)
+                for j in range(len(values[row]))
+            ]
+            candidates = [c for c in candidates if c[0] >= min_logprob]
+            candidates.sort(key=lambda c: -c[0])
+            for path_lp, node, token in candidates[: max(0, shape.max_nodes - len(tree))]:
+                tree.add_draft(node, token, None)
+                self.path_logprob.append(path_lp)
         new_nodes = list(range(before, len(tree)))
         # Most probable paths first, so the node cap spends its budget on them next level.
         new_nodes.sort(key=lambda n: -self.path_logprob[n])

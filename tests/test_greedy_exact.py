@@ -40,6 +40,7 @@ CASES = {
     "tree": (SpecConfig(mode="tree", widths=(1, 1, 3, 1, 1, 1, 1, 1)), 1),
     "tree-wide": (SpecConfig(mode="tree", widths=(3, 2, 2, 1), max_nodes=16), 1),
     "tree-merged-2-ssms": (SpecConfig(mode="tree", widths=(2, 2, 1, 1, 1)), 2),
+    "tree-dynamic-pruned": (SpecConfig(mode="tree", widths=(3, 3, 2, 2, 2, 2), max_nodes=12, min_path_prob=0.05), 1),
 }
 
 

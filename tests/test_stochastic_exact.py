@@ -98,6 +98,7 @@ CONFIGS = {
                                SpecConfig(widths=(3, 2), is_sampled_tree=True, proposal_top_k=3), 1),
     "t0.7-p0.9-topk-tree": (SamplingParams(0.7, top_p=0.9), SpecConfig(widths=(2, 2), is_sampled_tree=False), 1),
     "t1-merged-2-ssms": (SamplingParams(1.0), SpecConfig(widths=(2, 1), is_sampled_tree=True), 2),
+    "t1-pruned-sampled-tree": (SamplingParams(1.0), SpecConfig(widths=(3, 3), max_nodes=5, min_path_prob=0.2), 1),
 }
 
 
