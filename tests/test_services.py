@@ -31,6 +31,7 @@ def start_stack(tiny_pair, num_speculators=1, **verifier_kwargs):
     specs = [build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
              for _ in range(num_speculators)]
     targets = tuple(f"127.0.0.1:{s.port}" for s, _ in specs)
+    verifier_kwargs.setdefault("is_load_aware", False)  # fixed trees: step counts comparable in-process
     cfg = VerifierConfig(tiny_pair.llm, targets, port=0, device="cpu", tree_width=WIDTHS, grace_s=1,
                          **verifier_kwargs)
     verifier, servicer = build_verifier(cfg)

@@ -58,7 +58,8 @@ def stack(models):
     exporter = InMemorySpanExporter()
     spec, spec_servicer = build_speculator(SpeculatorConfig((ssm,), port=0, device="cpu", grace_s=0), exporter)
     verifier, ver_servicer = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
-                                                           tree_width=WIDTHS, speculator_step_timeout_s=2), exporter)
+                                                           tree_width=WIDTHS, speculator_step_timeout_s=2,
+                                                           is_load_aware=False), exporter)
     cfg = GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", redis_url=redis_url(), model_dir=llm,
                         key_prefix=f"specinfer-test-{uuid.uuid4().hex[:8]}:")
     gateway = serve_gateway(cfg, setup_tracing("gateway", None, exporter), new_registry())

@@ -26,6 +26,7 @@ class VerifierConfig:
     token_budget: int = 512
     max_waiting: int = 64
     admission_timeout_s: float = 30.0
+    is_load_aware: bool = True  # requests without an explicit tree shape get one per step from the policy
     otlp_endpoint: str | None = None
     metrics_port: int = 0
     log_level: str = "info"
@@ -56,6 +57,9 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
                    help="tokens per forward pass (trees first, then prompt chunks)")
     p.add_argument("--max-waiting", type=int, default=int(env.get("SPECINFER_MAX_WAITING", "64")),
                    help="requests that may queue for KV memory before RESOURCE_EXHAUSTED")
+    p.add_argument("--fixed-tree", action="store_true",
+                   default=env.get("SPECINFER_LOAD_AWARE", "1").lower() in ("0", "false", "no"),
+                   help="always use the default tree shape instead of load-aware shapes")
     p.add_argument("--admission-timeout-s", type=float, default=float(env.get("SPECINFER_ADMISSION_TIMEOUT_S", "30")))
     p.add_argument("--otlp-endpoint", default=env.get("SPECINFER_OTLP_ENDPOINT") or None)
     p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
@@ -71,6 +75,6 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         tree_width=parse_tree_width(a.tree_width), max_tree_nodes=a.max_tree_nodes,
         default_deadline_s=a.default_deadline_s, speculator_step_timeout_s=a.speculator_step_timeout_s,
         max_sessions=a.max_sessions, token_budget=a.token_budget, max_waiting=a.max_waiting,
-        admission_timeout_s=a.admission_timeout_s, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
+        admission_timeout_s=a.admission_timeout_s, is_load_aware=not a.fixed_tree, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
         log_level=a.log_level, grace_s=a.grace_s,
     )

@@ -17,9 +17,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 
 from services.verifier.config import VerifierConfig, parse_config
-from services.verifier.speculators import SpeculatorLink, gather_tree, speculator_stub
+from services.verifier.speculators import SpeculationDriver, SpeculatorLink, speculator_stub
 from specinfer.engine import GenerationResult, Verifier, check_request, speculation_depth
 from specinfer.errors import UserError
+from specinfer.policy import CostModel, LoadAwarePolicy
 from specinfer.sampling import make_generator
 from specinfer.serving.convert import sampling_from_proto, sampling_to_proto, shape_from_proto, shape_to_proto
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server
@@ -33,14 +34,17 @@ from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 POLL_S = 0.05
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
-    def __init__(self, cfg: VerifierConfig, worker: VerifierWorker, tracer, metrics: SpecDecodeMetrics):
+    def __init__(self, cfg: VerifierConfig, worker: VerifierWorker, tracer, metrics: SpecDecodeMetrics,
+                 policy: LoadAwarePolicy | None = None):
         self.cfg = cfg
         self.worker = worker
         self.tracer = tracer
         self.metrics = metrics
+        self.policy = policy  # None: every request speculates with its (or the default) fixed shape
         runner = worker.runner
         self.vocab_size = runner.cfg.vocab_size
         self.max_context = runner.max_context
@@ -84,26 +88,21 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             num_slots = len(prompt_ids) + max_new + 1 + (shape.max_nodes * len(self.speculators) if use_speculators else 0)
             session = self.worker.open(prompt_ids, request.session_id or None, num_slots, timeout_s)
             span.set_attribute("reused_prefix_tokens", session.num_reused)
-            links: list[SpeculatorLink] = []
             result = GenerationResult(prompt_ids, [], 0)
+            driver = self._driver(request, params, shape, use_speculators, prompt_ids, max_new, timeout_s)
             is_ok = False
             try:
-                if use_speculators:
-                    links = self._open_links(request, params, shape, prompt_ids, max_new, timeout_s)
                 verify_gen = make_generator(params.seed, 2)
                 fell_back = False
                 while True:
-                    remaining = max_new - len(result.output_ids)
-                    depth = speculation_depth(remaining, len(prompt_ids) + len(result.output_ids), self.max_context)
                     root = session.state.pending[-1]
                     step = result.num_llm_steps
                     with self.tracer.start_as_current_span("verifier.speculate") as s:
+                        started = time.perf_counter()
+                        tree, failed, depth = driver.tree(root)
+                        if self.policy and depth:
+                            self.policy.observe_speculation(depth, time.perf_counter() - started)
                         s.set_attribute("step", step)
-                        if links and depth > 0:
-                            tree, failed = gather_tree(links, root, self.cfg.speculator_step_timeout_s,
-                                                       self.vocab_size, params.is_greedy, shape.max_nodes)
-                        else:
-                            tree, failed = gather_tree([], root, 0, self.vocab_size, True, 1)
                         s.set_attribute("tree_nodes", len(tree))
                         for name in failed:
                             fell_back = True
@@ -116,17 +115,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         s.set_attribute("tree_nodes", len(tree))
                         s.set_attribute("accepted_length", len(accepted))
                         s.set_attribute("batch_size", session.last_batch_size)
+                    if self.policy:
+                        self.policy.observe_step(tree, tree.find_path(accepted))
                     kept = result.record_step(accepted, bonus, len(tree), max_new, stops)
                     self.metrics.observe_step(len(tree), len(accepted), is_speculated=len(tree) > 1)
                     self.metrics.output_tokens.inc(len(kept))
                     is_done = result.is_finished(max_new)
-                    if not is_done and links:
-                        next_depth = speculation_depth(max_new - len(result.output_ids),
-                                                       len(prompt_ids) + len(result.output_ids), self.max_context)
-                        if next_depth > 0:
-                            for link in links:
-                                if link.is_alive:
-                                    link.send_feedback(accepted, bonus, next_depth)
+                    if not is_done:
+                        budget = speculation_depth(max_new - len(result.output_ids),
+                                                   len(prompt_ids) + len(result.output_ids), self.max_context)
+                        driver.after_step(accepted + [bonus], driver.plan(budget, self.worker.num_open))
                     response = pb.VerifierGenerateResponse(token_ids=kept)
                     if is_done:
                         response.finish_reason = result.finish_reason
@@ -142,17 +140,30 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             finally:
                 if cancelled.is_set() and not is_ok:
                     span.add_event("cancelled")
-                for link in links:
+                for link in driver.links:
                     link.close()
                 history = prompt_ids + result.output_ids if (is_ok and request.session_id) else None
                 self.worker.close(session, history)
 
-    def _open_links(self, request, params, shape, prompt_ids, max_new, timeout_s) -> list[SpeculatorLink]:
-        depth = speculation_depth(max_new, len(prompt_ids), self.max_context)
+    def _driver(self, request, params, shape, use_speculators, prompt_ids, max_new, timeout_s) -> SpeculationDriver:
+        """Opens the request's speculator streams (if any) and sends each its start."""
+        if use_speculators and self.policy and not request.shape.widths:
+            choose = self.policy.choose  # load-aware: the shape follows batch size and acceptance
+        else:
+            choose = lambda _batch_size: shape.widths  # noqa: E731 - a fixed shape
+        budget = speculation_depth(max_new, len(prompt_ids), self.max_context)
+        driver = SpeculationDriver([], shape, choose, self.vocab_size, params.is_greedy,
+                                   self.cfg.speculator_step_timeout_s)
+        if not use_speculators:
+            return driver
         start = pb.SpeculateStart(request_id=request.request_id, context_ids=prompt_ids,
-                                  sampling=sampling_to_proto(params), shape=shape_to_proto(shape), max_depth=depth)
+                                  sampling=sampling_to_proto(params), shape=shape_to_proto(shape))
+        driver.links = [SpeculatorLink(target, stub, timeout_s) for target, stub in self.speculators]
+        start = driver.start_message(start, driver.plan(budget, self.worker.num_open))
         metadata = outgoing_metadata()
-        return [SpeculatorLink(target, stub, start, timeout_s, metadata) for target, stub in self.speculators]
+        for link in driver.links:
+            link.open(start, metadata)
+        return driver
 
     @staticmethod
     def _wait(future, cancelled: threading.Event, deadline: float):
@@ -182,7 +193,13 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
     scheduler = SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget, max_waiting=cfg.max_waiting,
                                 admission_timeout_s=cfg.admission_timeout_s, max_sessions=cfg.max_sessions)
     worker = VerifierWorker(Verifier(runner), scheduler, metrics=ModelMetrics.create(registry, "verifier"))
-    servicer = VerifierServicer(cfg, worker, tracer, SpecDecodeMetrics.create(registry))
+    policy = None
+    if cfg.is_load_aware and cfg.speculators:
+        cost = CostModel.calibrate(runner, sizes=tuple(n for n in CALIBRATION_SIZES if n <= cfg.max_kv_tokens // 4))
+        log.info("calibrated LLM cost model: %s", ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in cost.points))
+        policy = LoadAwarePolicy(cost, max_depth=len(cfg.tree_width), max_width=max(cfg.tree_width),
+                                 max_nodes=cfg.max_tree_nodes)
+    servicer = VerifierServicer(cfg, worker, tracer, SpecDecodeMetrics.create(registry), policy)
     metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
 
     def on_stop():

@@ -11,11 +11,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import replace
 
 import grpc
 
-from specinfer.serving.convert import tree_from_proto
+from specinfer.serving.convert import shape_to_proto, tree_from_proto
 from specinfer.serving.grpc_server import CHANNEL_OPTIONS
+from specinfer.speculator import TreeShape
 from specinfer.tree import TokenTree, merge_trees
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
@@ -34,16 +36,20 @@ def speculator_stub(target: str) -> pb_grpc.SpeculatorStub:
 class SpeculatorLink:
     """One request's stream to one speculator."""
 
-    def __init__(self, name: str, stub: pb_grpc.SpeculatorStub, start: pb.SpeculateStart, timeout_s: float,
-                 metadata: list[tuple[str, str]]):
+    def __init__(self, name: str, stub: pb_grpc.SpeculatorStub, timeout_s: float):
         self.name = name
         self.is_alive = True
+        self._stub = stub
+        self._timeout_s = timeout_s
         self._outbox: queue.Queue = queue.Queue()
         self._inbox: queue.Queue = queue.Queue()
+        self._call = None
+
+    def open(self, start: pb.SpeculateStart, metadata: list[tuple[str, str]]) -> None:
+        """Starts the stream with its first message; the answer is the first tree."""
         self._outbox.put(pb.SpeculateRequest(start=start))
-        self._call = stub.Speculate(iter(self._outbox.get, _CLOSED), timeout=timeout_s, metadata=metadata)
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"spec-link-{name}")
-        self._reader.start()
+        self._call = self._stub.Speculate(iter(self._outbox.get, _CLOSED), timeout=self._timeout_s, metadata=metadata)
+        threading.Thread(target=self._read, daemon=True, name=f"spec-link-{self.name}").start()
 
     def _read(self) -> None:
         try:
@@ -70,15 +76,18 @@ class SpeculatorLink:
         self.fail(f"stream ended: {item if item is not _CLOSED else 'closed'}")
         raise ConnectionError(f"speculator {self.name} stream ended")
 
-    def send_feedback(self, accepted: list[int], bonus: int, max_depth: int) -> None:
-        self._outbox.put(pb.SpeculateRequest(feedback=pb.SpeculateFeedback(
-            accepted=accepted, bonus=bonus, max_depth=max_depth)))
+    def send_feedback(self, accepted: list[int], bonus: int, max_depth: int, shape: pb.TreeShape | None = None) -> None:
+        feedback = pb.SpeculateFeedback(accepted=accepted, bonus=bonus, max_depth=max_depth)
+        if shape is not None:
+            feedback.shape.CopyFrom(shape)
+        self._outbox.put(pb.SpeculateRequest(feedback=feedback))
 
     def fail(self, reason: str) -> None:
         if self.is_alive:
             log.warning("dropping speculator %s for this request: %s", self.name, reason)
         self.is_alive = False
-        self._call.cancel()
+        if self._call is not None:
+            self._call.cancel()
 
     def close(self) -> None:
         """Ends the stream politely (done=True); a dead link's call is already cancelled."""
@@ -111,3 +120,68 @@ def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_
     if not trees:
         return TokenTree.with_root(root), failed
     return (trees[0] if len(trees) == 1 else merge_trees(trees)[0]), failed
+
+
+class SpeculationDriver:
+    """One request's speculation across steps: which tree to ask for, and when.
+
+    The shape of each step comes from `choose_widths(batch_size)` (load-aware) or is fixed.
+    A step that should not speculate asks nothing; the tokens it verifies reach the speculators
+    with the next request for a tree (their caches catch up then), so switching speculation
+    off and on costs no extra round trip.
+    """
+
+    def __init__(self, links: list[SpeculatorLink], shape: TreeShape, choose_widths, vocab_size: int,
+                 is_greedy: bool, step_timeout_s: float):
+        self.links = links
+        self.shape = shape
+        self.choose_widths = choose_widths  # batch size -> widths; () = do not speculate
+        self.vocab_size = vocab_size
+        self.is_greedy = is_greedy
+        self.step_timeout_s = step_timeout_s
+        self.unsent: list[int] = []  # verified tokens the speculators have not been told about
+        self.is_awaiting = False
+        self.asked_depth = 0
+
+    @property
+    def is_alive(self) -> bool:
+        return any(link.is_alive for link in self.links)
+
+    def plan(self, budget_depth: int, batch_size: int) -> tuple[int, ...]:
+        """Widths for the next tree, clipped to the depth the request has left."""
+        if not self.is_alive or budget_depth <= 0:
+            return ()
+        return tuple(self.choose_widths(batch_size))[:budget_depth]
+
+    def start_message(self, start: pb.SpeculateStart, widths: tuple[int, ...]) -> pb.SpeculateStart:
+        start.max_depth = len(widths)
+        if widths:
+            start.shape.CopyFrom(self._shape_proto(widths))
+        self.is_awaiting = True
+        self.asked_depth = len(widths)
+        return start
+
+    def tree(self, root: int) -> tuple[TokenTree, list[str], int]:
+        """The tree for this step (root-only when none was asked), failures, and its depth."""
+        if not self.is_awaiting:
+            return TokenTree.with_root(root), [], 0
+        self.is_awaiting = False
+        tree, failed = gather_tree(self.links, root, self.step_timeout_s, self.vocab_size, self.is_greedy,
+                                   self.shape.max_nodes)
+        return tree, failed, self.asked_depth
+
+    def after_step(self, verified: list[int], widths: tuple[int, ...]) -> None:
+        """Records a verified step; asks for the next tree when `widths` says to speculate."""
+        self.unsent.extend(verified)
+        if not widths or not self.is_alive:
+            return
+        shape = self._shape_proto(widths)
+        for link in self.links:
+            if link.is_alive:
+                link.send_feedback(self.unsent[:-1], self.unsent[-1], len(widths), shape)
+        self.unsent = []
+        self.is_awaiting = True
+        self.asked_depth = len(widths)
+
+    def _shape_proto(self, widths: tuple[int, ...]) -> pb.TreeShape:
+        return shape_to_proto(replace(self.shape, widths=widths))

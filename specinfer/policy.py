@@ -1,0 +1,175 @@
+"""Load-aware speculation: choose each step's tree shape from measured costs and acceptance.
+
+SpecInfer's gains shrink as the batch grows (Section 6.2, Figure 10: wide trees pay at batch 1-2,
+widths 2-3 at batch >= 4), because verifying B trees of N nodes costs an LLM pass over B*N
+tokens. The policy maximises expected throughput
+
+    B * (1 + E[accepted | w]) / (t_llm(B * N(w)) + t_ssm * depth(w))
+
+over a family of width vectors w, where t_llm comes from a cost model calibrated at start-up
+(LLM forward time against tokens in the pass), t_ssm is the measured time per speculation level,
+and E[accepted | w] follows from the measured top-k containment c(k) of the SSMs (the chance that
+the LLM's token is among a node's first k drafts): E = sum_i prod_{j<=i} c(w_j). Depth 0 (plain
+decoding) is a candidate, so speculation switches off when it would not pay. Plain Python; the
+one tensor-touching part, calibration, only times a runner.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specinfer.tree import TokenTree
+
+PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
+PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
+
+
+@dataclass
+class CostModel:
+    """LLM forward seconds as a piecewise-linear function of the tokens in the pass."""
+
+    points: list[tuple[int, float]]  # (tokens, seconds), tokens ascending
+
+    def seconds(self, num_tokens: float) -> float:
+        xs = [p[0] for p in self.points]
+        i = bisect.bisect_left(xs, num_tokens)
+        if i == 0:
+            return self.points[0][1]
+        if i == len(xs):  # extrapolate with the last segment's slope
+            (x0, y0), (x1, y1) = self.points[-2], self.points[-1]
+        else:
+            (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        return y0 + (y1 - y0) * (num_tokens - x0) / max(1e-9, x1 - x0)
+
+    @classmethod
+    def calibrate(cls, runner, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256,
+                  repeats: int = 3) -> "CostModel":
+        """Times one forward pass per size over a `context`-token prefix (median of repeats)."""
+        from specinfer.runner import Work
+
+        seq = runner.new_sequence()
+        try:
+            max_size = max(sizes)
+            seq.ensure_capacity(context + max_size)
+            runner.prefill(seq, [0] * context)
+            points = []
+            for n in sizes:
+                work = Work(seq, [0] * n, list(range(context, context + n)), list(range(-1, n - 1)), "all")
+                runner.run([work])  # warm-up
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    runner.run([work])
+                    times.append(time.perf_counter() - start)
+                points.append((n, sorted(times)[len(times) // 2]))
+            # Costs never fall with more tokens; flatten measurement noise into a monotone curve.
+            for i in range(1, len(points)):
+                points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
+            return cls(points)
+        finally:
+            seq.free()
+
+
+@dataclass
+class AcceptanceStats:
+    """Top-k containment of the speculated drafts, learnt from verified steps."""
+
+    max_width: int = 8
+    hits: list[float] = field(default_factory=list)  # hits[k-1]: accepted within the first k drafts
+    trials: list[float] = field(default_factory=list)  # nodes that had >= k drafts
+
+    def __post_init__(self):
+        if not self.hits:
+            self.hits = [PRIOR_WEIGHT * c for c in PRIOR_CONTAINMENT[: self.max_width]]
+            self.trials = [PRIOR_WEIGHT] * self.max_width
+
+    def observe_node(self, num_drafts: int, accepted_rank: int | None) -> None:
+        """One visited node: how many drafts it had, and which one (0-based) was accepted."""
+        for k in range(1, min(num_drafts, self.max_width) + 1):
+            self.trials[k - 1] += 1
+            if accepted_rank is not None and accepted_rank < k:
+                self.hits[k - 1] += 1
+
+    def observe_step(self, tree: TokenTree, path: list[int]) -> None:
+        """Feeds the nodes a verification walked through (greedy or sampled trees alike)."""
+        for i, node in enumerate(path):
+            children = tree.children[node]
+            if not children:
+                continue
+            nxt = path[i + 1] if i + 1 < len(path) else None
+            self.observe_node(len(children), children.index(nxt) if nxt is not None else None)
+
+    def containment(self, k: int) -> float:
+        k = max(1, min(k, self.max_width))
+        values = [h / t for h, t in zip(self.hits, self.trials)]
+        return max(values[:k])  # c(k) never decreases with k
+
+
+def candidate_widths(max_depth: int, max_width: int) -> list[tuple[int, ...]]:
+    """The shapes the policy considers: up to two branching levels, then a chain."""
+    out = {()}
+    for depth in range(1, max_depth + 1):
+        for w1, w2 in itertools.product(range(1, max_width + 1), range(1, max_width + 1)):
+            if depth == 1 and w2 > 1:
+                continue
+            widths = (w1,) + ((w2,) if depth > 1 else ()) + (1,) * (depth - 2)
+            out.add(widths)
+    return sorted(out, key=lambda w: (len(w), w))
+
+
+def expected_accepted(widths: tuple[int, ...], stats: AcceptanceStats) -> float:
+    total, reach = 0.0, 1.0
+    for w in widths:
+        reach *= stats.containment(w)
+        total += reach
+    return total
+
+
+def num_nodes(widths: tuple[int, ...]) -> int:
+    total, level = 1, 1
+    for w in widths:
+        level *= w
+        total += level
+    return total
+
+
+class LoadAwarePolicy:
+    """Thread-safe: request handlers ask for shapes and report outcomes concurrently."""
+
+    def __init__(self, cost: CostModel, max_depth: int = 8, max_width: int = 3, max_nodes: int = 64,
+                 level_seconds: float | None = None):
+        self.cost = cost
+        self.stats = AcceptanceStats(max_width=max(max_width, 1))
+        self.candidates = [w for w in candidate_widths(max_depth, max_width) if num_nodes(w) <= max_nodes]
+        # Until measured, assume a speculation level costs a tenth of a one-token LLM pass.
+        self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
+        self._lock = threading.Lock()
+
+    def choose(self, batch_size: int) -> tuple[int, ...]:
+        """The width vector with the best expected throughput; () means do not speculate."""
+        batch = max(1, batch_size)
+        with self._lock:
+            best, best_rate = (), batch / self.cost.seconds(batch)
+            for widths in self.candidates:
+                if not widths:
+                    continue
+                step_s = self.cost.seconds(batch * num_nodes(widths)) + self.level_seconds * len(widths)
+                rate = batch * (1 + expected_accepted(widths, self.stats)) / step_s
+                if rate > best_rate:
+                    best, best_rate = widths, rate
+            return best
+
+    def observe_step(self, tree: TokenTree, path: list[int]) -> None:
+        if len(tree) > 1:
+            with self._lock:
+                self.stats.observe_step(tree, path)
+
+    def observe_speculation(self, depth: int, seconds: float, weight: float = 0.1) -> None:
+        """Wall time the verifier waited for a tree of `depth` levels (an EMA per level)."""
+        if depth > 0:
+            with self._lock:
+                self.level_seconds += weight * (seconds / depth - self.level_seconds)

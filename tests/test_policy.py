@@ -1,0 +1,109 @@
+"""Load-aware speculation: the cost/acceptance policy, and exactness when shapes change per step."""
+
+from __future__ import annotations
+
+import itertools
+
+import grpc
+import pytest
+
+from services.speculator.config import SpeculatorConfig
+from services.speculator.server import build as build_speculator
+from services.verifier.config import VerifierConfig
+from services.verifier.server import build as build_verifier
+from specinfer.engine import Engine, SpecConfig
+from specinfer.policy import AcceptanceStats, CostModel, LoadAwarePolicy, expected_accepted, num_nodes
+from specinfer.runner import ModelRunner
+from specinfer.tree import TokenTree
+from specinfer.v1 import specinfer_pb2 as pb
+from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+# An LLM pass that is memory-bound up to 16 tokens, then grows linearly (as measured on CPUs).
+BANDWIDTH_BOUND = CostModel([(1, 0.010), (16, 0.011), (64, 0.030), (256, 0.110)])
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    assert BANDWIDTH_BOUND.seconds(1) == pytest.approx(0.010)
+    assert BANDWIDTH_BOUND.seconds(40) == pytest.approx(0.011 + 0.019 * 24 / 48)
+    assert BANDWIDTH_BOUND.seconds(512) > BANDWIDTH_BOUND.seconds(256)
+
+
+def test_acceptance_stats_learn_containment():
+    stats = AcceptanceStats(max_width=3)
+    for _ in range(2000):  # the LLM's token is the SSM's first choice 90% of the time
+        stats.observe_node(3, 0)
+    for _ in range(222):
+        stats.observe_node(3, None)
+    assert stats.containment(1) == pytest.approx(0.9, abs=0.02)
+    assert stats.containment(2) >= stats.containment(1)
+    tree = TokenTree.with_root(0)
+    a = tree.add_draft(0, 5)
+    tree.add_draft(0, 6)
+    before = stats.trials[0]
+    stats.observe_step(tree, [0, a])  # root: 2 drafts, first accepted; node a: no children
+    assert stats.trials[0] == before + 1 and stats.trials[1] > 0
+
+
+def test_expected_accepted_and_node_count():
+    stats = AcceptanceStats(max_width=2, hits=[0.5, 0.75], trials=[1.0, 1.0])
+    assert expected_accepted((1, 1), stats) == pytest.approx(0.5 + 0.25)
+    assert expected_accepted((2, 1), stats) == pytest.approx(0.75 + 0.375)
+    assert num_nodes((2, 2, 1)) == 1 + 2 + 4 + 4
+
+
+def make_policy(level_seconds: float, containment: float) -> LoadAwarePolicy:
+    policy = LoadAwarePolicy(BANDWIDTH_BOUND, max_depth=8, max_width=3, level_seconds=level_seconds)
+    for _ in range(5000):
+        policy.stats.observe_node(3, 0 if (_ % 100) < containment * 100 else None)
+    return policy
+
+
+def test_policy_speculates_deep_when_cheap_and_accurate_at_batch_1():
+    widths = make_policy(level_seconds=0.0005, containment=0.85).choose(1)
+    assert len(widths) >= 5
+
+
+def test_policy_shrinks_trees_as_the_batch_grows():
+    policy = make_policy(level_seconds=0.0005, containment=0.8)
+    sizes = [num_nodes(policy.choose(b)) for b in (1, 4, 16, 64)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+
+
+def test_policy_switches_speculation_off_when_it_does_not_pay():
+    assert make_policy(level_seconds=0.02, containment=0.3).choose(1) == ()
+    assert make_policy(level_seconds=0.0005, containment=0.05).choose(1) == ()
+
+
+class AlternatingPolicy(LoadAwarePolicy):
+    """Speculates every other step, with changing shapes: stresses the catch-up protocol."""
+
+    def __init__(self):
+        super().__init__(BANDWIDTH_BOUND)
+        self._shapes = itertools.cycle([(2, 1, 1), (), (1, 1, 1, 1), (), (), (3,)])
+
+    def choose(self, batch_size):
+        return next(self._shapes)
+
+
+@pytest.mark.parametrize("sampling", [None, pb.SamplingParams(temperature=0.8, seed=7)])
+def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling):
+    spec, _ = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
+    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, (f"127.0.0.1:{spec.port}",), port=0,
+                                                       device="cpu", is_load_aware=False, grace_s=0))
+    try:
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+        prompt = [9, 8, 7, 6, 5]
+        kwargs = dict(prompt_ids=prompt, max_new_tokens=60, speculate=True, ignore_eos=True)
+        if sampling is not None:
+            kwargs["sampling"] = sampling
+        runs = []
+        for _ in range(2):  # the same seed and the same shape sequence reproduce the output
+            servicer.policy = AlternatingPolicy()
+            runs.append([t for r in stub.Generate(pb.VerifierGenerateRequest(**kwargs), timeout=30) for t in r.token_ids])
+        assert runs[0] == runs[1] and len(runs[0]) == 60
+        if sampling is None:
+            engine = Engine(ModelRunner.from_dir(tiny_pair.llm))
+            assert runs[0] == engine.generate(prompt, 60, spec=SpecConfig(mode="incremental"), stop_token_ids=()).output_ids
+    finally:
+        verifier.stop(0)
+        spec.stop(0)
