@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     b.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
     b.add_argument("--output", type=Path, help="also write the JSON result here")
+    b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: benchmark the services under load instead")
+    b.add_argument("--requests-per-level", type=int, default=16, help="with --concurrency: requests per arm")
+    b.add_argument("--temperatures", default="0,1", help="with --concurrency: comma-separated temperatures")
+    b.add_argument("--port", type=int, default=50151, help="with --concurrency: first port of the stack")
 
     from specinfer.launcher import add_up_parser
 
@@ -103,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             from specinfer.commands import run_generate
 
             return run_generate(args, default_cache_dir(args))
+        if args.command == "bench" and args.concurrency:
+            from specinfer.bench_serving import run_serving_bench
+
+            return run_serving_bench(args, default_cache_dir(args))
         if args.command == "bench":
             from specinfer.bench import run_bench
 

@@ -50,7 +50,9 @@ class Stack:
 
     def start(self) -> None:
         cfg = self.cfg
-        common_env = {"SPECINFER_LOG_LEVEL": "warning"}
+        # Several model processes share the cores: OpenMP threads that spin while idle would
+        # steal them from whichever process is computing (an explicit setting wins).
+        common_env = {"SPECINFER_LOG_LEVEL": "warning", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
         if cfg.otlp_endpoint:
             common_env["SPECINFER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
         spec_targets = []

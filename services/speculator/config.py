@@ -21,6 +21,7 @@ class SpeculatorConfig:
     metrics_port: int = 0
     log_level: str = "info"
     grace_s: float = 10.0
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
 def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> SpeculatorConfig:
@@ -38,9 +39,11 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
     p.add_argument("--log-level", default=env.get("SPECINFER_LOG_LEVEL", "info"))
     p.add_argument("--grace-s", type=float, default=float(env.get("SPECINFER_GRACE_S", "10")))
+    p.add_argument("--threads", type=int, default=int(env.get("SPECINFER_THREADS", "0")),
+                   help="torch intra-op threads (0 = torch's default)")
     a = p.parse_args(argv)
     ssms = a.ssm or [Path(d) for d in env.get("SPECINFER_SSM_DIRS", "").split(",") if d]
     if not ssms:
         p.error("at least one --ssm (or SPECINFER_SSM_DIRS) is required")
     return SpeculatorConfig(tuple(ssms), a.host, a.port, a.dtype, a.device, a.max_kv_tokens, a.max_batch,
-                            a.otlp_endpoint, a.metrics_port, a.log_level, a.grace_s)
+                            a.otlp_endpoint, a.metrics_port, a.log_level, a.grace_s, a.threads)

@@ -133,6 +133,10 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     setup_logging("speculator", cfg.log_level)
+    if cfg.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
     server, _ = build(cfg)
     server.install_signal_handlers()
     server.wait()

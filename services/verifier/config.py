@@ -31,6 +31,7 @@ class VerifierConfig:
     metrics_port: int = 0
     log_level: str = "info"
     grace_s: float = 10.0
+    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
 def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> VerifierConfig:
@@ -65,6 +66,8 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
     p.add_argument("--log-level", default=env.get("SPECINFER_LOG_LEVEL", "info"))
     p.add_argument("--grace-s", type=float, default=float(env.get("SPECINFER_GRACE_S", "10")))
+    p.add_argument("--threads", type=int, default=int(env.get("SPECINFER_THREADS", "0")),
+                   help="torch intra-op threads (0 = torch's default)")
     a = p.parse_args(argv)
     if a.model is None:
         p.error("--model (or SPECINFER_MODEL_DIR) is required")
@@ -76,5 +79,5 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
         default_deadline_s=a.default_deadline_s, speculator_step_timeout_s=a.speculator_step_timeout_s,
         max_sessions=a.max_sessions, token_budget=a.token_budget, max_waiting=a.max_waiting,
         admission_timeout_s=a.admission_timeout_s, is_load_aware=not a.fixed_tree, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
-        log_level=a.log_level, grace_s=a.grace_s,
+        log_level=a.log_level, grace_s=a.grace_s, num_threads=a.threads,
     )

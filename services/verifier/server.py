@@ -220,6 +220,10 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
     setup_logging("verifier", cfg.log_level)
+    if cfg.num_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.num_threads)
     server, _ = build(cfg)
     server.install_signal_handlers()
     server.wait()

@@ -1,0 +1,193 @@
+"""`specinfer bench --concurrency 1,2,4,...`: throughput and latency through the real services.
+
+SpecInfer's serving evaluation (Section 6.2, Figure 10) compares speculation against incremental
+decoding as the batch grows. This starts the stack (speculator, verifier, gateway) on localhost,
+then, at each concurrency, runs the same prompts through the gateway in three arms, back to back:
+incremental decoding (the verifier batches requests), a fixed token tree, and load-aware
+speculation (the verifier picks each step's tree, or none). It reports output tokens/s, p50/p99
+per-token latency (request latency / output tokens), and whether every greedy output equals the
+single-request output.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from specinfer.errors import UserError
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str
+    speculate: bool
+    widths: tuple[int, ...]  # () = the verifier's choice (load-aware)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run_load(client, prompts: list[str], concurrency: int, num_requests: int, arm: ArmSpec,
+             max_tokens: int, temperature: float) -> dict:
+    """`concurrency` client threads issue `num_requests` requests in total."""
+    lock = threading.Lock()
+    next_index = [0]
+    records: list[tuple[int, list[int], float]] = []
+    errors: list[str] = []
+
+    def worker():
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= num_requests:
+                return
+            params = dict(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True,
+                          speculate=arm.speculate)
+            if arm.widths:
+                params["tree_width"] = arm.widths
+            start = time.perf_counter()
+            try:
+                reply = client.generate(prompts[i % len(prompts)], **params)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised: one failure must not hide the rest
+                with lock:
+                    errors.append(str(exc))
+                continue
+            with lock:
+                records.append((i, list(reply.token_ids), time.perf_counter() - start))
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    num_tokens = sum(len(r[1]) for r in records)
+    per_token = [r[2] / max(1, len(r[1])) for r in records]
+    return {
+        "output_tokens_per_s": round(num_tokens / wall, 2),
+        "p50_ms_per_token": round(1000 * _percentile(per_token, 0.5), 2),
+        "p99_ms_per_token": round(1000 * _percentile(per_token, 0.99), 2),
+        "num_requests": len(records),
+        "errors": errors[:3],
+        "outputs": {i: tokens for i, tokens, _ in records},
+    }
+
+
+def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...], max_tokens: int, dtype: str) -> dict:
+    """Per-token time of the same greedy tree decoding through the services (gateway ->
+    verifier -> speculator, one request at a time) and in one process, prompt by prompt
+    alternating which goes first."""
+    from specinfer.app import load_engine, load_tokenizer, check_models
+    from specinfer.engine import SpecConfig
+
+    llm_cfg, _ = check_models(paths)
+    tokenizer = load_tokenizer(paths, llm_cfg)
+    engine = load_engine(type(paths)(paths.llm, paths.ssms[:1]), dtype, "cpu", max_kv_tokens=8192)
+    spec = SpecConfig(mode="tree", widths=widths)
+    engine.generate(tokenizer.encode(prompts[0]), 8, spec=spec)  # warm-up, as the services had
+    totals = {"in_process": [0.0, 0], "service": [0.0, 0]}
+    is_equal = True
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer.encode(prompt)
+        order = ["in_process", "service"] if i % 2 == 0 else ["service", "in_process"]
+        outputs = {}
+        for arm in order:
+            start = time.perf_counter()
+            if arm == "in_process":
+                outputs[arm] = engine.generate(ids, max_tokens, spec=spec, stop_token_ids=()).output_ids
+            else:
+                outputs[arm] = list(client.generate(prompt, max_tokens=max_tokens, tree_width=widths,
+                                                    ignore_eos=True).token_ids)
+            totals[arm][0] += time.perf_counter() - start
+            totals[arm][1] += len(outputs[arm])
+        is_equal = is_equal and outputs["in_process"] == outputs["service"]
+    ms = {arm: 1000 * t / max(1, n) for arm, (t, n) in totals.items()}
+    return {"in_process_ms_per_token": round(ms["in_process"], 3), "service_ms_per_token": round(ms["service"], 3),
+            "ratio": round(ms["service"] / ms["in_process"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts)}
+
+
+def run_serving_bench(args, cache_dir: Path) -> int:
+    from specinfer.app import check_models
+    from specinfer.client import GatewayClient
+    from specinfer.commands import resolve_paths
+    from specinfer.launcher import Stack, StackConfig
+    from specinfer.tree import parse_tree_width
+    from specinfer.app import read_prompts
+
+    levels = _parse_levels(args.concurrency)
+    widths = parse_tree_width(args.tree_width)
+    paths, demo_prompts = resolve_paths(args, cache_dir)
+    if not paths.ssms:
+        raise UserError("the serving benchmark needs at least one --ssm")
+    check_models(paths)
+    prompts = read_prompts(args.prompts or demo_prompts) if (args.prompts or demo_prompts) else None
+    if prompts is None:
+        raise UserError("--prompts is required with --llm")
+    temperatures = [float(t) for t in str(args.temperatures).split(",")]
+    stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port,
+                              verifier_port=args.port + 1, speculator_base_port=args.port + 2, dtype=args.dtype,
+                              tree_width=args.tree_width))
+    arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
+    report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "concurrency": levels,
+                         "max_tokens": args.max_new_tokens, "tree_width": list(widths),
+                         "requests_per_level": args.requests_per_level, "temperatures": temperatures},
+              "results": {}}
+    try:
+        stack.start()
+        stack.wait_healthy()
+        client = GatewayClient(f"127.0.0.1:{args.port}", timeout_s=600)
+        for arm in arms:  # warm-up: lazy allocations, first calibration of acceptance
+            run_load(client, prompts, 2, 4, arm, min(16, args.max_new_tokens), 0.0)
+        report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
+                                                      args.max_new_tokens, args.dtype)
+        for temperature in temperatures:
+            table = {}
+            single: dict[str, dict[int, list[int]]] = {}
+            for level in levels:
+                num_requests = max(args.requests_per_level, level)
+                row = {}
+                for arm in arms:
+                    out = run_load(client, prompts, level, num_requests, arm, args.max_new_tokens, temperature)
+                    outputs = out.pop("outputs")
+                    if temperature == 0.0:
+                        reference = single.setdefault(arm.name, outputs if level == levels[0] else {})
+                        out["greedy_equals_single"] = all(reference.get(i, o) == o for i, o in outputs.items())
+                    row[arm.name] = out
+                    print(f"bench: T={temperature} c={level} {arm.name}: {out['output_tokens_per_s']} tok/s",
+                          file=sys.stderr, flush=True)
+                base = row["incremental"]["output_tokens_per_s"]
+                for arm in arms:
+                    row[arm.name]["speedup_vs_incremental"] = round(row[arm.name]["output_tokens_per_s"] / max(base, 1e-9), 3)
+                table[str(level)] = row
+            report["results"][f"temperature={temperature}"] = table
+    finally:
+        stack.stop()
+    from specinfer.bench import machine_info
+
+    report["machine"] = machine_info(args.dtype)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    return 0
+
+
+def _parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise UserError(f"--concurrency must be a comma-separated list of integers, got {text!r}") from None
+    if not levels or any(x < 1 for x in levels):
+        raise UserError("--concurrency values must be >= 1")
+    return levels
