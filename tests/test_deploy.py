@@ -633,7 +633,8 @@ def live(tmp_path_factory):
         servers.append(spec)
         verifier, _ = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
                                                     tree_width=(1, 2, 1, 1), speculator_step_timeout_s=5,
-                                                    grace_s=0, metrics_port=ports["verifier"]), exporter)
+                                                    grace_s=0, metrics_port=ports["verifier"],
+                                                    is_load_aware=False), exporter)  # always speculate
         servers.append(verifier)
         gateway = serve_gateway(GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", model_dir=llm,
                                               metrics_port=ports["gateway"], grace_s=0),
