@@ -121,7 +121,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     tokenizer = load_tokenizer(paths, llm_cfg)
     prompt_ids = encode_prompts(tokenizer, prompts)
     needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
-    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + args.max_tree_nodes + 64)
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + args.max_tree_nodes + 64,
+                         ssm_dtype=args.ssm_dtype)
     engine_ssms = list(engine.speculator.runners)
 
     arms = {
@@ -164,6 +165,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "max_new_tokens": args.max_new_tokens,
             "tree_width": list(widths),
             "max_tree_nodes": args.max_tree_nodes,
+            "ssm_dtype": args.ssm_dtype or args.dtype,
             "decoding": "greedy",
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
         },

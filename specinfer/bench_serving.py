@@ -84,7 +84,8 @@ def run_load(client, prompts: list[str], concurrency: int, num_requests: int, ar
     }
 
 
-def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...], max_tokens: int, dtype: str) -> dict:
+def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...], max_tokens: int, dtype: str,
+                     ssm_dtype: str | None) -> dict:
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
@@ -93,7 +94,7 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
 
     llm_cfg, _ = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
-    engine = load_engine(type(paths)(paths.llm, paths.ssms[:1]), dtype, "cpu", max_kv_tokens=8192)
+    engine = load_engine(type(paths)(paths.llm, paths.ssms[:1]), dtype, "cpu", max_kv_tokens=8192, ssm_dtype=ssm_dtype)
     spec = SpecConfig(mode="tree", widths=widths)
     engine.generate(tokenizer.encode(prompts[0]), 8, spec=spec)  # warm-up, as the services had
     totals = {"in_process": [0.0, 0], "service": [0.0, 0]}
@@ -137,6 +138,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 2, dtype=args.dtype,
+                              ssm_dtype=args.ssm_dtype,
                               tree_width=args.tree_width))
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
     report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "concurrency": levels,
@@ -150,7 +152,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
         for arm in arms:  # warm-up: lazy allocations, first calibration of acceptance
             run_load(client, prompts, 2, 4, arm, min(16, args.max_new_tokens), 0.0)
         report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
-                                                      args.max_new_tokens, args.dtype)
+                                                      args.max_new_tokens, args.dtype, args.ssm_dtype)
         for temperature in temperatures:
             table = {}
             single: dict[str, dict[int, list[int]]] = {}

@@ -12,9 +12,10 @@ reproduce the LLM. This module builds that data, deterministically from a seed:
 2. **Continuations.** The LLM continues every prompt with the engine (`Engine.generate_batch`,
    many requests in lockstep): greedily, or, for a seeded ``sampled_fraction`` of the prompts,
    by sampling at ``temperature`` (the contexts a stochastic request visits).
-3. **Targets.** The LLM re-reads every sequence in one teacher-forced pass: at each continuation
-   position the target is the LLM's top-1 token there (for greedy continuations that is the next
-   continuation token itself) and, when a KL term is wanted, its top ``kl_top_k`` probabilities.
+3. **Targets.** At each continuation position the target is the LLM's top-1 token there: for a
+   greedy continuation that is the next continuation token itself; sampled continuations (and
+   every sequence, when a KL term is wanted) are re-read by the LLM in one teacher-forced pass,
+   which also gives its top ``kl_top_k`` probabilities.
 
 `BoostData` holds the result as padded tensors and round-trips through safetensors.
 """
@@ -212,6 +213,23 @@ def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress
     return out
 
 
+def targets_for(llm_runner, prompts: Sequence[list[int]], continuations: Sequence[list[int]], sampled: Sequence[bool],
+                top_k: int, progress: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The LLM's targets per sequence. A greedy continuation is already the LLM's top-1 at every
+    continuation position, so only sampled sequences (or a KL term) need the teacher-forced pass."""
+    need = [n for n in range(len(prompts)) if top_k or sampled[n]]
+    scored = dict(zip(need, score_sequences(llm_runner, [prompts[n] + continuations[n] for n in need], top_k, progress)))
+    out = []
+    for n, (p, c) in enumerate(zip(prompts, continuations)):
+        if n in scored:
+            out.append(scored[n])
+            continue
+        top1 = torch.tensor(list(p[1:]) + list(c) + [PAD_ID], dtype=torch.long)  # row j predicts token j + 1
+        empty = torch.zeros(len(top1), 0)
+        out.append((top1, empty.long(), empty))
+    return out
+
+
 def assemble(prompts: Sequence[list[int]], continuations: Sequence[list[int]], sampled: Sequence[bool],
              scores: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], top_k: int) -> BoostData:
     n = len(prompts)
@@ -254,8 +272,7 @@ def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
         seed = cfg.seed * 2 + (split == "eval")
         prompts = draw_prompts(regions, count, min_len, cfg.prompt_tokens, seed)
         continuations, sampled = generate_continuations(engine, prompts, cfg, seed, progress)
-        sequences = [p + c for p, c in zip(prompts, continuations)]
-        scores = score_sequences(llm_runner, sequences, cfg.kl_top_k, progress)
+        scores = targets_for(llm_runner, prompts, continuations, sampled, cfg.kl_top_k, progress)
         out.append(assemble(prompts, continuations, sampled, scores, cfg.kl_top_k))
     return out[0], out[1]
 

@@ -23,6 +23,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", type=Path, help="LLM checkpoint directory (default: the built-in demo models)")
     p.add_argument("--ssm", type=Path, action="append", default=[], help="SSM checkpoint directory (repeatable)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the SSMs (default: --dtype); it never changes the output")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached")
 

@@ -59,7 +59,8 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
     tokenizer = load_tokenizer(paths, llm_cfg)
     prompt_ids = encode_prompts(tokenizer, prompts)
     needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
-    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + spec.max_nodes + 64)
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + spec.max_nodes + 64,
+                         ssm_dtype=args.ssm_dtype)
     out = open(args.output, "w") if args.output else sys.stdout
     try:
         for text, ids in zip(prompts, prompt_ids):

@@ -30,6 +30,7 @@ class StackConfig:
     num_speculators: int = 1
     redis_url: str | None = None
     dtype: str = "float32"
+    ssm_dtype: str | None = None  # the speculators' dtype (default: `dtype`); never changes the output
     tree_width: str = "1,1,3,1,1,1,1,1"
     metrics_base_port: int = 0
     otlp_endpoint: str | None = None
@@ -60,7 +61,7 @@ class Stack:
         for i, group in enumerate(groups):
             port = cfg.speculator_base_port + i
             args = [a for ssm in group for a in ("--ssm", str(ssm))]
-            args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.dtype]
+            args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype]
             env = dict(common_env)
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 2 + i)
@@ -137,6 +138,7 @@ def add_up_parser(sub) -> None:
     up.add_argument("--speculator-port", type=int, default=50053, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    up.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"], help="default: --dtype")
     up.add_argument("--tree-width", default="1,1,3,1,1,1,1,1")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, print the reply")
@@ -162,7 +164,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     cfg = StackConfig(
         llm=paths.llm, ssms=paths.ssms, gateway_port=args.gateway_port, verifier_port=args.verifier_port,
         speculator_base_port=args.speculator_port, num_speculators=args.num_speculators,
-        redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype,
+        redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"),
     )

@@ -72,3 +72,15 @@ def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outpu
     for i, (r, expected) in enumerate(zip(results, incremental_outputs)):
         assert r.output_ids == expected[: NEW_TOKENS - i]
     assert llm.allocator.num_used == 0
+
+
+def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_prompts, incremental_outputs):
+    """The SSM's dtype changes what it proposes, never what comes out."""
+    llm, _ = runners
+    engine = Engine(llm, [ModelRunner.from_dir(tiny_pair.ssms[0], dtype="bfloat16", max_kv_tokens=4096)])
+    accepted = 0
+    for prompt, expected in zip(greedy_prompts, incremental_outputs):
+        r = engine.generate(prompt, NEW_TOKENS, spec=SpecConfig(mode="tree", widths=(2, 1, 1, 1)))
+        assert r.output_ids == expected
+        accepted += sum(r.accepted_per_step)
+    assert accepted > 0
