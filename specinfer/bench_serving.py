@@ -12,7 +12,6 @@ single-request output.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import threading
 import time

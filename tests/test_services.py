@@ -15,7 +15,6 @@ from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
 from specinfer.engine import Engine, SpecConfig
 from specinfer.runner import ModelRunner
-from specinfer.sampling import SamplingParams
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 

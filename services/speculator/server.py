@@ -15,9 +15,8 @@ import grpc
 from services.speculator.config import SpeculatorConfig, parse_config
 from specinfer.errors import UserError
 from specinfer.serving.convert import sampling_from_proto, shape_from_proto, tree_to_proto
-from specinfer.serving.grpc_server import RunningServer, ServerConfig, start_server
-from specinfer.serving.logs import setup_logging
-from specinfer.serving.metrics import MetricsServer, ModelMetrics, RpcMetrics, new_registry
+from specinfer.serving.grpc_server import RunningServer, serve_until_signalled, start_model_server
+from specinfer.serving.metrics import ModelMetrics, new_registry
 from specinfer.serving.tracing import server_span, setup_tracing
 from specinfer.serving.workers import SpeculatorWorker
 from specinfer.speculator import Speculator, TreeShape
@@ -113,31 +112,14 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
     worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
                               metrics=ModelMetrics.create(registry, "speculator"))
     servicer = SpeculatorServicer(worker, names, tracer)
-    metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
-
-    def on_stop():
-        worker.worker.stop()
-        if metrics:
-            metrics.stop()
-
-    server = start_server(
-        ServerConfig(cfg.host, cfg.port, grace_s=cfg.grace_s),
-        [lambda s: pb_grpc.add_SpeculatorServicer_to_server(servicer, s)],
-        [pb.DESCRIPTOR.services_by_name["Speculator"].full_name],
-        on_stop,
-        RpcMetrics.create(registry, "speculator"),
+    server = start_model_server(
+        "speculator", cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
+        lambda s: pb_grpc.add_SpeculatorServicer_to_server(servicer, s),
+        pb.DESCRIPTOR.services_by_name["Speculator"].full_name, worker.worker.stop,
     )
     return server, servicer
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
-    setup_logging("speculator", cfg.log_level)
-    if cfg.num_threads > 0:
-        import torch
-
-        torch.set_num_threads(cfg.num_threads)
-    server, _ = build(cfg)
-    server.install_signal_handlers()
-    server.wait()
-    return 0
+    return serve_until_signalled("speculator", cfg.log_level, cfg.num_threads, lambda: build(cfg)[0])

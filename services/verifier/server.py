@@ -23,9 +23,8 @@ from specinfer.errors import UserError
 from specinfer.policy import CostModel, LoadAwarePolicy
 from specinfer.sampling import make_generator
 from specinfer.serving.convert import sampling_from_proto, sampling_to_proto, shape_from_proto, shape_to_proto
-from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server
-from specinfer.serving.logs import setup_logging
-from specinfer.serving.metrics import MetricsServer, ModelMetrics, RpcMetrics, SpecDecodeMetrics, new_registry
+from specinfer.serving.grpc_server import RunningServer, remaining_timeout, serve_until_signalled, start_model_server
+from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics, new_registry
 from specinfer.serving.tracing import outgoing_metadata, server_span, setup_tracing
 from specinfer.serving.verifier_worker import SchedulerConfig, VerifierWorker
 from specinfer.speculator import TreeShape
@@ -200,31 +199,14 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
         policy = LoadAwarePolicy(cost, max_depth=len(cfg.tree_width), max_width=max(cfg.tree_width),
                                  max_nodes=cfg.max_tree_nodes)
     servicer = VerifierServicer(cfg, worker, tracer, SpecDecodeMetrics.create(registry), policy)
-    metrics = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
-
-    def on_stop():
-        worker.worker.stop()
-        if metrics:
-            metrics.stop()
-
-    server = start_server(
-        ServerConfig(cfg.host, cfg.port, grace_s=cfg.grace_s),
-        [lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s)],
-        [pb.DESCRIPTOR.services_by_name["Verifier"].full_name],
-        on_stop,
-        RpcMetrics.create(registry, "verifier"),
+    server = start_model_server(
+        "verifier", cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
+        lambda s: pb_grpc.add_VerifierServicer_to_server(servicer, s),
+        pb.DESCRIPTOR.services_by_name["Verifier"].full_name, worker.worker.stop,
     )
     return server, servicer
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
-    setup_logging("verifier", cfg.log_level)
-    if cfg.num_threads > 0:
-        import torch
-
-        torch.set_num_threads(cfg.num_threads)
-    server, _ = build(cfg)
-    server.install_signal_handlers()
-    server.wait()
-    return 0
+    return serve_until_signalled("verifier", cfg.log_level, cfg.num_threads, lambda: build(cfg)[0])

@@ -210,3 +210,36 @@ def remaining_timeout(context: grpc.ServicerContext, default_s: float) -> float:
     if remaining is None or remaining > 1e8:
         return default_s
     return max(0.0, remaining)
+
+
+def start_model_server(service: str, host: str, port: int, grace_s: float, metrics_port: int,
+                       registry, add_servicer: Callable[[grpc.Server], None], full_name: str,
+                       stop_worker: Callable[[], None]) -> RunningServer:
+    """Starts a model-hosting service (verifier, speculator): its gRPC server with RPC metrics,
+    and its /metrics endpoint when a port is set; stopping drains RPCs, then the model worker."""
+    from specinfer.serving.metrics import MetricsServer
+
+    metrics = MetricsServer(registry, host, metrics_port) if metrics_port else None
+
+    def on_stop():
+        stop_worker()
+        if metrics:
+            metrics.stop()
+
+    return start_server(ServerConfig(host, port, grace_s=grace_s), [add_servicer], [full_name], on_stop,
+                        RpcMetrics.create(registry, service))
+
+
+def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], RunningServer]) -> int:
+    """A service's `main`: JSON logs, torch threads, build and serve until SIGTERM drains it."""
+    from specinfer.serving.logs import setup_logging
+
+    setup_logging(service, log_level)
+    if num_threads > 0:
+        import torch
+
+        torch.set_num_threads(num_threads)
+    server = build()
+    server.install_signal_handlers()
+    server.wait()
+    return 0
