@@ -133,3 +133,61 @@ def test_thousand_cancel_loops_leak_no_kv(tiny_pair):
     finally:
         verifier.stop(0)
         spec.stop(0)
+
+
+def test_kv_budget_parses_tokens_and_bytes():
+    from specinfer.app import kv_budget_tokens, parse_kv_budget
+    from specinfer.config import ModelConfig
+    from specinfer.errors import UserError
+
+    assert parse_kv_budget("65536") == (65536, 0)
+    assert parse_kv_budget("4096 tokens") == (4096, 0)
+    assert parse_kv_budget("2GiB") == (0, 2 * 2**30)
+    assert parse_kv_budget("512MB") == (0, 512 * 10**6)
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=64, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
+                      rms_norm_eps=1e-5)
+    # one token: K and V, 2 layers, 2 KV heads of 16 floats = 2*2*2*16*4 bytes = 512 bytes
+    assert kv_budget_tokens(0, 1 << 20, cfg, "float32") == 2048
+    for bad in ("lots", "-5", "0GiB"):
+        with pytest.raises(UserError):
+            parse_kv_budget(bad)
+
+
+def test_requests_joining_and_leaving_mid_flight_keep_greedy_outputs(tiny_pair):
+    """Mixed prompt lengths, staggered arrivals, different lengths: every output equals the
+    request run alone."""
+    spec, _ = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
+    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, (f"127.0.0.1:{spec.port}",), port=0,
+                                                       device="cpu", tree_width=(2, 1, 1), grace_s=0,
+                                                       token_budget=48, is_load_aware=False))
+    try:
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+        rng = random.Random(11)
+        jobs = [([rng.randrange(2, 128) for _ in range(rng.choice([1, 5, 40, 120]))], rng.randrange(5, 50),
+                 i % 2 == 0) for i in range(10)]
+
+        def run(prompt, max_new, speculate):
+            req = pb.VerifierGenerateRequest(prompt_ids=prompt, max_new_tokens=max_new, speculate=speculate,
+                                             ignore_eos=True)
+            return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+
+        alone = [run(*job) for job in jobs]
+        together: dict[int, list[int]] = {}
+        batch_sizes = []
+
+        def client(i):
+            time.sleep(0.02 * i)  # staggered arrivals: requests join while others decode
+            together[i] = run(*jobs[i])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            batch_sizes.append(servicer.worker.num_open)
+            time.sleep(0.005)
+        assert [together[i] for i in range(len(jobs))] == alone
+        assert max(batch_sizes) >= 3  # they really overlapped
+    finally:
+        verifier.stop(0)
+        spec.stop(0)

@@ -16,7 +16,8 @@ class VerifierConfig:
     port: int = 50052
     dtype: str = "float32"
     device: str = "auto"
-    max_kv_tokens: int = 65536
+    max_kv_tokens: int = 65536  # the KV budget in tokens, unless kv_budget_bytes is set
+    kv_budget_bytes: int = 0
     max_batch: int = 256
     tree_width: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
     max_tree_nodes: int = 64
@@ -35,6 +36,7 @@ class VerifierConfig:
 
 
 def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> VerifierConfig:
+    from specinfer.app import parse_kv_budget
     from specinfer.tree import parse_tree_width
 
     env = dict(os.environ if env is None else env)
@@ -46,7 +48,8 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     p.add_argument("--port", type=int, default=int(env.get("SPECINFER_VERIFIER_PORT", "50052")))
     p.add_argument("--dtype", default=env.get("SPECINFER_DTYPE", "float32"))
     p.add_argument("--device", default=env.get("SPECINFER_LLM_DEVICE", "auto"))
-    p.add_argument("--max-kv-tokens", type=int, default=int(env.get("SPECINFER_KV_TOKENS", "65536")))
+    p.add_argument("--kv-budget", default=env.get("SPECINFER_KV_BUDGET") or env.get("SPECINFER_KV_TOKENS", "65536"),
+                   help="KV-cache budget: tokens (65536) or bytes (2GiB, 512MB)")
     p.add_argument("--max-batch", type=int, default=int(env.get("SPECINFER_MAX_BATCH", "256")))
     p.add_argument("--tree-width", default=env.get("SPECINFER_TREE_WIDTH", "1,1,3,1,1,1,1,1"))
     p.add_argument("--max-tree-nodes", type=int, default=int(env.get("SPECINFER_MAX_TREE_NODES", "64")))
@@ -71,10 +74,11 @@ def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = Non
     a = p.parse_args(argv)
     if a.model is None:
         p.error("--model (or SPECINFER_MODEL_DIR) is required")
+    kv_tokens, kv_bytes = parse_kv_budget(a.kv_budget)
     specs = a.speculator if a.speculator is not None else [s for s in env.get("SPECINFER_SPECULATORS", "").split(",") if s]
     return VerifierConfig(
         model_dir=Path(a.model), speculators=tuple(specs), host=a.host, port=a.port, dtype=a.dtype,
-        device=a.device, max_kv_tokens=a.max_kv_tokens, max_batch=a.max_batch,
+        device=a.device, max_kv_tokens=kv_tokens or 65536, kv_budget_bytes=kv_bytes, max_batch=a.max_batch,
         tree_width=parse_tree_width(a.tree_width), max_tree_nodes=a.max_tree_nodes,
         default_deadline_s=a.default_deadline_s, speculator_step_timeout_s=a.speculator_step_timeout_s,
         max_sessions=a.max_sessions, token_budget=a.token_budget, max_waiting=a.max_waiting,

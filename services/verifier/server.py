@@ -182,11 +182,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
 def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests)."""
-    from specinfer.app import resolve_device
+    from specinfer.app import kv_budget_tokens, resolve_device
+    from specinfer.config import ModelConfig
     from specinfer.runner import ModelRunner
 
+    kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, ModelConfig.from_dir(cfg.model_dir), cfg.dtype)
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                                  max_kv_tokens=cfg.max_kv_tokens)
+                                  max_kv_tokens=kv_tokens)
     tracer = setup_tracing("specinfer-verifier", cfg.otlp_endpoint, exporter)
     registry = new_registry()
     scheduler = SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget, max_waiting=cfg.max_waiting,
@@ -194,7 +196,7 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
     worker = VerifierWorker(Verifier(runner), scheduler, metrics=ModelMetrics.create(registry, "verifier"))
     policy = None
     if cfg.is_load_aware and cfg.speculators:
-        cost = CostModel.calibrate(runner, sizes=tuple(n for n in CALIBRATION_SIZES if n <= cfg.max_kv_tokens // 4))
+        cost = CostModel.calibrate(runner, sizes=tuple(n for n in CALIBRATION_SIZES if n <= kv_tokens // 4))
         log.info("calibrated LLM cost model: %s", ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in cost.points))
         policy = LoadAwarePolicy(cost, max_depth=len(cfg.tree_width), max_width=max(cfg.tree_width),
                                  max_nodes=cfg.max_tree_nodes)
