@@ -127,11 +127,14 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
 
     arms = {
         "incremental": (SpecConfig(mode="incremental"), 0),
-        "sequence": (SpecConfig(mode="sequence", widths=widths, max_nodes=args.max_tree_nodes), 1),
-        "tree": (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes), 1),
+        "sequence": (SpecConfig(mode="sequence", widths=widths, max_nodes=args.max_tree_nodes,
+                                min_path_prob=args.min_path_prob), 1),
+        "tree": (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes,
+                            min_path_prob=args.min_path_prob), 1),
     }
     if len(engine_ssms) > 1:
-        arms["tree_merged"] = (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes), len(engine_ssms))
+        arms["tree_merged"] = (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes,
+                                          min_path_prob=args.min_path_prob), len(engine_ssms))
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
     results = {name: ArmResult() for name in names}
@@ -165,6 +168,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "max_new_tokens": args.max_new_tokens,
             "tree_width": list(widths),
             "max_tree_nodes": args.max_tree_nodes,
+            "min_path_prob": args.min_path_prob,
             "ssm_dtype": args.ssm_dtype or args.dtype,
             "decoding": "greedy",
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",

@@ -32,6 +32,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-width", default="1,1,3,1,1,1,1,1", help="children per level, e.g. 1,1,3,1,1,1,1,1")
     p.add_argument("--max-tree-nodes", type=int, default=64, help="cap on token-tree nodes per step")
+    p.add_argument("--min-path-prob", type=float, default=0.0,
+                   help="prune tree branches whose SSM path probability is below this (0 = off)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,8 +38,11 @@ def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
     mode = mode or ("tree" if has_ssm else "incremental")
     if mode != "incremental" and not has_ssm:
         raise UserError(f"--mode {mode} needs at least one --ssm")
+    if not 0.0 <= args.min_path_prob < 1.0:
+        raise UserError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
     return SpecConfig(mode=mode, widths=widths, max_nodes=args.max_tree_nodes,
-                      is_sampled_tree=getattr(args, "tree_sampling", "sampled") == "sampled")
+                      is_sampled_tree=getattr(args, "tree_sampling", "sampled") == "sampled",
+                      min_path_prob=args.min_path_prob)
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
