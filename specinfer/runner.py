@@ -20,7 +20,7 @@ from specinfer.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.loader import llama_weights, load_state_dict, parse_dtype
 from specinfer.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
-from specinfer.tree import ancestor_rows, is_chain
+from specinfer.tree import is_chain, visibility
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -139,12 +139,14 @@ class ModelRunner:
             # (n, end): a causal chain after a fully visible prefix.
             return torch.ones(n, end, dtype=torch.bool, device=device).tril(diagonal=end - n), False
         num_scratch = len(work.parents)
-        rows = ancestor_rows(work.parents)[num_scratch - n :]
-        flat = [False] * (n * num_scratch)
-        for r, anc in enumerate(rows):
-            for a in anc:
-                flat[r * num_scratch + a] = True
-        scratch = torch.tensor(flat, dtype=torch.bool, device=device).view(n, num_scratch)
+        limits, extras = visibility(work.parents)
+        limits, extras = limits[num_scratch - n :], extras[num_scratch - n :]
+        cols = torch.arange(num_scratch, device=device)
+        scratch = cols.unsqueeze(0) < torch.tensor(limits, device=device).unsqueeze(1)  # (n, S)
+        extra_rows = [r for r, cs in enumerate(extras) for _ in cs]
+        if extra_rows:
+            extra_cols = [c for cs in extras for c in cs]
+            scratch[extra_rows, extra_cols] = True
         if num_committed == 0:
             return scratch, False
         prefix = torch.ones(n, num_committed, dtype=torch.bool, device=device)

@@ -102,6 +102,24 @@ def ancestor_rows(parents: list[int]) -> list[list[int]]:
     return rows
 
 
+def visibility(parents: list[int]) -> tuple[list[int], list[list[int]]]:
+    """The same mask as `ancestor_rows`, compactly: node i sees indices j < limits[i], plus
+    extras[i]. A chain costs O(1) per node (no quadratic row copies for long prompt chunks),
+    and a tree node adds only its tree ancestors."""
+    limits: list[int] = []
+    extras: list[list[int]] = []
+    for i, p in enumerate(parents):
+        if p < 0:
+            limit, extra = (1, []) if i == 0 else (0, [i])
+        elif not extras[p] and limits[p] == i:  # p sees exactly 0..p, and p == i - 1
+            limit, extra = i + 1, []
+        else:
+            limit, extra = limits[p], extras[p] + [i]
+        limits.append(limit)
+        extras.append(extra)
+    return limits, extras
+
+
 def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 

@@ -6,7 +6,7 @@ import pytest
 
 from specinfer.blocks import BlockAllocator, SequenceKV
 from specinfer.errors import CapacityError, UserError
-from specinfer.tree import TokenTree, ancestor_rows, is_chain, merge_trees, parse_tree_width, plan_level
+from specinfer.tree import TokenTree, ancestor_rows, is_chain, merge_trees, parse_tree_width, plan_level, visibility
 from specinfer.verify import verify_greedy
 
 
@@ -116,3 +116,19 @@ def test_block_allocator_and_sequence_slots():
     assert alloc.num_free == 4
     with pytest.raises(ValueError):
         alloc.free([0])
+
+
+@pytest.mark.parametrize("parents", [
+    [-1, 0, 1, 2],  # a chain
+    [-1, 0, 0, 1, 1, 2],  # a tree
+    [-1, 0, 1, 2, 3, 3, 4, 5, 6],  # a prompt chunk with a tree hanging off its last token
+    [-1, -1, 0, 1, 2, 2],  # a forest off the committed prefix (SSM levels)
+    [-1, 0, 0, 2, 3, 4],  # a branch, then a chain
+])
+def test_compact_visibility_equals_ancestor_rows(parents):
+    limits, extras = visibility(parents)
+    compact = [sorted(set(range(limit)) | set(extra)) for limit, extra in zip(limits, extras)]
+    assert compact == ancestor_rows(parents)
+    assert all(len(e) <= len(parents) for e in extras)
+    if is_chain(parents):
+        assert extras == [[] for _ in parents]
