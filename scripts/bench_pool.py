@@ -1,0 +1,300 @@
+"""Benchmark of the SSM pool (SpecInfer Section 3): layer-subset SSMs, collective boost-tuning, merged pools.
+
+For one LLM/SSM pair it
+
+1. cuts an SSM from the LLM's first layers (`specinfer.make_ssm`);
+2. boost-tunes the pool [base SSM, cut SSM (, extra SSMs)] collectively, and the cut SSM alone, on a
+   corpus that excludes every file the benchmark prompts come from (`specinfer.boost_tune`);
+3. measures, on the held-out benchmark prompts, greedy tokens per LLM step (tree mode) for the
+   untuned and tuned SSMs, the tuned pool merged, and the tuned pool with the "mixed" policy.
+
+Tokens per LLM step does not depend on the machine; milliseconds per token do (reported as
+secondary, for a batch of all prompts). Every stage is cached in --work, so a rerun only redoes what is missing.
+
+    python scripts/bench_pool.py --pair demo --work /tmp/pool-demo --output benchmarks/pool-demo.json
+    python scripts/bench_pool.py --pair reference --work /tmp/pool-ref --output benchmarks/pool-reference.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE_MODELS = Path("/work/shared/models")
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    llm: Path
+    base_ssm: Path
+    extra_ssms: tuple[Path, ...]
+    prompts: Path
+    corpus: tuple[Path, ...]
+    layers: str
+
+
+def demo_pair(cache_dir: Path | None) -> Pair:
+    from specinfer.demo_models import default_cache_dir, ensure_demo_models, stdlib_corpus
+
+    demo = ensure_demo_models(cache_dir or default_cache_dir(), progress=True)
+    corpus = stdlib_corpus()
+    heldout = set(json.loads((demo.root / "heldout_files.json").read_text())["files"])
+    files = tuple(corpus.stdlib / rel for rel in corpus.train if rel not in heldout)  # prompts come from heldout
+    return Pair("demo", demo.llm, demo.ssms[0], tuple(demo.ssms[1:]), demo.prompts, files, "1")
+
+
+def reference_pair() -> Pair:
+    from specinfer.demo_models import stdlib_corpus
+
+    prompts = REPO / "benchmarks" / "reference-prompts.jsonl"
+    sources = set()
+    for line in prompts.read_text().splitlines():
+        source = json.loads(line)["source"]
+        if source.startswith("stdlib/"):
+            sources.add(source.split(":", 1)[0][len("stdlib/"):])
+    corpus = stdlib_corpus()
+    rels = [r for r in corpus.train + corpus.heldout if r not in sources]
+    assert len(rels) == len(corpus.train) + len(corpus.heldout) - len(sources), "a prompt source is missing"
+    files = tuple(corpus.stdlib / r for r in sorted(rels))
+    return Pair("reference", REFERENCE_MODELS / "reference-llm", REFERENCE_MODELS / "reference-ssm", (), prompts,
+                files, "1")
+
+
+# ---- stages ----------------------------------------------------------------------------------
+
+
+def make_cut(pair: Pair, work: Path, layers: str, mlp_keep: float) -> Path:
+    from specinfer.make_ssm import make_ssm
+
+    out = work / f"cut-{pair.name}-layers{layers.replace(',', '_')}"
+    if not (out / "config.json").is_file():
+        make_ssm(pair.llm, out, layers, mlp_keep)
+    return out
+
+
+def tune(llm: Path, ssms: tuple[Path, ...], corpus: tuple[Path, ...], out: Path, data, train,
+         seed_data_from: Path | None = None) -> dict:
+    from specinfer.boost_tune import STATE_DIR, SUMMARY_NAME, BoostConfig, boost_tune
+
+    if (out / SUMMARY_NAME).is_file():
+        return json.loads((out / SUMMARY_NAME).read_text())
+    cfg = BoostConfig(llm=llm, ssms=ssms, corpus=corpus, out=out, data=data, train=train, device="cpu")
+    state = out / STATE_DIR
+    if seed_data_from is not None and not (state / "data.safetensors").is_file():
+        # The data is a pure function of (LLM, corpus, data config): reuse it instead of regenerating.
+        state.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(seed_data_from / STATE_DIR / "data.safetensors", state / "data.safetensors")
+    return boost_tune(cfg, resume=(state / "run.json").is_file(), progress=True)
+
+
+def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: list[str], max_new_tokens: int,
+            widths: tuple[int, ...]) -> dict:
+    """Greedy generation of all prompts in lockstep (`Engine.generate_batch`), arm by arm.
+
+    Batching changes no request's output or step count (greedy is exact); it only makes the run
+    affordable on two shared cores. Tokens per step are per request, summed over prompts; the
+    wall time is for the whole batch (secondary: other processes share the CPUs).
+    """
+    import torch
+
+    from specinfer.app import ModelPaths, check_models, encode_prompts, load_tokenizer
+    from specinfer.engine import Engine, SpecConfig
+    from specinfer.runner import ModelRunner
+
+    llm_cfg, _ = check_models(ModelPaths(llm_dir))
+    ids = encode_prompts(load_tokenizer(ModelPaths(llm_dir), llm_cfg), prompts)
+    kv = len(ids) * (max(map(len, ids)) + max_new_tokens + 96)
+    llm = ModelRunner.from_dir(llm_dir, max_kv_tokens=kv)
+    runners: dict[Path, ModelRunner] = {}
+    out: dict[str, dict] = {}
+    reference = None
+    for name, (paths, policy) in arms.items():
+        for p in paths:
+            if p not in runners:
+                runners[p] = ModelRunner.from_dir(p, max_kv_tokens=kv)
+        engine = Engine(llm, [runners[p] for p in paths])
+        spec = SpecConfig(mode="tree" if paths else "incremental", widths=widths)
+        with torch.inference_mode():
+            requests = []
+            for prompt in ids:
+                req = engine.start(prompt, max_new_tokens, spec=spec)
+                if paths:
+                    req.shape = dataclasses.replace(req.shape, policy=policy)
+                requests.append(req)
+            start = time.perf_counter()
+            results = engine.generate_batch(requests)
+            seconds = time.perf_counter() - start
+        outputs = [r.output_ids for r in results]
+        reference = outputs if reference is None else reference
+        tokens, steps = sum(map(len, outputs)), sum(r.num_llm_steps for r in results)
+        out[name] = {"tokens_per_step": round(tokens / max(1, steps), 3), "batch_seconds": round(seconds, 2),
+                     "greedy_equals_incremental": outputs == reference, "ssms": [str(p) for p in paths],
+                     "policy": policy, "per_prompt_tokens": [len(o) for o in outputs],
+                     "per_prompt_steps": [r.num_llm_steps for r in results]}
+        print(f"  {name}: {out[name]['tokens_per_step']} tokens/step, {seconds:.1f} s", file=sys.stderr, flush=True)
+    return out
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specinfer.boost_data import DataConfig
+    from specinfer.boost_tune import TrainConfig
+    from specinfer.app import read_prompts
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=["demo", "reference"], required=True)
+    ap.add_argument("--work", type=Path, required=True, help="cache for cut SSMs and tuning runs")
+    ap.add_argument("--cache-dir", type=Path, help="demo models cache")
+    ap.add_argument("--layers", help="layers of the cut SSM (default: 1, the LLM's first layer)")
+    ap.add_argument("--mlp-keep", type=float, default=1.0)
+    ap.add_argument("--no-extra", action="store_true", help="leave the demo's second SSM out of the pool")
+    ap.add_argument("--base-only", action="store_true",
+                    help="tune only the base SSM (alone) and measure it untuned vs tuned: a budget probe")
+    ap.add_argument("--num-prompts", type=int, default=768)
+    ap.add_argument("--eval-prompts", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--continuation-tokens", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--kl-weight", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--widths", default="1,1,3,1,1,1,1,1")
+    ap.add_argument("--bench-prompts", type=int, default=0, help="use only the first N benchmark prompts (0 = all)")
+    ap.add_argument("--output", type=Path, help="write the JSON result here")
+    args = ap.parse_args(argv)
+
+    from specinfer.demo_models import ThreadTuner
+
+    print(f"torch threads: {ThreadTuner().current} (the CPUs other processes leave free)", file=sys.stderr)
+    pair = demo_pair(args.cache_dir) if args.pair == "demo" else reference_pair()
+    layers = args.layers or pair.layers
+    extras = () if args.no_extra else pair.extra_ssms
+    args.work.mkdir(parents=True, exist_ok=True)
+    data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,
+                      continuation_tokens=args.continuation_tokens, kl_top_k=32 if args.kl_weight else 0,
+                      seed=args.seed)
+    train = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, kl_weight=args.kl_weight,
+                        seed=args.seed)
+    t0 = time.perf_counter()
+    if args.base_only:
+        return probe_base(pair, args, data, train, t0)
+    cut = make_cut(pair, args.work, layers, args.mlp_keep)
+    pool_out = args.work / "pool"
+    pool_summary = tune(pair.llm, (pair.base_ssm, cut, *extras), pair.corpus, pool_out, data, train)
+    cut_summary = tune(pair.llm, (cut,), pair.corpus, args.work / "cut-alone", data, train, seed_data_from=pool_out)
+    tune_minutes = (time.perf_counter() - t0) / 60
+    tuned = [Path(e["checkpoint"]) for e in pool_summary["ssms"]]
+    cut_tuned = Path(cut_summary["ssms"][0]["checkpoint"])
+    arms = {
+        "incremental": ([], "merge"),
+        "base SSM, untuned": ([pair.base_ssm], "merge"),
+        f"cut SSM (layers {layers}), untuned": ([cut], "merge"),
+        "base SSM, boost-tuned": ([tuned[0]], "merge"),
+        "boost-tuned base + untuned base, merged": ([tuned[0], pair.base_ssm], "merge"),
+        f"cut SSM (layers {layers}), boost-tuned alone": ([cut_tuned], "merge"),
+        f"cut SSM (layers {layers}), boost-tuned as pool member 2": ([tuned[1]], "merge"),
+        "untuned pool, merged": ([pair.base_ssm, cut, *extras], "merge"),
+        f"boost-tuned pool of {len(tuned)}, merged": (tuned, "merge"),
+        f"boost-tuned pool of {len(tuned)}, mixed": (tuned, "mixed"),
+    }
+    for i, extra in enumerate(extras):
+        arms[f"extra SSM {i + 1}, boost-tuned as pool member {i + 3}"] = ([tuned[2 + i]], "merge")
+    prompts = read_prompts(pair.prompts)
+    if args.bench_prompts:
+        prompts = prompts[: args.bench_prompts]
+    widths = tuple(int(w) for w in args.widths.split(","))
+    results = measure(pair.llm, arms, prompts, args.max_new_tokens, widths)
+    domains = prompt_domains(pair.prompts, len(prompts))
+    for r in results.values():
+        r["tokens_per_step_by_domain"] = by_domain(r, domains)
+    report = {
+        "pair": pair.name, "llm": str(pair.llm), "base_ssm": str(pair.base_ssm), "cut_layers": layers,
+        "mlp_keep": args.mlp_keep, "prompts": str(pair.prompts), "num_bench_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "widths": list(widths), "corpus_files": len(pair.corpus),
+        "tuning_minutes_this_invocation": round(tune_minutes, 2),
+        "boost_tune": {"pool": _brief(pool_summary), "cut_alone": _brief(cut_summary)},
+        "arms": results, "argv": sys.argv[1:],
+    }
+    text = json.dumps(report, indent=2)
+    if args.output:
+        args.output.write_text(text + "\n")
+    print(text)
+    print(markdown_table(results), file=sys.stderr)
+    return 0
+
+
+def probe_base(pair: Pair, args, data, train, t0: float) -> int:
+    from specinfer.app import read_prompts
+
+    summary = tune(pair.llm, (pair.base_ssm,), pair.corpus, args.work / "base-alone", data, train)
+    tune_minutes = (time.perf_counter() - t0) / 60
+    tuned = Path(summary["ssms"][0]["checkpoint"])
+    arms = {"incremental": ([], "merge"), "base SSM, untuned": ([pair.base_ssm], "merge"),
+            "base SSM, boost-tuned": ([tuned], "merge")}
+    prompts = read_prompts(pair.prompts)[: args.bench_prompts or None]
+    results = measure(pair.llm, arms, prompts, args.max_new_tokens, tuple(int(w) for w in args.widths.split(",")))
+    domains = prompt_domains(pair.prompts, len(prompts))
+    for r in results.values():
+        r["tokens_per_step_by_domain"] = by_domain(r, domains)
+    report = {"pair": pair.name, "probe": "base only", "tuning_minutes_this_invocation": round(tune_minutes, 2),
+              "boost_tune": _brief(summary), "arms": results, "argv": sys.argv[1:]}
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    print(markdown_table(results), file=sys.stderr)
+    return 0
+
+
+def prompt_domains(path: Path, count: int) -> list[str]:
+    """Each prompt's domain from its "source" field ("stdlib/x.py:12" -> stdlib); "stdlib" without one."""
+    out = []
+    for line in path.read_text().splitlines()[:count]:
+        source = json.loads(line).get("source", "stdlib")
+        out.append(source.split("/")[0].split(" ")[0])
+    return out
+
+
+def by_domain(result: dict, domains: list[str]) -> dict:
+    out = {}
+    for d in sorted(set(domains)):
+        idx = [i for i, x in enumerate(domains) if x == d]
+        tokens = sum(result["per_prompt_tokens"][i] for i in idx)
+        steps = sum(result["per_prompt_steps"][i] for i in idx)
+        out[f"{d} ({len(idx)} prompts)"] = round(tokens / max(1, steps), 3)
+    return out
+
+
+def _brief(summary: dict) -> dict:
+    keys = ("eval_agreement_before", "eval_agreement_after", "train_positions", "train_positions_total", "final_loss")
+    return {"ssms": [{"name": e["name"], **{k: e[k] for k in keys}} for e in summary["ssms"]],
+            "pool_eval_agreement_before": summary["pool_eval_agreement_before"],
+            "pool_eval_agreement_after": summary["pool_eval_agreement_after"],
+            "train_positions": summary["train_positions"], "eval_positions": summary["eval_positions"]}
+
+
+def markdown_table(results: dict) -> str:
+    domains = list(next(iter(results.values()))["tokens_per_step_by_domain"])
+    extra = domains if len(domains) > 1 else []
+    lines = ["| arm | tokens / LLM step | " + "".join(f"{d} | " for d in extra) + "batch wall s | greedy == incremental |",
+             "|---|---|" + "---|" * len(extra) + "---|---|"]
+    for name, r in results.items():
+        cells = "".join(f"{r['tokens_per_step_by_domain'][d]:.3f} | " for d in extra)
+        lines.append(f"| {name} | {r['tokens_per_step']:.3f} | {cells}{r['batch_seconds']:.1f} | "
+                     f"{r['greedy_equals_incremental']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
