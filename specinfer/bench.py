@@ -72,15 +72,15 @@ def machine_info(dtype: str) -> dict:
 class _TransformersArms:
     """transformers' greedy generate and assisted generation (assistant_model = first SSM)."""
 
-    def __init__(self, paths: ModelPaths, dtype: str, device: str):
+    def __init__(self, paths: ModelPaths, dtype: str, ssm_dtype: str, device: str):
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch_dtype = getattr(torch, dtype)
         self.torch = torch
         self.device = device
-        self.llm = AutoModelForCausalLM.from_pretrained(paths.llm, dtype=torch_dtype).to(device).eval()
-        self.ssm = AutoModelForCausalLM.from_pretrained(paths.ssms[0], dtype=torch_dtype).to(device).eval()
+        self.llm = AutoModelForCausalLM.from_pretrained(paths.llm, dtype=getattr(torch, dtype)).to(device).eval()
+        # The assistant runs in the same dtype as our SSMs, so both sides get the same help.
+        self.ssm = AutoModelForCausalLM.from_pretrained(paths.ssms[0], dtype=getattr(torch, ssm_dtype)).to(device).eval()
         self.num_calls = 0
         self.llm.register_forward_hook(self._count)
 
@@ -132,10 +132,12 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         "tree": (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes,
                             min_path_prob=args.min_path_prob), 1),
     }
+    arms["auto"] = (SpecConfig(mode="auto", widths=widths, max_nodes=args.max_tree_nodes), 1)
     if len(engine_ssms) > 1:
         arms["tree_merged"] = (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes,
                                           min_path_prob=args.min_path_prob), len(engine_ssms))
-    hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, engine.verifier.runner.model.device.type)
+    hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, args.ssm_dtype or args.dtype,
+                                                             engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
     results = {name: ArmResult() for name in names}
     greedy = SamplingParams()

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts", type=Path, help='JSONL file with one {"prompt": "..."} per line')
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--mode", choices=["incremental", "sequence", "tree"], help="default: tree with SSMs, else incremental")
+    g.add_argument("--mode", choices=["incremental", "sequence", "tree", "auto"],
+                   help="default: tree with SSMs, else incremental; auto = load-aware shapes within --tree-width")
     _add_spec_flags(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)

@@ -9,19 +9,20 @@ no SSM is available.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from specinfer.blocks import SequenceKV
 from specinfer.errors import UserError
+from specinfer.policy import CostModel, LoadAwarePolicy
 from specinfer.runner import ModelRunner, Work, chain_work
 from specinfer.sampling import SamplingParams, make_generator, target_probs
 from specinfer.speculator import SSMState, SSMTree, Speculator, TreeShape
 from specinfer.tree import PAPER_TREE_WIDTH, TokenTree
 from specinfer.verify import verify_greedy, verify_stochastic
 
-MODES = ("incremental", "sequence", "tree")
+MODES = ("incremental", "sequence", "tree", "auto")
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,10 @@ class SpecConfig:
             raise UserError("max tree nodes must be >= 1")
 
     def shape(self) -> TreeShape | None:
+        """The tree shape; in "auto" mode `widths` only bound what the policy may pick."""
         if self.mode == "incremental":
             return None
-        widths = self.widths if self.mode == "tree" else (1,) * len(self.widths)
+        widths = self.widths if self.mode in ("tree", "auto") else (1,) * len(self.widths)
         return TreeShape(widths, self.max_nodes, self.is_sampled_tree, self.proposal_top_k,
                          min_path_prob=self.min_path_prob)
 
@@ -199,6 +201,7 @@ class Request:
     verify_gen: torch.Generator
     result: GenerationResult
     start_time: float
+    is_auto: bool = False  # the load-aware policy picks each step's shape
     is_done: bool = False
 
     @property
@@ -213,6 +216,7 @@ class Engine:
     def __init__(self, llm: ModelRunner, ssms: list[ModelRunner] | None = None):
         self.verifier = Verifier(llm)
         self.speculator = Speculator(list(ssms or []))
+        self.policies: dict[tuple, LoadAwarePolicy] = {}  # per width bound, built on first "auto" use
         for ssm in self.speculator.runners:
             if ssm.cfg.vocab_size != llm.cfg.vocab_size:
                 raise UserError(
@@ -246,6 +250,7 @@ class Engine:
             verify_gen=make_generator(params.seed, 2),
             result=GenerationResult(list(prompt_ids), [], 0),
             start_time=time.perf_counter(),
+            is_auto=spec.mode == "auto" and shape is not None,
         )
 
     def step(self, requests: list[Request]) -> None:
@@ -253,18 +258,26 @@ class Engine:
         active = [r for r in requests if not r.is_done]
         if not active:
             return
-        proposing, depths = [], {}
+        proposing, shapes = [], {}
         for req in active:
             context = len(req.result.prompt_ids) + len(req.result.output_ids)
             depth = speculation_depth(req.remaining, context, self.max_context)
-            if req.shape and depth > 0:
+            shape = req.shape
+            if shape is not None and req.is_auto:
+                shape = replace(shape, widths=self._policy(shape).choose(len(active)))
+            if shape is not None and depth > 0 and shape.widths:
                 proposing.append(req)
-                depths[id(req)] = depth
+                shapes[id(req)] = shape.clipped(depth)
         trees: dict[int, tuple[TokenTree, list[SSMTree]]] = {}
         if proposing:
-            batch = [(r.ssm_states, r.shape.clipped(depths[id(r)]), r.params, r.spec_gen) for r in proposing]
+            started = time.perf_counter()
+            batch = [(r.ssm_states, shapes[id(r)], r.params, r.spec_gen) for r in proposing]
             for req, out in zip(proposing, self.speculator.propose(batch)):
                 trees[id(req)] = out
+            seconds = time.perf_counter() - started
+            for req in proposing:
+                if req.is_auto:
+                    self._policy(req.shape).observe_speculation(len(shapes[id(req)].widths), seconds)
         items = []
         for req in active:
             tree = trees[id(req)][0] if id(req) in trees else TokenTree.with_root(req.llm_state.pending[-1])
@@ -272,7 +285,18 @@ class Engine:
         for req, (state, tree, _, _), (accepted, bonus) in zip(active, items, self.verifier.verify_batch(items)):
             ssm_trees = trees[id(req)][1] if id(req) in trees else None
             self.speculator.feedback(req.ssm_states, ssm_trees, accepted, bonus)
+            if req.is_auto:
+                self._policy(req.shape).observe_step(tree, tree.find_path(accepted))
             self._emit(req, accepted, bonus, len(tree))
+
+    def _policy(self, bound: TreeShape) -> LoadAwarePolicy:
+        """The load-aware policy for shapes within `bound` (its cost model calibrated once)."""
+        key = (len(bound.widths), max(bound.widths), bound.max_nodes)
+        if key not in self.policies:
+            if not self.policies:
+                self.cost_model = CostModel.calibrate(self.verifier.runner)
+            self.policies[key] = LoadAwarePolicy(self.cost_model, max_depth=key[0], max_width=key[1], max_nodes=key[2])
+        return self.policies[key]
 
     def _emit(self, req: Request, accepted: list[int], bonus: int, num_nodes: int) -> None:
         req.result.record_step(accepted, bonus, num_nodes, req.max_new_tokens, req.stops)

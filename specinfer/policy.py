@@ -51,6 +51,9 @@ class CostModel:
         """Times one forward pass per size over a `context`-token prefix (median of repeats)."""
         from specinfer.runner import Work
 
+        free_slots = runner.allocator.num_free * runner.allocator.block_size
+        context = max(1, min(context, free_slots // 2))
+        sizes = [n for n in sizes if context + n <= free_slots] or [1]
         seq = runner.new_sequence()
         try:
             max_size = max(sizes)

@@ -84,3 +84,15 @@ def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_pro
         assert r.output_ids == expected
         accepted += sum(r.accepted_per_step)
     assert accepted > 0
+
+
+def test_auto_mode_picks_shapes_and_stays_exact(runners, greedy_prompts, incremental_outputs):
+    llm, ssms = runners
+    engine = Engine(llm, ssms[:1])
+    spec = SpecConfig(mode="auto", widths=(3, 3, 1, 1, 1, 1), max_nodes=32)
+    for prompt, expected in zip(greedy_prompts, incremental_outputs):
+        assert engine.generate(prompt, NEW_TOKENS, spec=spec).output_ids == expected
+    policy = next(iter(engine.policies.values()))
+    assert sum(policy.stats.trials) > 3 * 20  # it learnt from real steps, beyond its prior
+    # These test SSMs cost as much as the LLM, so the policy should mostly decide not to speculate.
+    assert policy.choose(1) == ()
