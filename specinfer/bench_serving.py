@@ -137,7 +137,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 2, dtype=args.dtype,
-                              ssm_dtype=args.ssm_dtype,
+                              ssm_dtype=args.ssm_dtype, verifier_threads=args.verifier_threads,
+                              speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
                               tree_width=args.tree_width))
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
     report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "concurrency": levels,

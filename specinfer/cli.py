@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests-per-level", type=int, default=16, help="with --concurrency: requests per arm")
     b.add_argument("--temperatures", default="0,1", help="with --concurrency: comma-separated temperatures")
     b.add_argument("--port", type=int, default=50151, help="with --concurrency: first port of the stack")
+    b.add_argument("--verifier-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
+    b.add_argument("--speculator-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
+    b.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], help="with --concurrency: OpenMP idle waits")
 
     from specinfer.launcher import add_up_parser
 

@@ -264,7 +264,7 @@ class Engine:
             depth = speculation_depth(req.remaining, context, self.max_context)
             shape = req.shape
             if shape is not None and req.is_auto:
-                shape = replace(shape, widths=self._policy(shape).choose(len(active)))
+                shape = replace(shape, widths=self._policy(shape).choose(len(active), req.params.is_greedy))
             if shape is not None and depth > 0 and shape.widths:
                 proposing.append(req)
                 shapes[id(req)] = shape.clipped(depth)
@@ -286,7 +286,7 @@ class Engine:
             ssm_trees = trees[id(req)][1] if id(req) in trees else None
             self.speculator.feedback(req.ssm_states, ssm_trees, accepted, bonus)
             if req.is_auto:
-                self._policy(req.shape).observe_step(tree, tree.find_path(accepted))
+                self._policy(req.shape).observe_step(tree, tree.find_path(accepted), req.params.is_greedy)
             self._emit(req, accepted, bonus, len(tree))
 
     def _policy(self, bound: TreeShape) -> LoadAwarePolicy:

@@ -33,6 +33,9 @@ class StackConfig:
     ssm_dtype: str | None = None  # the speculators' dtype (default: `dtype`); never changes the output
     tree_width: str = "1,1,3,1,1,1,1,1"
     metrics_base_port: int = 0
+    verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
+    speculator_threads: int = 0
+    omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
 
@@ -51,9 +54,9 @@ class Stack:
 
     def start(self) -> None:
         cfg = self.cfg
-        # Several model processes share the cores: OpenMP threads that spin while idle would
-        # steal them from whichever process is computing (an explicit setting wins).
-        common_env = {"SPECINFER_LOG_LEVEL": "warning", "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        common_env = {"SPECINFER_LOG_LEVEL": "warning"}
+        if cfg.omp_wait_policy:
+            common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:
             common_env["SPECINFER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
         spec_targets = []
@@ -61,14 +64,15 @@ class Stack:
         for i, group in enumerate(groups):
             port = cfg.speculator_base_port + i
             args = [a for ssm in group for a in ("--ssm", str(ssm))]
-            args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype]
+            args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype,
+                     "--threads", str(cfg.speculator_threads)]
             env = dict(common_env)
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 2 + i)
             self._spawn(f"speculator-{i}", "services.speculator", args, port, env)
             spec_targets.append(f"{cfg.host}:{port}")
         args = ["--model", str(cfg.llm), "--host", cfg.host, "--port", str(cfg.verifier_port), "--dtype", cfg.dtype,
-                "--tree-width", cfg.tree_width]
+                "--tree-width", cfg.tree_width, "--threads", str(cfg.verifier_threads)]
         args += [a for t in spec_targets for a in ("--speculator", t)]
         env = dict(common_env)
         if cfg.metrics_base_port:

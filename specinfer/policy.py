@@ -146,30 +146,33 @@ class LoadAwarePolicy:
     def __init__(self, cost: CostModel, max_depth: int = 8, max_width: int = 3, max_nodes: int = 64,
                  level_seconds: float | None = None):
         self.cost = cost
+        # Greedy and sampled verification accept at very different rates: learnt apart.
         self.stats = AcceptanceStats(max_width=max(max_width, 1))
+        self.sampled_stats = AcceptanceStats(max_width=max(max_width, 1))
         self.candidates = [w for w in candidate_widths(max_depth, max_width) if num_nodes(w) <= max_nodes]
         # Until measured, assume a speculation level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
         self._lock = threading.Lock()
 
-    def choose(self, batch_size: int) -> tuple[int, ...]:
+    def choose(self, batch_size: int, is_greedy: bool = True) -> tuple[int, ...]:
         """The width vector with the best expected throughput; () means do not speculate."""
         batch = max(1, batch_size)
+        stats = self.stats if is_greedy else self.sampled_stats
         with self._lock:
             best, best_rate = (), batch / self.cost.seconds(batch)
             for widths in self.candidates:
                 if not widths:
                     continue
                 step_s = self.cost.seconds(batch * num_nodes(widths)) + self.level_seconds * len(widths)
-                rate = batch * (1 + expected_accepted(widths, self.stats)) / step_s
+                rate = batch * (1 + expected_accepted(widths, stats)) / step_s
                 if rate > best_rate:
                     best, best_rate = widths, rate
             return best
 
-    def observe_step(self, tree: TokenTree, path: list[int]) -> None:
+    def observe_step(self, tree: TokenTree, path: list[int], is_greedy: bool = True) -> None:
         if len(tree) > 1:
             with self._lock:
-                self.stats.observe_step(tree, path)
+                (self.stats if is_greedy else self.sampled_stats).observe_step(tree, path)
 
     def observe_speculation(self, depth: int, seconds: float, weight: float = 0.1) -> None:
         """Wall time the verifier waited for a tree of `depth` levels (an EMA per level)."""

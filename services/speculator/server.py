@@ -96,8 +96,10 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
         return [self.names.index(n) for n in names]
 
 
-def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, SpeculatorServicer]:
-    """Loads the SSMs and starts serving (used by `main` and by tests)."""
+def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
+          ) -> tuple[RunningServer, SpeculatorServicer]:
+    """Loads the SSMs and starts serving (used by `main` and by tests). Without a worker thread,
+    the caller runs `servicer.worker.worker.run()` on this thread."""
     from specinfer.app import resolve_device
     from specinfer.runner import ModelRunner
 
@@ -110,7 +112,7 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
     tracer = setup_tracing("specinfer-speculator", cfg.otlp_endpoint, exporter)
     registry = new_registry()
     worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
-                              metrics=ModelMetrics.create(registry, "speculator"))
+                              metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded)
     servicer = SpeculatorServicer(worker, names, tracer)
     server = start_model_server(
         "speculator", cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
@@ -122,4 +124,8 @@ def build(cfg: SpeculatorConfig, exporter=None) -> tuple[RunningServer, Speculat
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
-    return serve_until_signalled("speculator", cfg.log_level, cfg.num_threads, lambda: build(cfg)[0])
+    def build_inline():
+        server, servicer = build(cfg, is_worker_threaded=False)
+        return server, servicer.worker.worker.run
+
+    return serve_until_signalled("speculator", cfg.log_level, cfg.num_threads, build_inline)

@@ -115,7 +115,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                         s.set_attribute("accepted_length", len(accepted))
                         s.set_attribute("batch_size", session.last_batch_size)
                     if self.policy:
-                        self.policy.observe_step(tree, tree.find_path(accepted))
+                        self.policy.observe_step(tree, tree.find_path(accepted), params.is_greedy)
                     kept = result.record_step(accepted, bonus, len(tree), max_new, stops)
                     self.metrics.observe_step(len(tree), len(accepted), is_speculated=len(tree) > 1)
                     self.metrics.output_tokens.inc(len(kept))
@@ -147,7 +147,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def _driver(self, request, params, shape, use_speculators, prompt_ids, max_new, timeout_s) -> SpeculationDriver:
         """Opens the request's speculator streams (if any) and sends each its start."""
         if use_speculators and self.policy and not request.shape.widths:
-            choose = self.policy.choose  # load-aware: the shape follows batch size and acceptance
+            policy, is_greedy = self.policy, params.is_greedy
+            choose = lambda batch_size: policy.choose(batch_size, is_greedy)  # noqa: E731 - load-aware
         else:
             choose = lambda _batch_size: shape.widths  # noqa: E731 - a fixed shape
         budget = speculation_depth(max_new, len(prompt_ids), self.max_context)
@@ -180,8 +181,10 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.GenerationStats(**result.stats(), fell_back=fell_back)
 
 
-def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierServicer]:
-    """Loads the LLM and starts serving (used by `main` and by tests)."""
+def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
+          ) -> tuple[RunningServer, VerifierServicer]:
+    """Loads the LLM and starts serving (used by `main` and by tests). Without a
+    worker thread, the caller runs `servicer.worker.worker.run()` on this thread."""
     from specinfer.app import kv_budget_tokens, resolve_device
     from specinfer.config import ModelConfig
     from specinfer.runner import ModelRunner
@@ -193,7 +196,8 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
     registry = new_registry()
     scheduler = SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget, max_waiting=cfg.max_waiting,
                                 admission_timeout_s=cfg.admission_timeout_s, max_sessions=cfg.max_sessions)
-    worker = VerifierWorker(Verifier(runner), scheduler, metrics=ModelMetrics.create(registry, "verifier"))
+    worker = VerifierWorker(Verifier(runner), scheduler, metrics=ModelMetrics.create(registry, "verifier"),
+                            is_threaded=is_worker_threaded)
     policy = None
     if cfg.is_load_aware and cfg.speculators:
         cost = CostModel.calibrate(runner, sizes=tuple(n for n in CALIBRATION_SIZES if n <= kv_tokens // 4))
@@ -211,4 +215,8 @@ def build(cfg: VerifierConfig, exporter=None) -> tuple[RunningServer, VerifierSe
 
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(argv)
-    return serve_until_signalled("verifier", cfg.log_level, cfg.num_threads, lambda: build(cfg)[0])
+    def build_inline():
+        server, servicer = build(cfg, is_worker_threaded=False)
+        return server, servicer.worker.worker.run
+
+    return serve_until_signalled("verifier", cfg.log_level, cfg.num_threads, build_inline)

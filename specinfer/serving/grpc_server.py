@@ -230,8 +230,11 @@ def start_model_server(service: str, host: str, port: int, grace_s: float, metri
                         RpcMetrics.create(registry, service))
 
 
-def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], RunningServer]) -> int:
-    """A service's `main`: JSON logs, torch threads, build and serve until SIGTERM drains it."""
+def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], tuple]) -> int:
+    """A model service's `main`: JSON logs, torch threads, then the model worker loop on this
+    (the loading) thread while gRPC threads take requests, until SIGTERM drains it.
+
+    `build` returns (server, worker loop) with the worker not yet running."""
     from specinfer.serving.logs import setup_logging
 
     setup_logging(service, log_level)
@@ -239,7 +242,8 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
         import torch
 
         torch.set_num_threads(num_threads)
-    server = build()
+    server, run_worker = build()
     server.install_signal_handlers()
+    run_worker()  # returns once stopping the server has stopped the worker
     server.wait()
     return 0

@@ -60,7 +60,7 @@ class VerifierWorker:
     """Owns the LLM runner; every model call goes through its single thread."""
 
     def __init__(self, verifier: Verifier, cfg: SchedulerConfig = SchedulerConfig(),
-                 metrics: ModelMetrics | None = None):
+                 metrics: ModelMetrics | None = None, is_threaded: bool = True):
         self.verifier = verifier
         self.runner = verifier.runner
         self.cfg = cfg
@@ -69,7 +69,7 @@ class VerifierWorker:
         self.num_open = 0
         if metrics is not None:
             self.runner.on_forward = metrics.iteration_tokens.observe
-        self.worker = BatchWorker("verifier-worker", self._process, cfg.max_batch, metrics)
+        self.worker = BatchWorker("verifier-worker", self._process, cfg.max_batch, metrics, is_threaded)
 
     # ---- API for request handlers (any thread) ---------------------------------------------
 
