@@ -75,18 +75,20 @@ def test_policy_switches_speculation_off_when_it_does_not_pay():
 
 
 class AlternatingPolicy(LoadAwarePolicy):
-    """Speculates every other step, with changing shapes: stresses the catch-up protocol."""
+    """Speculates every other step, with changing shapes: stresses the catch-up protocol.
+    Starting with () makes the speculator streams open mid-request, with the context so far."""
 
-    def __init__(self):
+    def __init__(self, first=(2, 1, 1)):
         super().__init__(BANDWIDTH_BOUND)
-        self._shapes = itertools.cycle([(2, 1, 1), (), (1, 1, 1, 1), (), (), (3,)])
+        self._shapes = itertools.cycle([first, (), (1, 1, 1, 1), (), (), (3,)])
 
     def choose(self, batch_size, is_greedy=True):
         return next(self._shapes)
 
 
+@pytest.mark.parametrize("first", [(2, 1, 1), ()])
 @pytest.mark.parametrize("sampling", [None, pb.SamplingParams(temperature=0.8, seed=7)])
-def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling):
+def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
     spec, _ = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
     verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, (f"127.0.0.1:{spec.port}",), port=0,
                                                        device="cpu", is_load_aware=False, grace_s=0))
@@ -98,7 +100,7 @@ def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling):
             kwargs["sampling"] = sampling
         runs = []
         for _ in range(2):  # the same seed and the same shape sequence reproduce the output
-            servicer.policy = AlternatingPolicy()
+            servicer.policy = AlternatingPolicy(first)
             runs.append([t for r in stub.Generate(pb.VerifierGenerateRequest(**kwargs), timeout=30) for t in r.token_ids])
         assert runs[0] == runs[1] and len(runs[0]) == 60
         if sampling is None:

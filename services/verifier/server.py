@@ -139,30 +139,31 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             finally:
                 if cancelled.is_set() and not is_ok:
                     span.add_event("cancelled")
-                for link in driver.links:
-                    link.close()
+                driver.close()
                 history = prompt_ids + result.output_ids if (is_ok and request.session_id) else None
                 self.worker.close(session, history)
 
     def _driver(self, request, params, shape, use_speculators, prompt_ids, max_new, timeout_s) -> SpeculationDriver:
-        """Opens the request's speculator streams (if any) and sends each its start."""
+        """The request's speculation plan; its speculator streams open on the first tree."""
         if use_speculators and self.policy and not request.shape.widths:
             policy, is_greedy = self.policy, params.is_greedy
             choose = lambda batch_size: policy.choose(batch_size, is_greedy)  # noqa: E731 - load-aware
         else:
             choose = lambda _batch_size: shape.widths  # noqa: E731 - a fixed shape
-        budget = speculation_depth(max_new, len(prompt_ids), self.max_context)
-        driver = SpeculationDriver([], shape, choose, self.vocab_size, params.is_greedy,
-                                   self.cfg.speculator_step_timeout_s)
-        if not use_speculators:
-            return driver
-        start = pb.SpeculateStart(request_id=request.request_id, context_ids=prompt_ids,
-                                  sampling=sampling_to_proto(params), shape=shape_to_proto(shape))
-        driver.links = [SpeculatorLink(target, stub, timeout_s) for target, stub in self.speculators]
-        start = driver.start_message(start, driver.plan(budget, self.worker.num_open))
+        sampling = sampling_to_proto(params)
         metadata = outgoing_metadata()
-        for link in driver.links:
-            link.open(start, metadata)
+
+        def open_links(start: pb.SpeculateStart) -> list[SpeculatorLink]:
+            start.request_id = request.request_id
+            start.sampling.CopyFrom(sampling)
+            links = [SpeculatorLink(target, stub, timeout_s) for target, stub in self.speculators]
+            for link in links:
+                link.open(start, metadata)
+            return links
+
+        driver = SpeculationDriver(open_links if use_speculators else None, prompt_ids, shape, choose,
+                                   self.vocab_size, params.is_greedy, self.cfg.speculator_step_timeout_s)
+        driver.ask(driver.plan(speculation_depth(max_new, len(prompt_ids), self.max_context), self.worker.num_open))
         return driver
 
     @staticmethod

@@ -126,40 +126,53 @@ class SpeculationDriver:
     """One request's speculation across steps: which tree to ask for, and when.
 
     The shape of each step comes from `choose_widths(batch_size)` (load-aware) or is fixed.
-    A step that should not speculate asks nothing; the tokens it verifies reach the speculators
-    with the next request for a tree (their caches catch up then), so switching speculation
-    off and on costs no extra round trip.
+    Streams to the speculators open only when the first tree is wanted, so a request that never
+    speculates costs the speculators nothing. A step that should not speculate asks nothing; the
+    tokens it verifies reach the speculators with the next request for a tree (their caches
+    catch up then), so switching speculation off and on costs no extra round trip.
     """
 
-    def __init__(self, links: list[SpeculatorLink], shape: TreeShape, choose_widths, vocab_size: int,
+    def __init__(self, open_links, context_ids: list[int], shape: TreeShape, choose_widths, vocab_size: int,
                  is_greedy: bool, step_timeout_s: float):
-        self.links = links
+        self.open_links = open_links  # (start message) -> links; None when there are no speculators
+        self.links: list[SpeculatorLink] = []
+        self.history = list(context_ids)  # every verified token so far, prompt included
         self.shape = shape
         self.choose_widths = choose_widths  # batch size -> widths; () = do not speculate
         self.vocab_size = vocab_size
         self.is_greedy = is_greedy
         self.step_timeout_s = step_timeout_s
-        self.unsent: list[int] = []  # verified tokens the speculators have not been told about
+        self.unsent: list[int] = []  # verified tokens the open streams have not been told about
         self.is_awaiting = False
         self.asked_depth = 0
 
     @property
-    def is_alive(self) -> bool:
-        return any(link.is_alive for link in self.links)
+    def is_usable(self) -> bool:
+        if self.open_links is None:
+            return False
+        return not self.links or any(link.is_alive for link in self.links)
 
     def plan(self, budget_depth: int, batch_size: int) -> tuple[int, ...]:
         """Widths for the next tree, clipped to the depth the request has left."""
-        if not self.is_alive or budget_depth <= 0:
+        if not self.is_usable or budget_depth <= 0:
             return ()
         return tuple(self.choose_widths(batch_size))[:budget_depth]
 
-    def start_message(self, start: pb.SpeculateStart, widths: tuple[int, ...]) -> pb.SpeculateStart:
-        start.max_depth = len(widths)
-        if widths:
-            start.shape.CopyFrom(self._shape_proto(widths))
+    def ask(self, widths: tuple[int, ...]) -> None:
+        """Requests the next tree (opening the streams with the whole context the first time)."""
+        if not widths or not self.is_usable:
+            return
+        shape = self._shape_proto(widths)
+        if not self.links:
+            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=len(widths))
+            self.links = self.open_links(start)
+        else:
+            for link in self.links:
+                if link.is_alive:
+                    link.send_feedback(self.unsent[:-1], self.unsent[-1], len(widths), shape)
+        self.unsent = []
         self.is_awaiting = True
         self.asked_depth = len(widths)
-        return start
 
     def tree(self, root: int) -> tuple[TokenTree, list[str], int]:
         """The tree for this step (root-only when none was asked), failures, and its depth."""
@@ -171,17 +184,14 @@ class SpeculationDriver:
         return tree, failed, self.asked_depth
 
     def after_step(self, verified: list[int], widths: tuple[int, ...]) -> None:
-        """Records a verified step; asks for the next tree when `widths` says to speculate."""
+        """Records a verified step, then asks for the next tree if `widths` says to speculate."""
+        self.history.extend(verified)
         self.unsent.extend(verified)
-        if not widths or not self.is_alive:
-            return
-        shape = self._shape_proto(widths)
+        self.ask(widths)
+
+    def close(self) -> None:
         for link in self.links:
-            if link.is_alive:
-                link.send_feedback(self.unsent[:-1], self.unsent[-1], len(widths), shape)
-        self.unsent = []
-        self.is_awaiting = True
-        self.asked_depth = len(widths)
+            link.close()
 
     def _shape_proto(self, widths: tuple[int, ...]) -> pb.TreeShape:
         return shape_to_proto(replace(self.shape, widths=widths))
