@@ -150,8 +150,11 @@ class LoadAwarePolicy:
         self.stats = AcceptanceStats(max_width=max(max_width, 1))
         self.sampled_stats = AcceptanceStats(max_width=max(max_width, 1))
         self.candidates = [w for w in candidate_widths(max_depth, max_width) if num_nodes(w) <= max_nodes]
-        # Until measured, assume a speculation level costs a tenth of a one-token LLM pass.
+        # Speculation time per step = fixed_seconds (round trip, catch-up) + level_seconds * depth,
+        # fitted online; until measured, a level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
+        self.fixed_seconds = 0.0
+        self._fit = [0.0] * 5  # decayed sums: n, depth, depth^2, seconds, depth*seconds
         self._lock = threading.Lock()
 
     def choose(self, batch_size: int, is_greedy: bool = True) -> tuple[int, ...]:
@@ -163,7 +166,8 @@ class LoadAwarePolicy:
             for widths in self.candidates:
                 if not widths:
                     continue
-                step_s = self.cost.seconds(batch * num_nodes(widths)) + self.level_seconds * len(widths)
+                step_s = (self.cost.seconds(batch * num_nodes(widths)) + self.fixed_seconds
+                          + self.level_seconds * len(widths))
                 rate = batch * (1 + expected_accepted(widths, stats)) / step_s
                 if rate > best_rate:
                     best, best_rate = widths, rate
@@ -174,8 +178,24 @@ class LoadAwarePolicy:
             with self._lock:
                 (self.stats if is_greedy else self.sampled_stats).observe_step(tree, path)
 
-    def observe_speculation(self, depth: int, seconds: float, weight: float = 0.1) -> None:
-        """Wall time the verifier waited for a tree of `depth` levels (an EMA per level)."""
-        if depth > 0:
-            with self._lock:
-                self.level_seconds += weight * (seconds / depth - self.level_seconds)
+    def observe_speculation(self, depth: int, seconds: float, decay: float = 0.98) -> None:
+        """Wall time the verifier waited for a tree of `depth` levels; refits
+        seconds = fixed + per_level * depth by exponentially weighted least squares."""
+        if depth <= 0:
+            return
+        with self._lock:
+            fit = self._fit
+            for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
+                fit[i] = decay * fit[i] + value
+            n, sd, sdd, sy, sdy = fit
+            det = n * sdd - sd * sd
+            if det > 1e-9 * max(1.0, n * sdd):  # several depths seen: both terms identifiable
+                per_level = (n * sdy - sd * sy) / det
+                fixed = (sy - per_level * sd) / n
+                if per_level < 0:
+                    per_level, fixed = 0.0, sy / n
+                elif fixed < 0:
+                    per_level, fixed = sdy / sdd, 0.0
+            else:  # one depth so far: charge it all to the levels
+                per_level, fixed = sy / sd, 0.0
+            self.level_seconds, self.fixed_seconds = per_level, fixed

@@ -109,3 +109,16 @@ def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
     finally:
         verifier.stop(0)
         spec.stop(0)
+
+
+def test_speculation_cost_fit_separates_fixed_and_per_level_time():
+    policy = LoadAwarePolicy(BANDWIDTH_BOUND)
+    for depth in (1, 2, 3, 4) * 50:
+        policy.observe_speculation(depth, 0.004 + 0.0015 * depth)
+    assert policy.fixed_seconds == pytest.approx(0.004, rel=1e-3)
+    assert policy.level_seconds == pytest.approx(0.0015, rel=1e-3)
+    # A large fixed cost per speculated step makes speculation pay off less.
+    cheap = make_policy(level_seconds=0.0005, containment=0.8)
+    costly = make_policy(level_seconds=0.0005, containment=0.8)
+    costly.fixed_seconds = 0.02
+    assert num_nodes(costly.choose(8)) <= num_nodes(cheap.choose(8))
