@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     from specinfer.client import add_client_parser
 
     add_client_parser(sub)
+    from specinfer.pool import add_pool_parsers
+
+    add_pool_parsers(sub)
 
     d = sub.add_parser("demo-models", help="build (or find cached) demo LLM and SSMs")
     d.add_argument("--cache-dir", type=Path)
@@ -131,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             from specinfer.launcher import run_up
 
             return run_up(args, default_cache_dir(args))
+        if args.command in ("make-ssm", "boost-tune"):
+            from specinfer.pool import run_pool_command
+
+            return run_pool_command(args)
         if args.command == "client":
             from specinfer.client import run_client
 

@@ -125,13 +125,17 @@ class GatewayClient:
     def _request(prompt: str, *, max_tokens: int | None = None, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, stop: Sequence[str] = (), speculate: bool | None = None,
                  tree_width: Sequence[int] | None = None, max_tree_nodes: int = 0, session_id: str = "",
-                 request_id: str = "", ignore_eos: bool = False) -> pb.GenerateRequest:
+                 request_id: str = "", ignore_eos: bool = False, ssm_names: Sequence[str] = (),
+                 tree_policy: str | None = None) -> pb.GenerateRequest:
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if seed is not None:
             sampling.seed = seed
+        policy = {None: pb.TREE_POLICY_UNSPECIFIED, "merge": pb.TREE_POLICY_MERGE, "mixed": pb.TREE_POLICY_MIXED}
         req = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop=list(stop),
-                                 shape=pb.TreeShape(widths=list(tree_width or ()), max_nodes=max_tree_nodes),
-                                 session_id=session_id, request_id=request_id, ignore_eos=ignore_eos)
+                                 shape=pb.TreeShape(widths=list(tree_width or ()), max_nodes=max_tree_nodes,
+                                                    policy=policy[tree_policy]),
+                                 session_id=session_id, request_id=request_id, ignore_eos=ignore_eos,
+                                 ssm_names=list(ssm_names))
         if speculate is not None:
             req.speculate = speculate
         return req
@@ -204,6 +208,8 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--stop", nargs="+", default=[], help="stop sequences")
     g.add_argument("--no-speculate", action="store_true", help="plain incremental decoding")
     g.add_argument("--tree-width", type=_tree_width, help="children per level, e.g. 1,1,3")
+    g.add_argument("--ssm-name", action="append", default=[], help="SSM pool member to use (repeatable)")
+    g.add_argument("--tree-policy", choices=["merge", "mixed"], help="how the pool's trees combine")
     g.add_argument("--session", default="", help="session id to continue")
     g.add_argument("--request-id", default="")
     g.add_argument("--stream", action="store_true", help="print one JSON line per delta")
@@ -233,6 +239,7 @@ def run_client(args: argparse.Namespace) -> int:
             else:
                 params = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, stop=args.stop, tree_width=args.tree_width,
+                              ssm_names=args.ssm_name, tree_policy=args.tree_policy,
                               speculate=False if args.no_speculate else None, session_id=args.session,
                               request_id=args.request_id)
                 if args.stream:

@@ -35,6 +35,7 @@ class SpecConfig:
     is_sampled_tree: bool = True
     proposal_top_k: int = 32
     min_path_prob: float = 0.0  # dynamic pruning of unlikely branches (see TreeShape)
+    policy: str = "merge"  # several SSMs: "merge" their full trees, or "mixed" (see TreeShape)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -48,7 +49,7 @@ class SpecConfig:
             return None
         widths = self.widths if self.mode in ("tree", "auto") else (1,) * len(self.widths)
         return TreeShape(widths, self.max_nodes, self.is_sampled_tree, self.proposal_top_k,
-                         min_path_prob=self.min_path_prob)
+                         min_path_prob=self.min_path_prob, policy=self.policy)
 
 
 @dataclass

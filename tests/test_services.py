@@ -180,7 +180,7 @@ def test_speculator_rejects_bad_streams(stack):
     ok = pb.SpeculateRequest(start=pb.SpeculateStart(context_ids=[1, 5, 6], max_depth=2, ssm_names=["nope"]))
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Speculate(iter([ok]), timeout=5))
-    assert "unknown SSM" in err.value.details()
+    assert "is hosted here" in err.value.details()
 
 
 def test_health_and_graceful_drain(tiny_pair):
@@ -203,3 +203,27 @@ def test_health_and_graceful_drain(tiny_pair):
     assert len(results["tokens"]) == 200  # the in-flight request drained to completion
     for s, _ in specs:
         s.stop(0)
+
+
+def test_request_picks_its_ssm_pool_by_name(tiny_pair, engine, greedy_prompts):
+    spec_a = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
+    spec_b = build_speculator(SpeculatorConfig((tiny_pair.ssms[1],), port=0, device="cpu", grace_s=0))
+    targets = tuple(f"127.0.0.1:{s.port}" for s, _ in (spec_a, spec_b))
+    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, targets, port=0, device="cpu",
+                                                       tree_width=WIDTHS, is_load_aware=False, grace_s=0))
+    try:
+        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+        prompt = greedy_prompts[2]
+        tokens, _ = generate(stub, prompt, 30, ssm_names=[tiny_pair.ssms[1].name])
+        assert tokens == engine.generate(prompt, 30, spec=SpecConfig(mode="incremental")).output_ids
+        assert spec_b[1].worker.speculator.runners[0].allocator.num_used == 0
+        info = stub.Info(pb.InfoRequest(), timeout=5)
+        assert sorted(info.ssm_names) == sorted(p.name for p in tiny_pair.ssms[:2])
+        with pytest.raises(grpc.RpcError) as err:
+            generate(stub, prompt, 4, ssm_names=["no-such-ssm"])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no-such-ssm" in err.value.details()
+        assert servicer.worker.runner.allocator.num_used == 0  # the rejected request left nothing behind
+    finally:
+        verifier.stop(0)
+        spec_a[0].stop(0)
+        spec_b[0].stop(0)

@@ -48,7 +48,8 @@ def new_request_from_proto(msg: pb.GenerateRequest) -> NewRequest:
     s = msg.sampling
     sampling = SamplingSpec(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
                             seed=s.seed if s.HasField("seed") else None)
-    tree = TreeSpec(tuple(msg.shape.widths), msg.shape.max_nodes, msg.shape.sampled, msg.shape.proposal_top_k)
+    tree = TreeSpec(tuple(msg.shape.widths), msg.shape.max_nodes, msg.shape.sampled, msg.shape.proposal_top_k,
+                    msg.shape.policy, msg.shape.min_path_prob, tuple(msg.ssm_names))
     if msg.HasField("max_tokens") and msg.max_tokens <= 0:
         raise UserError(f"max_tokens: must be >= 1 (leave it unset for the server default), got {msg.max_tokens}")
     max_tokens = msg.max_tokens if msg.HasField("max_tokens") else 0  # 0: the gateway's default

@@ -31,6 +31,9 @@ class TreeSpec:
     max_nodes: int = 0  # 0 = server default
     is_sampled: bool = False
     proposal_top_k: int = 0
+    policy: int = 0  # specinfer.v1.TreePolicy; 0 = the server default
+    min_path_prob: float = 0.0
+    ssm_names: tuple[str, ...] = ()  # the SSM pool; empty = all
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ class GenerationParams:
         return cls(
             max_tokens=int(d.get("max_tokens", 0)), sampling=SamplingSpec(**(d.get("sampling") or {})),
             stop=tuple(d.get("stop") or ()), is_speculative=bool(d.get("is_speculative", True)),
-            tree=TreeSpec(**{**tree, "widths": tuple(tree.get("widths") or ())}),
+            tree=TreeSpec(**{**tree, "widths": tuple(tree.get("widths") or ()),
+                             "ssm_names": tuple(tree.get("ssm_names") or ())}),
             is_ignore_eos=bool(d.get("is_ignore_eos", False)),
         )
 
@@ -97,6 +101,10 @@ def _check_tree(t: TreeSpec, limits: GatewayLimits) -> None:
         raise UserError(f"shape.widths: every width must be >= 1, got {list(t.widths)}")
     if any(w > limits.max_tree_width for w in t.widths):
         raise UserError(f"shape.widths: every width must be <= {limits.max_tree_width}, got {list(t.widths)}")
+    if not 0.0 <= t.min_path_prob < 1.0:
+        raise UserError(f"shape.min_path_prob: must be in [0, 1), got {t.min_path_prob}")
+    if any(not name for name in t.ssm_names):
+        raise UserError("ssm_names: names must be non-empty")
     if len(t.widths) > limits.max_tree_depth:
         raise UserError(f"shape.widths: tree deeper than {limits.max_tree_depth} levels ({len(t.widths)})")
     if t.max_nodes > limits.max_tree_nodes:

@@ -93,8 +93,9 @@ def _to_proto(call: VerifierCall) -> pb.VerifierGenerateRequest:
                                    top_k=p.sampling.top_k, seed=call.seed),
         speculate=p.is_speculative,
         shape=pb.TreeShape(widths=list(p.tree.widths), max_nodes=p.tree.max_nodes, sampled=p.tree.is_sampled,
-                           proposal_top_k=p.tree.proposal_top_k),
-        session_id=call.session_id, ignore_eos=p.is_ignore_eos,
+                           proposal_top_k=p.tree.proposal_top_k, policy=p.tree.policy,
+                           min_path_prob=p.tree.min_path_prob),
+        session_id=call.session_id, ignore_eos=p.is_ignore_eos, ssm_names=list(p.tree.ssm_names),
     )
 
 

@@ -88,12 +88,13 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
         return ids
 
     def _pool(self, names: list[str]) -> list[int]:
+        """The hosted SSMs of the requested pool (other speculators may host the rest)."""
         if not names:
             return list(range(len(self.names)))
-        unknown = [n for n in names if n not in self.names]
-        if unknown:
-            raise UserError(f"start.ssm_names: unknown SSM(s) {', '.join(unknown)}; hosted: {', '.join(self.names)}")
-        return [self.names.index(n) for n in names]
+        pool = [i for i, name in enumerate(self.names) if name in names]
+        if not pool:
+            raise UserError(f"start.ssm_names: none of {', '.join(names)} is hosted here ({', '.join(self.names)})")
+        return pool
 
 
 def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True

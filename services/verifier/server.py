@@ -49,15 +49,37 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.max_context = runner.max_context
         self.default_shape = TreeShape(cfg.tree_width, cfg.max_tree_nodes)
         self.speculators = [(target, speculator_stub(target)) for target in cfg.speculators]
+        self._hosted: dict[str, tuple[str, ...]] = {}
         self.eos = tuple(runner.cfg.eos_token_ids)
+
+    def hosted_names(self, target: str, stub) -> tuple[str, ...] | None:
+        """The SSMs a speculator hosts (asked once, then cached); None while it cannot be asked."""
+        if target not in self._hosted:
+            try:
+                self._hosted[target] = tuple(stub.Info(pb.InfoRequest(), timeout=1.0).ssm_names)
+            except grpc.RpcError:
+                return None
+        return self._hosted[target]
+
+    def _speculators_for(self, ssm_names: list[str]) -> list[tuple[str, object]]:
+        """The speculators serving a request's SSM pool (all of them for the default pool)."""
+        if not ssm_names:
+            return self.speculators
+        chosen, hosted_all = [], set()
+        for target, stub in self.speculators:
+            hosted = self.hosted_names(target, stub)
+            if hosted is None or set(hosted) & set(ssm_names):
+                chosen.append((target, stub))
+            hosted_all |= set(hosted or ())
+        unknown = [n for n in ssm_names if n not in hosted_all]
+        if unknown and all(self.hosted_names(t, s) is not None for t, s in self.speculators):
+            raise UserError(f"ssm_names: no speculator hosts {', '.join(unknown)}")
+        return chosen
 
     def Info(self, request, context):
         names = []
-        for _, stub in self.speculators:
-            try:
-                names += list(stub.Info(pb.InfoRequest(), timeout=1.0).ssm_names)
-            except grpc.RpcError:
-                pass  # a speculator that is down simply contributes no names
+        for target, stub in self.speculators:
+            names += list(self.hosted_names(target, stub) or ())  # one that is down adds no names
         return pb.VerifierInfo(
             model=self.cfg.model_dir.name, vocab_size=self.vocab_size, max_context=self.max_context,
             default_shape=shape_to_proto(self.default_shape), num_speculators=len(self.speculators),
@@ -82,15 +104,16 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         context.add_callback(cancelled.set)
         with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
                          session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
-            use_speculators = bool(request.speculate and self.speculators)
+            speculators = self._speculators_for(list(request.ssm_names)) if request.speculate else []
             # Worst case: the prompt, every new token, and the merged trees of all speculators.
-            num_slots = len(prompt_ids) + max_new + 1 + (shape.max_nodes * len(self.speculators) if use_speculators else 0)
+            num_slots = len(prompt_ids) + max_new + 1 + shape.max_nodes * len(speculators)
             session = self.worker.open(prompt_ids, request.session_id or None, num_slots, timeout_s)
             span.set_attribute("reused_prefix_tokens", session.num_reused)
             result = GenerationResult(prompt_ids, [], 0)
-            driver = self._driver(request, params, shape, use_speculators, prompt_ids, max_new, timeout_s)
+            driver = None
             is_ok = False
             try:
+                driver = self._driver(request, params, shape, speculators, prompt_ids, max_new, timeout_s)
                 verify_gen = make_generator(params.seed, 2)
                 fell_back = False
                 while True:
@@ -139,13 +162,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             finally:
                 if cancelled.is_set() and not is_ok:
                     span.add_event("cancelled")
-                driver.close()
+                if driver is not None:
+                    driver.close()
                 history = prompt_ids + result.output_ids if (is_ok and request.session_id) else None
                 self.worker.close(session, history)
 
-    def _driver(self, request, params, shape, use_speculators, prompt_ids, max_new, timeout_s) -> SpeculationDriver:
+    def _driver(self, request, params, shape, speculators, prompt_ids, max_new, timeout_s) -> SpeculationDriver:
         """The request's speculation plan; its speculator streams open on the first tree."""
-        if use_speculators and self.policy and not request.shape.widths:
+        if speculators and self.policy and not request.shape.widths:
             policy, is_greedy = self.policy, params.is_greedy
             choose = lambda batch_size: policy.choose(batch_size, is_greedy)  # noqa: E731 - load-aware
         else:
@@ -156,12 +180,13 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         def open_links(start: pb.SpeculateStart) -> list[SpeculatorLink]:
             start.request_id = request.request_id
             start.sampling.CopyFrom(sampling)
-            links = [SpeculatorLink(target, stub, timeout_s) for target, stub in self.speculators]
+            start.ssm_names.extend(request.ssm_names)
+            links = [SpeculatorLink(target, stub, timeout_s) for target, stub in speculators]
             for link in links:
                 link.open(start, metadata)
             return links
 
-        driver = SpeculationDriver(open_links if use_speculators else None, prompt_ids, shape, choose,
+        driver = SpeculationDriver(open_links if speculators else None, prompt_ids, shape, choose,
                                    self.vocab_size, params.is_greedy, self.cfg.speculator_step_timeout_s)
         driver.ask(driver.plan(speculation_depth(max_new, len(prompt_ids), self.max_context), self.worker.num_open))
         return driver

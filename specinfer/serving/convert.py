@@ -49,17 +49,26 @@ def shape_from_proto(msg: pb.TreeShape, default: TreeShape) -> TreeShape:
     if max_nodes > MAX_TREE_NODES:
         raise UserError(f"shape.max_nodes: over the limit of {MAX_TREE_NODES}")
     has_shape = bool(msg.widths) or msg.max_nodes or msg.proposal_top_k
+    if not 0.0 <= msg.min_path_prob < 1.0:
+        raise UserError("shape.min_path_prob: must be in [0, 1)")
     return TreeShape(
         widths=widths,
         max_nodes=max_nodes,
         is_sampled=bool(msg.sampled) if has_shape else default.is_sampled,
         proposal_top_k=int(msg.proposal_top_k) or default.proposal_top_k,
+        min_path_prob=float(msg.min_path_prob) or default.min_path_prob,
+        policy=_POLICY_NAMES.get(msg.policy, default.policy),
     )
+
+
+_POLICY_NAMES = {pb.TREE_POLICY_MERGE: "merge", pb.TREE_POLICY_MIXED: "mixed"}
+_POLICY_VALUES = {name: value for value, name in _POLICY_NAMES.items()}
 
 
 def shape_to_proto(shape: TreeShape) -> pb.TreeShape:
     return pb.TreeShape(widths=list(shape.widths), max_nodes=shape.max_nodes, sampled=shape.is_sampled,
-                        proposal_top_k=shape.proposal_top_k)
+                        proposal_top_k=shape.proposal_top_k, min_path_prob=shape.min_path_prob,
+                        policy=_POLICY_VALUES[shape.policy])
 
 
 def tree_to_proto(tree: TokenTree, is_greedy: bool) -> pb.TokenTree:
