@@ -350,17 +350,14 @@ def load_model(model_dir: Path, device: str):
 
 def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
     """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer; `boost.json` last."""
-    from specinfer.make_ssm import copy_tokenizer_files
+    from specinfer.make_ssm import copy_tokenizer_files, install_dir
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         with _quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
         copy_tokenizer_files(Path(source), tmp)
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        install_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -168,14 +168,19 @@ def make_ssm(llm_dir: str | Path, out_dir: str | Path, layers: str, mlp_keep: fl
             "llm_num_layers": cfg.num_layers, "llm_intermediate_size": cfg.intermediate_size,
             "num_parameters": sum(t.numel() for t in tensors.values()),
         })
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        install_dir(tmp, out_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def install_dir(tmp: Path, out_dir: Path) -> None:
+    """Moves a finished checkpoint from its temporary folder into place, replacing any old one."""
+    tmp.chmod(0o755)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
 
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, source: Path) -> None:
