@@ -409,3 +409,21 @@ def test_offload_decision():
     assert not should_offload(10, OffloadConfig(gpu_memory_cap=50))
     assert should_offload(10, OffloadConfig(enabled=True, gpu_memory_cap=50))
     assert not should_offload(10, OffloadConfig())
+
+
+def test_gpu_check_script_runs_end_to_end_under_the_interpreter(tmp_path):
+    """The prepared GPU check (scripts/gpu_check.sh) runs whole at tiny shapes on CPU; without the
+    reference pair it uses random tiny models and says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gpu_check.md"
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh"), "tiny", str(out), str(tmp_path / "no-models")],
+        env={**__import__("os").environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = out.read_text()
+    assert "Failures: none" in report and "Correctness" in report
