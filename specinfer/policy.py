@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,8 +48,10 @@ class CostModel:
 
     @classmethod
     def calibrate(cls, runner, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256,
-                  repeats: int = 3) -> "CostModel":
-        """Times one forward pass per size over a `context`-token prefix (median of repeats)."""
+                  repeats: int = 5) -> "CostModel":
+        """Times one forward pass per size over a `context`-token prefix. The fastest of several
+        repeats: start-up shares the CPU with other processes, and a slow outlier would inflate
+        every larger size (costs are made monotone below)."""
         from specinfer.runner import Work
 
         free_slots = runner.allocator.num_free * runner.allocator.block_size
@@ -56,25 +59,37 @@ class CostModel:
         sizes = [n for n in sizes if context + n <= free_slots] or [1]
         seq = runner.new_sequence()
         try:
-            max_size = max(sizes)
-            seq.ensure_capacity(context + max_size)
+            seq.ensure_capacity(context + max(sizes))
             runner.prefill(seq, [0] * context)
-            points = []
-            for n in sizes:
-                work = Work(seq, [0] * n, list(range(context, context + n)), list(range(-1, n - 1)), "all")
-                runner.run([work])  # warm-up
-                times = []
-                for _ in range(repeats):
+            works = {n: Work(seq, [0] * n, list(range(context, context + n)), list(range(-1, n - 1)), "all")
+                     for n in sizes}
+            best = {n: float("inf") for n in sizes}
+            for repeat in range(repeats + 1):  # sizes interleaved, so a busy moment hits them alike
+                for n in sizes:
                     start = time.perf_counter()
-                    runner.run([work])
-                    times.append(time.perf_counter() - start)
-                points.append((n, sorted(times)[len(times) // 2]))
-            # Costs never fall with more tokens; flatten measurement noise into a monotone curve.
-            for i in range(1, len(points)):
-                points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
-            return cls(points)
+                    runner.run([works[n]])
+                    if repeat:  # the first round is a warm-up
+                        best[n] = min(best[n], time.perf_counter() - start)
+            return cls([(n, best[n]) for n in sizes]).monotone()
         finally:
             seq.free()
+
+    def monotone(self) -> "CostModel":
+        """Costs never fall with more tokens: each size costs at most what any larger one does
+        (so a slow outlier cannot inflate every larger size)."""
+        points = list(self.points)
+        for i in range(len(points) - 2, -1, -1):
+            points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
+        return CostModel(points)
+
+    def observe(self, num_tokens: int, seconds: float, weight: float = 0.05) -> None:
+        """Moves the nearest calibration point toward a measured pass (the machine's load and
+        the real contexts drift from what start-up saw)."""
+        i = min(range(len(self.points)), key=lambda j: abs(math.log(self.points[j][0]) - math.log(max(1, num_tokens))))
+        size, old = self.points[i]
+        predicted = self.seconds(num_tokens)
+        self.points[i] = (size, old * (1 - weight + weight * seconds / max(predicted, 1e-9)))
+        self.points = self.monotone().points
 
 
 @dataclass

@@ -122,3 +122,13 @@ def test_speculation_cost_fit_separates_fixed_and_per_level_time():
     costly = make_policy(level_seconds=0.0005, containment=0.8)
     costly.fixed_seconds = 0.02
     assert num_nodes(costly.choose(8)) <= num_nodes(cheap.choose(8))
+
+
+def test_cost_model_is_monotone_and_learns_from_measured_passes():
+    spiky = CostModel([(1, 0.010), (2, 0.350), (4, 0.011), (8, 0.012)]).monotone()
+    assert [t for _, t in spiky.points] == [0.010, 0.011, 0.011, 0.012]  # the outlier cannot inflate
+    model = CostModel([(1, 0.010), (16, 0.011), (64, 0.030)])
+    for _ in range(200):
+        model.observe(16, 0.022)  # the machine turned out twice as slow at 16 tokens
+    assert model.seconds(16) == pytest.approx(0.022, rel=0.05)
+    assert model.seconds(64) >= model.seconds(16) >= model.seconds(1)

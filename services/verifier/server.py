@@ -230,6 +230,7 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
         log.info("calibrated LLM cost model: %s", ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in cost.points))
         policy = LoadAwarePolicy(cost, max_depth=len(cfg.tree_width), max_width=max(cfg.tree_width),
                                  max_nodes=cfg.max_tree_nodes)
+        worker.cost_model = cost  # refined with every measured pass
     servicer = VerifierServicer(cfg, worker, tracer, SpecDecodeMetrics.create(registry), policy)
     server = start_model_server(
         "verifier", cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,

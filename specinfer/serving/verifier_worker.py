@@ -67,6 +67,7 @@ class VerifierWorker:
         self.sessions: dict[str, CachedSession] = {}
         self.metrics = metrics
         self.num_open = 0
+        self.cost_model = None  # a CostModel to keep current with measured passes (load-aware policy)
         if metrics is not None:
             self.runner.on_forward = metrics.iteration_tokens.observe
         self.worker = BatchWorker("verifier-worker", self._process, cfg.max_batch, metrics, is_threaded)
@@ -177,7 +178,11 @@ class VerifierWorker:
         if not ready and not chunks:
             return carried, False
         items = [(j.args[0].state, j.args[1], j.args[2], j.args[3]) for j in ready]
+        started = time.perf_counter()
         results = self.verifier.step(items, chunks)
+        if self.cost_model is not None:
+            num_tokens = sum(n for _, n in chunks) + sum(len(s.pending) - 1 + len(t) for s, t, _, _ in items)
+            self.cost_model.observe(num_tokens, time.perf_counter() - started)
         for job, result in zip(ready, results):
             job.args[0].last_batch_size = len(ready)
             job.future.set_result(result)
