@@ -1,4 +1,5 @@
-"""Tokenizer loading (HF `tokenizer.json`) and incremental detokenization for streaming.
+"""Tokenizer loading (HF `tokenizer.json`); the gateway's streaming detokenizer is in
+services/gateway/stops.py.
 
 SSMs must share the LLM's vocabulary (SpecInfer Section 3: the SSM proposes token ids that the
 LLM verifies), so `check_same_vocab` compares the two tokenizers' vocabularies.
@@ -56,31 +57,3 @@ def check_same_vocab(llm_dir: str | Path, ssm_dir: str | Path) -> None:
         return
     if Tokenizer.from_file(str(a)).get_vocab() != Tokenizer.from_file(str(b)).get_vocab():
         raise UserError(f"SSM {ssm_dir} has a different vocabulary from the LLM {llm_dir}")
-
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas without splitting UTF-8 characters.
-
-    Byte-level BPE tokens can end mid-character; a delta is emitted only once the decoded text
-    no longer ends in the replacement character.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        delta = text[len(self.emitted) :] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return delta
