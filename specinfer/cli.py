@@ -98,9 +98,9 @@ def default_cache_dir(args: argparse.Namespace) -> Path:
 
 
 def configure_cpu_runtime() -> None:
-    """Must run before torch is imported. MKL picks slow small-matrix kernels on non-Intel CPUs
-    unless told which code path to use; AVX-512 machines get the AVX-512 path. An explicit
-    MKL_CBWR in the environment wins."""
+    """Must run before the first matrix multiply (MKL reads it when it initialises). MKL picks
+    slow small-matrix kernels on non-Intel CPUs unless told which code path to use; AVX-512
+    machines get the AVX-512 path. An explicit MKL_CBWR in the environment wins."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
