@@ -2,8 +2,9 @@
 
 SpecInfer's serving evaluation (Section 6.2, Figure 10) compares speculation against incremental
 decoding as the batch grows. This starts the stack (speculator, verifier, gateway) on localhost,
-then, at each concurrency, runs the same prompts through the gateway in three arms, back to back:
-incremental decoding (the verifier batches requests), a fixed token tree, and load-aware
+then, at each concurrency, runs the same prompts through the gateway in three arms, interleaved in
+rounds (each round runs every arm on a share of the requests, in rotating order, so that the
+machine's drifts hit all arms alike): incremental decoding (the verifier batches requests), a fixed token tree, and load-aware
 speculation (the verifier picks each step's tree, or none). It reports output tokens/s, p50/p99
 per-token latency (request latency / output tokens), and whether every greedy output equals the
 single-request output.
@@ -36,10 +37,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def run_load(client, prompts: list[str], concurrency: int, num_requests: int, arm: ArmSpec,
-             max_tokens: int, temperature: float) -> dict:
-    """`concurrency` client threads issue `num_requests` requests in total."""
+             max_tokens: int, temperature: float, first: int = 0) -> dict:
+    """`concurrency` client threads issue requests `first` .. `first + num_requests - 1`."""
     lock = threading.Lock()
-    next_index = [0]
+    next_index = [first]
     records: list[tuple[int, list[int], float]] = []
     errors: list[str] = []
 
@@ -48,7 +49,7 @@ def run_load(client, prompts: list[str], concurrency: int, num_requests: int, ar
             with lock:
                 i = next_index[0]
                 next_index[0] += 1
-            if i >= num_requests:
+            if i >= first + num_requests:
                 return
             params = dict(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True,
                           speculate=arm.speculate)
@@ -70,15 +71,21 @@ def run_load(client, prompts: list[str], concurrency: int, num_requests: int, ar
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - start
+    return {"wall_s": time.perf_counter() - start, "records": records, "errors": errors}
+
+
+def summarize(loads: list[dict]) -> dict:
+    """One arm's figures over its rounds: tokens/s over the summed wall time, per-request p50/p99."""
+    records = [r for load in loads for r in load["records"]]
+    wall = sum(load["wall_s"] for load in loads)
     num_tokens = sum(len(r[1]) for r in records)
     per_token = [r[2] / max(1, len(r[1])) for r in records]
     return {
-        "output_tokens_per_s": round(num_tokens / wall, 2),
+        "output_tokens_per_s": round(num_tokens / max(wall, 1e-9), 2),
         "p50_ms_per_token": round(1000 * _percentile(per_token, 0.5), 2),
         "p99_ms_per_token": round(1000 * _percentile(per_token, 0.99), 2),
         "num_requests": len(records),
-        "errors": errors[:3],
+        "errors": [e for load in loads for e in load["errors"]][:3],
         "outputs": {i: tokens for i, tokens, _ in records},
     }
 
@@ -126,6 +133,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     from specinfer.app import read_prompts
 
     levels = _parse_levels(args.concurrency)
+    if args.rounds < 1 or args.requests_per_level < 1:
+        raise UserError("--rounds and --requests-per-level must be >= 1")
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir)
     if not paths.ssms:
@@ -143,7 +152,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
     report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "concurrency": levels,
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
-                         "requests_per_level": args.requests_per_level, "temperatures": temperatures},
+                         "requests_per_level": args.requests_per_level, "rounds": args.rounds,
+                         "temperatures": temperatures},
               "results": {}}
     try:
         stack.start()
@@ -158,9 +168,16 @@ def run_serving_bench(args, cache_dir: Path) -> int:
             single: dict[str, dict[int, list[int]]] = {}
             for level in levels:
                 num_requests = max(args.requests_per_level, level)
+                per_round = max(level, -(-num_requests // args.rounds))
+                loads: dict[str, list[dict]] = {arm.name: [] for arm in arms}
+                for r in range(-(-num_requests // per_round)):
+                    for arm in arms[r % len(arms):] + arms[: r % len(arms)]:  # rotating order
+                        first = r * per_round
+                        loads[arm.name].append(run_load(client, prompts, level, min(per_round, num_requests - first),
+                                                        arm, args.max_new_tokens, temperature, first))
                 row = {}
                 for arm in arms:
-                    out = run_load(client, prompts, level, num_requests, arm, args.max_new_tokens, temperature)
+                    out = summarize(loads[arm.name])
                     outputs = out.pop("outputs")
                     if temperature == 0.0:
                         reference = single.setdefault(arm.name, outputs if level == levels[0] else {})

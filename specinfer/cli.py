@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", type=Path, help="also write the JSON result here")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: benchmark the services under load instead")
     b.add_argument("--requests-per-level", type=int, default=16, help="with --concurrency: requests per arm")
+    b.add_argument("--rounds", type=int, default=1,
+                   help="with --concurrency: interleave the arms in this many rounds per level (noisy machines)")
     b.add_argument("--temperatures", default="0,1", help="with --concurrency: comma-separated temperatures")
     b.add_argument("--port", type=int, default=50151, help="with --concurrency: first port of the stack")
     b.add_argument("--verifier-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
