@@ -20,6 +20,7 @@ from services.verifier.config import VerifierConfig, parse_config
 from services.verifier.speculators import SpeculationDriver, SpeculatorLink, speculator_stub
 from specinfer.engine import GenerationResult, Verifier, check_request, speculation_depth
 from specinfer.errors import UserError
+from specinfer.guard import SpeculationGuard
 from specinfer.policy import CostModel, LoadAwarePolicy
 from specinfer.sampling import make_generator
 from specinfer.serving.convert import sampling_from_proto, sampling_to_proto, shape_from_proto, shape_to_proto
@@ -44,6 +45,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.tracer = tracer
         self.metrics = metrics
         self.policy = policy  # None: every request speculates with its (or the default) fixed shape
+        self.guard = SpeculationGuard() if policy else None  # measured check on the policy's choices
         runner = worker.runner
         self.vocab_size = runner.cfg.vocab_size
         self.max_context = runner.max_context
@@ -113,10 +115,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             driver = None
             is_ok = False
             try:
-                driver = self._driver(request, params, shape, speculators, prompt_ids, max_new, timeout_s)
+                driver, choice = self._driver(request, params, shape, speculators, prompt_ids, max_new, timeout_s)
                 verify_gen = make_generator(params.seed, 2)
                 fell_back = False
+                measured = None  # (ticket, tokens, start) of the previous step, for the guard
                 while True:
+                    step_started = time.perf_counter()
+                    if measured is not None:
+                        self.guard.observe(measured[0], measured[1], step_started - measured[2])
+                    ticket, choice.ticket = choice.ticket, None
                     root = session.state.pending[-1]
                     step = result.num_llm_steps
                     with self.tracer.start_as_current_span("verifier.speculate") as s:
@@ -140,6 +147,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     if self.policy:
                         self.policy.observe_step(tree, tree.find_path(accepted), params.is_greedy)
                     kept = result.record_step(accepted, bonus, len(tree), max_new, stops)
+                    # The first step's time includes the prompt's prefill: not a speculation step.
+                    measured = (ticket, len(accepted) + 1, step_started) if ticket and step else None
                     self.metrics.observe_step(len(tree), len(accepted), is_speculated=len(tree) > 1)
                     self.metrics.output_tokens.inc(len(kept))
                     is_done = result.is_finished(max_new)
@@ -167,13 +176,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 history = prompt_ids + result.output_ids if (is_ok and request.session_id) else None
                 self.worker.close(session, history)
 
-    def _driver(self, request, params, shape, speculators, prompt_ids, max_new, timeout_s) -> SpeculationDriver:
-        """The request's speculation plan; its speculator streams open on the first tree."""
-        if speculators and self.policy and not request.shape.widths:
-            policy, is_greedy = self.policy, params.is_greedy
-            choose = lambda batch_size: policy.choose(batch_size, is_greedy)  # noqa: E731 - load-aware
-        else:
-            choose = lambda _batch_size: shape.widths  # noqa: E731 - a fixed shape
+    def _driver(self, request, params, shape, speculators, prompt_ids, max_new, timeout_s
+                ) -> tuple[SpeculationDriver, "WidthChoice"]:
+        """The request's speculation plan (its speculator streams open on the first tree), and
+        the choice of each step's widths: load-aware, checked by the guard, or fixed."""
+        is_load_aware = bool(speculators and self.policy and not request.shape.widths)
+        choose = WidthChoice(self.policy if is_load_aware else None, self.guard, params.is_greedy, shape.widths)
         sampling = sampling_to_proto(params)
         metadata = outgoing_metadata()
 
@@ -189,7 +197,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         driver = SpeculationDriver(open_links if speculators else None, prompt_ids, shape, choose,
                                    self.vocab_size, params.is_greedy, self.cfg.speculator_step_timeout_s)
         driver.ask(driver.plan(speculation_depth(max_new, len(prompt_ids), self.max_context), self.worker.num_open))
-        return driver
+        return driver, choose
 
     @staticmethod
     def _wait(future, cancelled: threading.Event, deadline: float):
@@ -205,6 +213,25 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     @staticmethod
     def _stats(result: GenerationResult, fell_back: bool) -> pb.GenerationStats:
         return pb.GenerationStats(**result.stats(), fell_back=fell_back)
+
+
+class WidthChoice:
+    """One request's widths per step: fixed, or the load-aware policy's as the guard allows.
+    `ticket` is the guard's record of the latest load-aware choice (None for fixed shapes)."""
+
+    def __init__(self, policy: LoadAwarePolicy | None, guard: SpeculationGuard | None, is_greedy: bool,
+                 fixed: tuple[int, ...]):
+        self.policy, self.guard, self.is_greedy, self.fixed = policy, guard, is_greedy, fixed
+        self.ticket = None
+
+    def __call__(self, batch_size: int) -> tuple[int, ...]:
+        if self.policy is None:
+            return self.fixed
+        choose = lambda: self.policy.choose(batch_size, self.is_greedy)  # noqa: E731
+        if self.guard is None:  # the policy unchecked
+            return choose()
+        widths, self.ticket = self.guard.plan(batch_size, choose)
+        return widths
 
 
 def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True

@@ -1,0 +1,145 @@
+"""Never slower than plain decoding: a measured check on the load-aware policy's choices.
+
+SpecInfer's gains shrink as the batch grows (Section 6.2, Figure 10), and past some batch size
+speculation costs more than it wins. `LoadAwarePolicy` predicts that point from a cost model of
+LLM passes and a fitted speculation cost. In a service some costs stay outside any such model:
+per-step Python and RPC work in every request thread, requests falling out of step so that one
+batch of B trees becomes several smaller passes, CPU contention between processes. The guard
+measures what the model cannot see.
+
+For each batch-size bucket it runs the two arms, "as the policy chooses" and "plain decoding", in
+phases, for all requests of that bucket at once (so that a phase measures the arm in its own
+conditions, not one request's plain step inside a batch of trees). A phase lasts several steps of
+every request and a fixed amount of wall time, so a retry of the worse arm costs a fixed share of
+time however slow its steps are. A phase's rate is output tokens per second of request time. The
+better arm keeps the bucket; the other is retried now and then, less often each time it loses
+again. A new bucket starts with the arm its nearest smaller measured bucket prefers, since
+speculation pays less as the batch grows.
+The guard only ever replaces a tree by no tree, so it cannot change any output. Plain Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+POLICY, PLAIN = "policy", "plain"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Bucket:
+    arm: str = POLICY
+    best: str = POLICY  # the arm measured faster (the one kept between retries)
+    phase: int = 0  # id of the running phase; a step planned in an older one is not counted
+    recent: dict = field(default_factory=lambda: {POLICY: [], PLAIN: []})  # arm -> its last phases' rates
+    num_tokens: int = 0
+    seconds: float = 0.0
+    num_steps: int = 0
+    is_exploring: bool = False
+    num_phases_since_explore: int = 0
+    explore_interval: int = 8
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Which bucket, phase and arm one step's widths were planned under."""
+    bucket: int
+    phase: int
+    arm: str
+
+
+class SpeculationGuard:
+    """Thread-safe: request threads plan and report steps concurrently."""
+
+    def __init__(self, phase_seconds: float = 0.2, steps_per_request: int = 4, max_explore_interval: int = 32,
+                 num_recent: int = 5, num_bootstrap: int = 3):
+        self.phase_seconds = phase_seconds  # wall time per phase (request time / batch size)
+        self.steps_per_request = steps_per_request  # and at least this many steps per request
+        self.max_explore_interval = max_explore_interval
+        self.num_recent = num_recent  # an arm's rate: the median of its last phases (one odd phase cannot flip it)
+        self.num_bootstrap = num_bootstrap  # phases of each arm, alternating, before either is preferred
+        self._buckets: dict[int, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bucket_of(batch_size: int) -> int:
+        """1, 2, 3-4, 5-8, ...: batch sizes whose step costs are alike."""
+        return max(1, batch_size - 1).bit_length() if batch_size > 1 else 0
+
+    @staticmethod
+    def batch_of(bucket: int) -> int:
+        """The largest batch size in a bucket."""
+        return 1 << bucket
+
+    def plan(self, batch_size: int, choose: Callable[[], tuple[int, ...]]) -> tuple[tuple[int, ...], Ticket]:
+        """The widths to use (`choose()`, the policy's, or () in a plain phase) and the step's ticket."""
+        key = self.bucket_of(batch_size)
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                prior = self._prior_arm(key)
+                bucket = self._buckets[key] = _Bucket(arm=prior, best=prior)
+            ticket = Ticket(key, bucket.phase, bucket.arm)
+        return (tuple(choose()) if ticket.arm == POLICY else ()), ticket
+
+    def _prior_arm(self, key: int) -> str:
+        smaller = [k for k, b in self._buckets.items() if k < key and self._is_measured(b)]
+        return self._buckets[max(smaller)].best if smaller else POLICY
+
+    def _is_measured(self, bucket: _Bucket) -> bool:
+        return all(len(bucket.recent[arm]) >= self.num_bootstrap for arm in (POLICY, PLAIN))
+
+    @staticmethod
+    def _rates(bucket: _Bucket) -> dict[str, float]:
+        return {arm: sorted(r)[len(r) // 2] for arm, r in bucket.recent.items() if r}
+
+    def observe(self, ticket: Ticket, num_tokens: int, seconds: float) -> None:
+        """One request step planned under `ticket`: tokens it produced and its wall time."""
+        with self._lock:
+            bucket = self._buckets.get(ticket.bucket)
+            if bucket is None or ticket.phase != bucket.phase or seconds <= 0:
+                return  # planned before the current phase began: it measured the previous arm
+            bucket.num_tokens += num_tokens
+            bucket.seconds += seconds
+            bucket.num_steps += 1
+            batch = self.batch_of(ticket.bucket)
+            if bucket.seconds >= self.phase_seconds * batch and bucket.num_steps >= self.steps_per_request * batch:
+                self._end_phase(ticket.bucket, bucket)
+
+    def rates(self, batch_size: int) -> dict[str, float]:
+        """Measured rates (tokens/s per request) of the arms at this batch size."""
+        with self._lock:
+            bucket = self._buckets.get(self.bucket_of(batch_size))
+            return self._rates(bucket) if bucket else {}
+
+    def _end_phase(self, key: int, bucket: _Bucket) -> None:
+        recent = bucket.recent[bucket.arm]
+        recent.append(bucket.num_tokens / bucket.seconds)
+        del recent[: -self.num_recent]
+        other = PLAIN if bucket.arm == POLICY else POLICY
+        if not self._is_measured(bucket):  # bootstrap: the arms alternate
+            next_arm = other if len(bucket.recent[other]) < self.num_bootstrap else bucket.arm
+        else:
+            rates = self._rates(bucket)
+            best = max((POLICY, PLAIN), key=lambda arm: rates[arm])
+            if bucket.is_exploring:  # a lost retry waits twice as long for the next one
+                is_won = best == bucket.arm
+                bucket.explore_interval = 8 if is_won else min(2 * bucket.explore_interval, self.max_explore_interval)
+                bucket.is_exploring = False
+            bucket.num_phases_since_explore += 1
+            if bucket.num_phases_since_explore >= bucket.explore_interval:
+                next_arm = PLAIN if best == POLICY else POLICY
+                bucket.is_exploring, bucket.num_phases_since_explore = True, 0
+            else:
+                next_arm = best
+            if best != bucket.best:
+                low, high = self.batch_of(key - 1) + 1 if key else 1, self.batch_of(key)
+                log.info("speculation guard: %s wins at batch sizes %d-%d (tokens/s per request: policy %.1f, "
+                         "plain %.1f)", best, low, high, rates[POLICY], rates[PLAIN])
+                bucket.best = best
+        bucket.arm = next_arm
+        bucket.phase += 1
+        bucket.num_tokens, bucket.seconds, bucket.num_steps = 0, 0.0, 0
