@@ -38,6 +38,7 @@ class _Bucket:
     num_tokens: int = 0
     seconds: float = 0.0
     num_steps: int = 0
+    is_bootstrapping: bool = True
     is_exploring: bool = False
     num_phases_since_explore: int = 0
     explore_interval: int = 8
@@ -80,13 +81,15 @@ class SpeculationGuard:
         with self._lock:
             bucket = self._buckets.get(key)
             if bucket is None:
+                # Speculation pays less as the batch grows: where a smaller batch already measured plain
+                # decoding faster, start plain and only retry the policy (no alternating bootstrap).
                 prior = self._prior_arm(key)
-                bucket = self._buckets[key] = _Bucket(arm=prior, best=prior)
+                bucket = self._buckets[key] = _Bucket(arm=prior, best=prior, is_bootstrapping=prior == POLICY)
             ticket = Ticket(key, bucket.phase, bucket.arm)
         return (tuple(choose()) if ticket.arm == POLICY else ()), ticket
 
     def _prior_arm(self, key: int) -> str:
-        smaller = [k for k, b in self._buckets.items() if k < key and self._is_measured(b)]
+        smaller = [k for k, b in self._buckets.items() if k < key and not b.is_bootstrapping]
         return self._buckets[max(smaller)].best if smaller else POLICY
 
     def _is_measured(self, bucket: _Bucket) -> bool:
@@ -120,11 +123,12 @@ class SpeculationGuard:
         recent.append(bucket.num_tokens / bucket.seconds)
         del recent[: -self.num_recent]
         other = PLAIN if bucket.arm == POLICY else POLICY
-        if not self._is_measured(bucket):  # bootstrap: the arms alternate
+        if bucket.is_bootstrapping and not self._is_measured(bucket):  # the arms alternate
             next_arm = other if len(bucket.recent[other]) < self.num_bootstrap else bucket.arm
         else:
+            bucket.is_bootstrapping = False
             rates = self._rates(bucket)
-            best = max((POLICY, PLAIN), key=lambda arm: rates[arm])
+            best = max(rates, key=rates.get)  # an arm not yet measured is not a candidate
             if bucket.is_exploring:  # a lost retry waits twice as long for the next one
                 is_won = best == bucket.arm
                 bucket.explore_interval = 8 if is_won else min(2 * bucket.explore_interval, self.max_explore_interval)
@@ -137,8 +141,8 @@ class SpeculationGuard:
                 next_arm = best
             if best != bucket.best:
                 low, high = self.batch_of(key - 1) + 1 if key else 1, self.batch_of(key)
-                log.info("speculation guard: %s wins at batch sizes %d-%d (tokens/s per request: policy %.1f, "
-                         "plain %.1f)", best, low, high, rates[POLICY], rates[PLAIN])
+                log.info("speculation guard: %s wins at batch sizes %d-%d (tokens/s per request: %s)", best, low, high,
+                         ", ".join(f"{arm} {rate:.1f}" for arm, rate in rates.items()))
                 bucket.best = best
         bucket.arm = next_arm
         bucket.phase += 1

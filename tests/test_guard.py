@@ -79,6 +79,9 @@ def test_a_new_bucket_starts_with_the_arm_its_smaller_neighbour_prefers():
     guard = SpeculationGuard()
     simulate(guard, rate, 500, batch_size=2)
     assert guard.plan(8, choose_tree)[0] == ()  # batch 5-8 starts plain: speculation already lost at batch 2
+    used = simulate(guard, rate, 2000, batch_size=8)
+    assert used.count(POLICY) / len(used) < 0.05  # no alternating bootstrap there, only backed-off retries
+    assert POLICY in guard.rates(8)  # but the policy was retried
     fresh = SpeculationGuard()
     assert fresh.plan(8, choose_tree)[0] == TREE  # with no evidence, the policy's choice stands
 
