@@ -96,3 +96,4 @@ def test_one_odd_phase_cannot_flip_the_choice():
         guard.observe(ticket, tokens, tokens / rate)
     assert guard.rates(1) == {POLICY: 140.0, PLAIN: 100.0}
     assert guard.plan(1, choose_tree)[0] == TREE
+

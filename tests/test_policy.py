@@ -132,3 +132,25 @@ def test_cost_model_is_monotone_and_learns_from_measured_passes():
         model.observe(16, 0.022)  # the machine turned out twice as slow at 16 tokens
     assert model.seconds(16) == pytest.approx(0.022, rel=0.05)
     assert model.seconds(64) >= model.seconds(16) >= model.seconds(1)
+
+
+def test_only_steady_trees_count_as_speculation_cost():
+    """The first tree of a request opens the streams and prefills the SSMs on the whole context,
+    and one after plain steps makes them catch up: neither is a step's speculation cost."""
+    from services.verifier.speculators import SpeculationDriver
+    from specinfer.speculator import TreeShape
+
+    class Link:
+        is_alive = True
+
+        def send_feedback(self, *args):
+            pass
+
+    driver = SpeculationDriver(lambda start: [Link()], [5, 6, 7], TreeShape((2, 1)), lambda b: (2, 1), 100, True, 1.0)
+    driver.ask((2, 1))
+    assert not driver.is_steady  # opened the stream
+    driver.after_step([8, 9], (2, 1))
+    assert driver.is_steady  # one step's tokens
+    driver.after_step([10], ())  # a plain step: nothing asked
+    driver.after_step([11], (2, 1))
+    assert not driver.is_steady  # two steps to catch up on

@@ -129,7 +129,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     with self.tracer.start_as_current_span("verifier.speculate") as s:
                         started = time.perf_counter()
                         tree, failed, depth = driver.tree(root)
-                        if self.policy and depth:
+                        if self.policy and depth and driver.is_steady:  # a stream's opening is no step cost
                             self.policy.observe_speculation(depth, time.perf_counter() - started)
                         s.set_attribute("step", step)
                         s.set_attribute("tree_nodes", len(tree))

@@ -145,6 +145,10 @@ class SpeculationDriver:
         self.unsent: list[int] = []  # verified tokens the open streams have not been told about
         self.is_awaiting = False
         self.asked_depth = 0
+        self.num_unsent_steps = 0  # verified steps whose tokens the streams have not been told about
+        # Whether the tree asked last costs what a steady step costs: not the first (which opens the
+        # streams and prefills the SSMs on the whole context) nor one after plain steps (catch-up).
+        self.is_steady = False
 
     @property
     def is_usable(self) -> bool:
@@ -163,6 +167,7 @@ class SpeculationDriver:
         if not widths or not self.is_usable:
             return
         shape = self._shape_proto(widths)
+        self.is_steady = bool(self.links) and self.num_unsent_steps == 1
         if not self.links:
             start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=len(widths))
             self.links = self.open_links(start)
@@ -171,6 +176,7 @@ class SpeculationDriver:
                 if link.is_alive:
                     link.send_feedback(self.unsent[:-1], self.unsent[-1], len(widths), shape)
         self.unsent = []
+        self.num_unsent_steps = 0
         self.is_awaiting = True
         self.asked_depth = len(widths)
 
@@ -187,6 +193,7 @@ class SpeculationDriver:
         """Records a verified step, then asks for the next tree if `widths` says to speculate."""
         self.history.extend(verified)
         self.unsent.extend(verified)
+        self.num_unsent_steps += 1
         self.ask(widths)
 
     def close(self) -> None:
