@@ -34,10 +34,17 @@ class StackConfig:
     tree_width: str = "1,1,3,1,1,1,1,1"
     metrics_base_port: int = 0
     verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
-    speculator_threads: int = 0
+    speculator_threads: int = 0  # 0 = `default_speculator_threads()`
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
+
+
+def default_speculator_threads(num_speculators: int) -> int:
+    """Torch threads per speculator on a shared machine: an eighth of the CPUs between them, at
+    least one. SSMs are small, and OpenMP teams of co-located processes fight for cores: on 2 CPUs,
+    a 2-thread speculator made each demo tree step 2-3x slower than a 1-thread one."""
+    return max(1, (os.cpu_count() or 1) // (8 * max(1, num_speculators)))
 
 
 class Stack:
@@ -65,7 +72,7 @@ class Stack:
             port = cfg.speculator_base_port + i
             args = [a for ssm in group for a in ("--ssm", str(ssm))]
             args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype,
-                     "--threads", str(cfg.speculator_threads)]
+                     "--threads", str(cfg.speculator_threads or default_speculator_threads(cfg.num_speculators))]
             env = dict(common_env)
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 2 + i)
