@@ -2,12 +2,12 @@
 
 SpecInfer's serving evaluation (Section 6.2, Figure 10) compares speculation against incremental
 decoding as the batch grows. This starts the stack (speculator, verifier, gateway) on localhost,
-then, at each concurrency, runs the same prompts through the gateway in three arms, interleaved in
-rounds (each round runs every arm on a share of the requests, in rotating order, so that the
-machine's drifts hit all arms alike): incremental decoding (the verifier batches requests), a fixed token tree, and load-aware
-speculation (the verifier picks each step's tree, or none). It reports output tokens/s, p50/p99
-per-token latency (request latency / output tokens), and whether every greedy output equals the
-single-request output.
+then, at each concurrency, runs the same prompts through the gateway in three arms, interleaved
+in rounds (each round runs every arm on a share of the requests, in rotating order, so that the
+machine's drifts hit all arms alike): incremental decoding (the verifier batches requests), a
+fixed token tree, and load-aware speculation (the verifier picks each step's tree, or none). It
+reports output tokens/s, p50/p99 per-token latency (request latency / output tokens), and whether
+every greedy output equals the single-request output.
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                 per_round = max(level, -(-num_requests // args.rounds))
                 loads: dict[str, list[dict]] = {arm.name: [] for arm in arms}
                 for r in range(-(-num_requests // per_round)):
+                    first = r * per_round
                     for arm in arms[r % len(arms):] + arms[: r % len(arms)]:  # rotating order
-                        first = r * per_round
                         loads[arm.name].append(run_load(client, prompts, level, min(per_round, num_requests - first),
                                                         arm, args.max_new_tokens, temperature, first))
                 row = {}

@@ -13,9 +13,9 @@ conditions, not one request's plain step inside a batch of trees). A phase lasts
 every request and a fixed amount of wall time, so a retry of the worse arm costs a fixed share of
 time however slow its steps are. A phase's rate is output tokens per second of request time. The
 better arm keeps the bucket; the other is retried now and then, less often each time it loses
-again. A new bucket starts with the arm its nearest smaller measured bucket prefers, since
-speculation pays less as the batch grows.
-The guard only ever replaces a tree by no tree, so it cannot change any output. Plain Python.
+again. A new bucket first alternates the arms for a few phases each, unless the nearest smaller
+bucket already prefers plain decoding: speculation pays less as the batch grows, so it then starts
+plain and only retries the policy. The guard only ever replaces a tree by no tree, so it cannot change any output. Plain Python.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class _Bucket:
     is_bootstrapping: bool = True
     is_exploring: bool = False
     num_phases_since_explore: int = 0
-    explore_interval: int = 8
+    explore_interval: int = 0  # phases between retries of the losing arm
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,12 @@ class Ticket:
 class SpeculationGuard:
     """Thread-safe: request threads plan and report steps concurrently."""
 
-    def __init__(self, phase_seconds: float = 0.2, steps_per_request: int = 4, max_explore_interval: int = 32,
-                 num_recent: int = 5, num_bootstrap: int = 3):
+    def __init__(self, phase_seconds: float = 0.2, steps_per_request: int = 4, min_explore_interval: int = 8,
+                 max_explore_interval: int = 32, num_recent: int = 5, num_bootstrap: int = 3):
         self.phase_seconds = phase_seconds  # wall time per phase (request time / batch size)
         self.steps_per_request = steps_per_request  # and at least this many steps per request
-        self.max_explore_interval = max_explore_interval
+        self.min_explore_interval = min_explore_interval  # after a retry that won (and at first)
+        self.max_explore_interval = max_explore_interval  # doubling up to this after each lost retry
         self.num_recent = num_recent  # an arm's rate: the median of its last phases (one odd phase cannot flip it)
         self.num_bootstrap = num_bootstrap  # phases of each arm, alternating, before either is preferred
         self._buckets: dict[int, _Bucket] = {}
@@ -84,7 +85,8 @@ class SpeculationGuard:
                 # Speculation pays less as the batch grows: where a smaller batch already measured plain
                 # decoding faster, start plain and only retry the policy (no alternating bootstrap).
                 prior = self._prior_arm(key)
-                bucket = self._buckets[key] = _Bucket(arm=prior, best=prior, is_bootstrapping=prior == POLICY)
+                bucket = self._buckets[key] = _Bucket(arm=prior, best=prior, is_bootstrapping=prior == POLICY,
+                                                      explore_interval=self.min_explore_interval)
             ticket = Ticket(key, bucket.phase, bucket.arm)
         return (tuple(choose()) if ticket.arm == POLICY else ()), ticket
 
@@ -131,7 +133,8 @@ class SpeculationGuard:
             best = max(rates, key=rates.get)  # an arm not yet measured is not a candidate
             if bucket.is_exploring:  # a lost retry waits twice as long for the next one
                 is_won = best == bucket.arm
-                bucket.explore_interval = 8 if is_won else min(2 * bucket.explore_interval, self.max_explore_interval)
+                bucket.explore_interval = (self.min_explore_interval if is_won
+                                           else min(2 * bucket.explore_interval, self.max_explore_interval))
                 bucket.is_exploring = False
             bucket.num_phases_since_explore += 1
             if bucket.num_phases_since_explore >= bucket.explore_interval:
