@@ -2,9 +2,9 @@
 
 For one LLM/SSM pair it
 
-1. cuts an SSM from the LLM's first layers (`specinfer.make_ssm`);
+1. cuts an SSM from the LLM's first layers (`specinfer.pool.make_ssm`);
 2. boost-tunes the pool [base SSM, cut SSM (, extra SSMs)] collectively, and the cut SSM alone, on a
-   corpus that excludes every file the benchmark prompts come from (`specinfer.boost_tune`);
+   corpus that excludes every file the benchmark prompts come from (`specinfer.pool.boost_tune`);
 3. measures, on the held-out benchmark prompts, greedy tokens per LLM step (tree mode) for the
    untuned and tuned SSMs, the tuned pool merged, and the tuned pool with the "mixed" policy.
 
@@ -62,7 +62,7 @@ class Pair:
 
 
 def demo_pair(cache_dir: Path | None) -> Pair:
-    from specinfer.demo_models import default_cache_dir, ensure_demo_models, stdlib_corpus
+    from specinfer.pool.demo_models import default_cache_dir, ensure_demo_models, stdlib_corpus
 
     demo = ensure_demo_models(cache_dir or default_cache_dir(), progress=True)
     corpus = stdlib_corpus()
@@ -74,7 +74,7 @@ def demo_pair(cache_dir: Path | None) -> Pair:
 def reference_pair(shakespeare: tuple[Path, ...] = ()) -> Pair:
     """The reference LLM/SSM; the tuning corpus is the stdlib minus the prompts' files (plus
     `shakespeare`, the kept Shakespeare texts, when given)."""
-    from specinfer.demo_models import stdlib_corpus
+    from specinfer.pool.demo_models import stdlib_corpus
 
     prompts = REFERENCE_PROMPTS
     sources = set()
@@ -160,7 +160,7 @@ def shakespeare_corpus(work: Path, prompts: Path = REFERENCE_PROMPTS) -> tuple[t
 
 
 def make_cut(pair: Pair, work: Path, layers: str, mlp_keep: float) -> Path:
-    from specinfer.make_ssm import make_ssm
+    from specinfer.pool.make_ssm import make_ssm
 
     out = work / f"cut-{pair.name}-layers{layers.replace(',', '_')}"
     if not (out / "config.json").is_file():
@@ -170,7 +170,7 @@ def make_cut(pair: Pair, work: Path, layers: str, mlp_keep: float) -> Path:
 
 def tune(llm: Path, ssms: tuple[Path, ...], corpus: tuple[Path, ...], out: Path, data, train,
          seed_data_from: Path | None = None) -> dict:
-    from specinfer.boost_tune import STATE_DIR, SUMMARY_NAME, BoostConfig, boost_tune
+    from specinfer.pool.boost_tune import STATE_DIR, SUMMARY_NAME, BoostConfig, boost_tune
 
     cfg = BoostConfig(llm=llm, ssms=ssms, corpus=corpus, out=out, data=data, train=train, device="cpu")
     state = out / STATE_DIR
@@ -197,9 +197,9 @@ def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: lis
     """
     import torch
 
-    from specinfer.app import ModelPaths, check_models, encode_prompts, load_tokenizer
-    from specinfer.engine import Engine, SpecConfig
-    from specinfer.runner import ModelRunner
+    from specinfer.engine.load import ModelPaths, check_models, encode_prompts, load_tokenizer
+    from specinfer.engine.llm_engine import Engine, SpecConfig
+    from specinfer.engine.runner import ModelRunner
 
     llm_cfg, _ = check_models(ModelPaths(llm_dir))
     ids = encode_prompts(load_tokenizer(ModelPaths(llm_dir), llm_cfg), prompts)
@@ -239,9 +239,9 @@ def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specinfer.boost_data import DataConfig
-    from specinfer.boost_tune import TrainConfig
-    from specinfer.app import read_prompts
+    from specinfer.pool.boost_data import DataConfig
+    from specinfer.pool.boost_tune import TrainConfig
+    from specinfer.engine.load import read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=["demo", "reference"], required=True)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, help="write the JSON result here")
     args = ap.parse_args(argv)
 
-    from specinfer.demo_models import ThreadTuner
+    from specinfer.pool.demo_models import ThreadTuner
 
     print(f"torch threads: {ThreadTuner().current} (the CPUs other processes leave free)", file=sys.stderr)
     if args.shakespeare and args.pair != "reference":
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def probe_base(pair: Pair, args, data, train, t0: float) -> int:
-    from specinfer.app import read_prompts
+    from specinfer.engine.load import read_prompts
 
     summary = tune(pair.llm, (pair.base_ssm,), pair.corpus, args.work / "base-alone", data, train)
     tune_minutes = (time.perf_counter() - t0) / 60

@@ -47,24 +47,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from specinfer.config import ModelConfig  # noqa: E402
-from specinfer.engine import Engine, SpecConfig  # noqa: E402
-from specinfer.kernels import enable_triton, is_interpreted  # noqa: E402
-from specinfer.kernels.commit import fused_commit  # noqa: E402
-from specinfer.kernels.cuda_graphs import GraphRunner, graphs_available  # noqa: E402
-from specinfer.kernels.tree_attention import (  # noqa: E402
+from specinfer.engine.config import ModelConfig  # noqa: E402
+from specinfer.engine.llm_engine import Engine, SpecConfig  # noqa: E402
+from specinfer.engine.kernels import enable_triton, is_interpreted  # noqa: E402
+from specinfer.engine.kernels.commit import fused_commit  # noqa: E402
+from specinfer.engine.kernels.cuda_graphs import GraphRunner, graphs_available  # noqa: E402
+from specinfer.engine.kernels.tree_attention import (  # noqa: E402
     TreeRequest,
     auto_num_splits,
     build_metadata,
     metadata_from_seqs,
     tree_attention,
 )
-from specinfer.loader import llama_weights, load_state_dict  # noqa: E402
-from specinfer.model import KVCache, LlamaModel, SeqAttention  # noqa: E402
-from specinfer.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
-from specinfer.runner import ModelRunner  # noqa: E402
-from specinfer.sampling import SamplingParams  # noqa: E402
-from specinfer.tree import PAPER_TREE_WIDTH, ancestor_rows  # noqa: E402
+from specinfer.engine.loader import llama_weights, load_state_dict  # noqa: E402
+from specinfer.engine.model import KVCache, LlamaModel, SeqAttention  # noqa: E402
+from specinfer.engine.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
+from specinfer.engine.runner import ModelRunner  # noqa: E402
+from specinfer.engine.sampling import SamplingParams  # noqa: E402
+from specinfer.engine.tree import PAPER_TREE_WIDTH, ancestor_rows  # noqa: E402
 
 TINY = ARGS.tiny
 DEV = "cpu" if TINY else "cuda"
@@ -525,7 +525,7 @@ def section_e2e():
 
 def graph_check():
     """CUDA-graph replay vs eager logits for a batch of trees (captured bucket, padding rows)."""
-    from specinfer.runner import Work
+    from specinfer.engine.runner import Work
 
     models = Path(ARGS.models)
     spec = ("dir", models / "reference-llm") if (models / "reference-llm").is_dir() else ("random", "tiny", 1)

@@ -19,14 +19,14 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from specinfer.boost_data import BoostData, DataConfig
-from specinfer.boost_tune import BoostConfig, TrainConfig, agreement, boost_loss, boost_tune, load_model
-from specinfer.engine import Engine, SpecConfig
+from specinfer.pool.boost_data import BoostData, DataConfig
+from specinfer.pool.boost_tune import BoostConfig, TrainConfig, agreement, boost_loss, boost_tune, load_model
+from specinfer.engine.llm_engine import Engine, SpecConfig
 from specinfer.errors import UserError
-from specinfer.make_ssm import make_ssm
-from specinfer.runner import ModelRunner
-from specinfer.speculator import Speculator, TreeShape
-from specinfer.sampling import SamplingParams
+from specinfer.pool.make_ssm import make_ssm
+from specinfer.engine.runner import ModelRunner
+from specinfer.engine.speculator import Speculator, TreeShape
+from specinfer.engine.sampling import SamplingParams
 from util import add_tokenizer, perturbed_copy, save_tiny_llama
 
 CORPUS_FILES = ("textwrap.py", "colorsys.py", "bisect.py", "shlex.py")
@@ -65,8 +65,8 @@ def config(pool: Pool, out: Path) -> BoostConfig:
 @pytest.fixture(scope="module")
 def uninterrupted(pool, tmp_path_factory) -> tuple[Path, dict]:
     """One run through the CLI entry point (directories as corpus, --quiet)."""
-    from specinfer.cli import _Parser
-    from specinfer.pool import add_pool_parsers, run_pool_command
+    from specinfer.cli.main import _Parser
+    from specinfer.pool.commands import add_pool_parsers, run_pool_command
 
     out = tmp_path_factory.mktemp("run") / "out"
     parser = _Parser(prog="specinfer")
@@ -123,8 +123,8 @@ def test_second_ssm_trains_only_on_what_the_first_gets_wrong(pool, uninterrupted
     (["--ssm", "/nonexistent/ssm"], "not found"), (["--corpus", "/nonexistent/corpus"], "corpus path not found"),
 ])
 def test_boost_tune_bad_input_is_one_line_user_error(pool, tmp_path, flags, message):
-    from specinfer.cli import _Parser
-    from specinfer.pool import add_pool_parsers, run_pool_command
+    from specinfer.cli.main import _Parser
+    from specinfer.pool.commands import add_pool_parsers, run_pool_command
 
     parser = _Parser(prog="specinfer")
     add_pool_parsers(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
@@ -156,7 +156,7 @@ def test_loss_ignores_zero_weight_positions():
 
 def test_targets_are_the_llms_top1(pool):
     """Greedy continuations serve as their own targets; sampled ones get the LLM's teacher-forced top-1."""
-    from specinfer.boost_data import generate_continuations, score_sequences, targets_for
+    from specinfer.pool.boost_data import generate_continuations, score_sequences, targets_for
 
     runner = ModelRunner.from_dir(pool.llm, max_kv_tokens=1024)
     prompts = [[5, 9, 17, 33, 40], [7, 8, 100, 3], [11, 12, 13]]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specinfer.cli import main
+from specinfer.cli.main import main
 from util import add_tokenizer, perturbed_copy, save_tiny_llama, set_config
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "class Foo:\n    pass\n", "for i in range(10):\n    print(i)\n"] * 20

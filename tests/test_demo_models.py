@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-import specinfer.demo_models as dm
-from specinfer.runner import ModelRunner, chain_work
+import specinfer.pool.demo_models as dm
+from specinfer.engine.runner import ModelRunner, chain_work
 
 BUDGET = dm.DemoBudget.tiny()
 SAMPLE = 'def greet(name: str) -> str:\n    """Say hello."""\n    return f"hello, {name}!"  # ünï\n'

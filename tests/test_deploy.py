@@ -382,7 +382,7 @@ def test_every_entrypoint_module_exists_and_imports():
 
 
 def test_demo_models_command_parses():
-    from specinfer.cli import build_parser
+    from specinfer.cli.main import build_parser
 
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert re.search(r'^specinfer\s*=\s*"specinfer\.cli:main"', pyproject, re.M), "console script `specinfer`"

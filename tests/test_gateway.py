@@ -32,7 +32,7 @@ from services.gateway.config import GatewayConfig, GatewayLimits, config_from_ar
 from services.gateway.server import serve
 from services.gateway.stops import TextState, held_back_len
 from services.gateway.store import MemoryStore, RedisStore
-from specinfer.client import GatewayClient, GatewayError, add_client_parser, run_client
+from specinfer.cli.client import GatewayClient, GatewayError, add_client_parser, run_client
 from specinfer.serving.metrics import new_registry
 from specinfer.serving.tracing import outgoing_metadata, setup_tracing
 from specinfer.tokenizer import TextTokenizer

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer.engine import Engine, SpecConfig
-from specinfer.runner import ModelRunner
+from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.runner import ModelRunner
 
 NEW_TOKENS = 64
 

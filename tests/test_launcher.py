@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specinfer import launcher
-from specinfer.launcher import Stack, StackConfig, default_speculator_threads
+from specinfer.cli import launcher
+from specinfer.cli.launcher import Stack, StackConfig, default_speculator_threads
 
 
 def test_speculators_get_a_small_share_of_the_cpus(monkeypatch):

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.errors import UserError
-from specinfer.make_ssm import make_ssm, parse_layers
-from specinfer.runner import ModelRunner, chain_work
+from specinfer.pool.make_ssm import make_ssm, parse_layers
+from specinfer.engine.runner import ModelRunner, chain_work
 from util import save_tiny_llama
 
 TOKENS = [3, 17, 5, 60, 2, 9, 33, 41, 7, 7, 12, 50]
@@ -101,8 +101,8 @@ def test_parse_layers():
 
 
 def _cli(argv):
-    from specinfer.cli import _Parser
-    from specinfer.pool import add_pool_parsers, run_pool_command
+    from specinfer.cli.main import _Parser
+    from specinfer.pool.commands import add_pool_parsers, run_pool_command
 
     parser = _Parser(prog="specinfer")
     add_pool_parsers(parser.add_subparsers(dest="command", required=True, parser_class=_Parser))
@@ -140,7 +140,7 @@ def test_missing_dir_and_nonempty_out(tmp_path, llm_dirs, capsys):
 
 def test_parsers_are_argparse_subcommands():
     parser = argparse.ArgumentParser()
-    from specinfer.pool import add_pool_parsers
+    from specinfer.pool.commands import add_pool_parsers
 
     add_pool_parsers(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["make-ssm", "--from-llm", "x", "--layers", "1", "--out", "y"])

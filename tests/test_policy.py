@@ -11,10 +11,10 @@ from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
-from specinfer.engine import Engine, SpecConfig
-from specinfer.policy import AcceptanceStats, CostModel, LoadAwarePolicy, expected_accepted, num_nodes
-from specinfer.runner import ModelRunner
-from specinfer.tree import TokenTree
+from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.policy import AcceptanceStats, CostModel, LoadAwarePolicy, expected_accepted, num_nodes
+from specinfer.engine.runner import ModelRunner
+from specinfer.engine.tree import TokenTree
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -138,7 +138,7 @@ def test_only_steady_trees_count_as_speculation_cost():
     """The first tree of a request opens the streams and prefills the SSMs on the whole context,
     and one after plain steps makes them catch up: neither is a step's speculation cost."""
     from services.verifier.speculators import SpeculationDriver
-    from specinfer.speculator import TreeShape
+    from specinfer.engine.speculator import TreeShape
 
     class Link:
         is_alive = True

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer.runner import ModelRunner, Work, chain_work
-from specinfer.tree import TokenTree
+from specinfer.engine.runner import ModelRunner, Work, chain_work
+from specinfer.engine.tree import TokenTree
 from util import save_tiny_llama
 
 VARIANTS = {

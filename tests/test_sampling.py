@@ -10,9 +10,9 @@ from transformers.generation.logits_process import (
 )
 
 from specinfer.errors import UserError
-from specinfer.sampling import SamplingParams, proposal_probs, target_probs, warp_logits
-from specinfer.tree import TokenTree
-from specinfer.verify import residual_distribution, verify_stochastic
+from specinfer.engine.sampling import SamplingParams, proposal_probs, target_probs, warp_logits
+from specinfer.engine.tree import TokenTree
+from specinfer.engine.verify import residual_distribution, verify_stochastic
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 10, 0.8), (1.0, 3, 0.5)])

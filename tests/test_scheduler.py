@@ -13,12 +13,12 @@ from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
-from specinfer.engine import Engine, GenerationResult, SpecConfig, Verifier
+from specinfer.engine.llm_engine import Engine, GenerationResult, SpecConfig, Verifier
 from specinfer.errors import CapacityError
-from specinfer.runner import ModelRunner
-from specinfer.sampling import SamplingParams
-from specinfer.serving.verifier_worker import SchedulerConfig, VerifierWorker
-from specinfer.tree import TokenTree
+from specinfer.engine.runner import ModelRunner
+from specinfer.engine.sampling import SamplingParams
+from specinfer.engine.scheduler import SchedulerConfig, VerifierWorker
+from specinfer.engine.tree import TokenTree
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -136,8 +136,8 @@ def test_thousand_cancel_loops_leak_no_kv(tiny_pair):
 
 
 def test_kv_budget_parses_tokens_and_bytes():
-    from specinfer.app import kv_budget_tokens, parse_kv_budget
-    from specinfer.config import ModelConfig
+    from specinfer.engine.load import kv_budget_tokens, parse_kv_budget
+    from specinfer.engine.config import ModelConfig
     from specinfer.errors import UserError
 
     assert parse_kv_budget("65536") == (65536, 0)

@@ -13,8 +13,8 @@ from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
-from specinfer.engine import Engine, SpecConfig
-from specinfer.runner import ModelRunner
+from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.runner import ModelRunner
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 

@@ -21,8 +21,8 @@ from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
-from specinfer.engine import Engine, SpecConfig
-from specinfer.runner import ModelRunner
+from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.runner import ModelRunner
 from specinfer.serving.metrics import new_registry
 from specinfer.serving.tracing import setup_tracing
 from specinfer.tokenizer import TextTokenizer

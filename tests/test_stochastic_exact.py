@@ -15,10 +15,10 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-import specinfer.verify
-from specinfer.engine import Engine, SpecConfig
-from specinfer.runner import ModelRunner
-from specinfer.sampling import SamplingParams, target_probs
+import specinfer.engine.verify
+from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.runner import ModelRunner
+from specinfer.engine.sampling import SamplingParams, target_probs
 from util import perturbed_copy, save_tiny_llama
 
 VOCAB = 8
@@ -120,7 +120,7 @@ def test_speculative_sampling_matches_llm_distribution(models, name):
 
 @pytest.mark.parametrize("name", ["t1-sampled-tree", "t1-topk-tree"])
 def test_without_residual_correction_the_test_fails(models, name, monkeypatch):
-    monkeypatch.setattr(specinfer.verify, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(specinfer.engine.verify, "residual_distribution", lambda p, q: p)
     params, spec, num_ssms = CONFIGS[name]
     counts, _ = speculative_counts(make_engine(models, num_ssms), params, spec)
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))

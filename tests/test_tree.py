@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from specinfer.blocks import BlockAllocator, SequenceKV
+from specinfer.engine.blocks import BlockAllocator, SequenceKV
 from specinfer.errors import CapacityError, UserError
-from specinfer.tree import TokenTree, ancestor_rows, is_chain, merge_trees, parse_tree_width, plan_level, visibility
-from specinfer.verify import verify_greedy
+from specinfer.engine.tree import TokenTree, ancestor_rows, is_chain, merge_trees, parse_tree_width, plan_level, visibility
+from specinfer.engine.verify import verify_greedy
 
 
 def make_tree(edges: list[tuple[int, int]], root: int = 100) -> TokenTree:

@@ -17,19 +17,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specinfer.engine import Engine, SpecConfig
-from specinfer.model import KVCache, LlamaModel, SeqAttention
-from specinfer.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
-from specinfer.runner import ModelRunner, Work, chain_work
-from specinfer.sampling import SamplingParams
-from specinfer.tree import ancestor_rows
+from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.model import KVCache, LlamaModel, SeqAttention
+from specinfer.engine.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
+from specinfer.engine.runner import ModelRunner, Work, chain_work
+from specinfer.engine.sampling import SamplingParams
+from specinfer.engine.tree import ancestor_rows
 
 triton = pytest.importorskip("triton")
 
-from specinfer.kernels import enable_triton, is_interpreted  # noqa: E402
-from specinfer.kernels.commit import fused_commit  # noqa: E402
-from specinfer.kernels.cuda_graphs import GraphRunner, graphs_available  # noqa: E402
-from specinfer.kernels.tree_attention import (  # noqa: E402
+from specinfer.engine.kernels import enable_triton, is_interpreted  # noqa: E402
+from specinfer.engine.kernels.commit import fused_commit  # noqa: E402
+from specinfer.engine.kernels.cuda_graphs import GraphRunner, graphs_available  # noqa: E402
+from specinfer.engine.kernels.tree_attention import (  # noqa: E402
     TreeRequest,
     TritonAttention,
     build_metadata,
@@ -207,8 +207,8 @@ try:
     from triton.compiler import ASTSource
 except ImportError as exc:
     print("triton compile API unavailable:", exc); sys.exit(77)
-import specinfer.kernels.commit as cm
-import specinfer.kernels.tree_attention as ta
+import specinfer.engine.kernels.commit as cm
+import specinfer.engine.kernels.tree_attention as ta
 assert not ta.is_interpreted()
 target = GPUTarget("cuda", 90, 32)  # H100/H200
 

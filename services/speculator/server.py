@@ -18,9 +18,9 @@ from specinfer.serving.convert import sampling_from_proto, shape_from_proto, tre
 from specinfer.serving.grpc_server import RunningServer, serve_until_signalled, start_model_server
 from specinfer.serving.metrics import ModelMetrics, new_registry
 from specinfer.serving.tracing import server_span, setup_tracing
-from specinfer.serving.workers import SpeculatorWorker
-from specinfer.speculator import Speculator, TreeShape
-from specinfer.tree import PAPER_TREE_WIDTH
+from specinfer.engine.workers import SpeculatorWorker
+from specinfer.engine.speculator import Speculator, TreeShape
+from specinfer.engine.tree import PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -101,8 +101,8 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, SpeculatorServicer]:
     """Loads the SSMs and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `servicer.worker.worker.run()` on this thread."""
-    from specinfer.app import resolve_device
-    from specinfer.runner import ModelRunner
+    from specinfer.engine.load import resolve_device
+    from specinfer.engine.runner import ModelRunner
 
     device = resolve_device(cfg.device)
     runners = [ModelRunner.from_dir(d, dtype=cfg.dtype, device=device, max_kv_tokens=cfg.max_kv_tokens)

@@ -36,8 +36,8 @@ class VerifierConfig:
 
 
 def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> VerifierConfig:
-    from specinfer.app import parse_kv_budget
-    from specinfer.tree import parse_tree_width
+    from specinfer.engine.load import parse_kv_budget
+    from specinfer.engine.tree import parse_tree_width
 
     env = dict(os.environ if env is None else env)
     p = argparse.ArgumentParser(prog="specinfer-verifier", description="Hosts the LLM and verifies token trees.")

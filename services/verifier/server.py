@@ -18,17 +18,17 @@ import grpc
 
 from services.verifier.config import VerifierConfig, parse_config
 from services.verifier.speculators import SpeculationDriver, SpeculatorLink, speculator_stub
-from specinfer.engine import GenerationResult, Verifier, check_request, speculation_depth
+from specinfer.engine.llm_engine import GenerationResult, Verifier, check_request, speculation_depth
 from specinfer.errors import UserError
-from specinfer.guard import SpeculationGuard
-from specinfer.policy import CostModel, LoadAwarePolicy
-from specinfer.sampling import make_generator
+from specinfer.engine.guard import SpeculationGuard
+from specinfer.engine.policy import CostModel, LoadAwarePolicy
+from specinfer.engine.sampling import make_generator
 from specinfer.serving.convert import sampling_from_proto, sampling_to_proto, shape_from_proto, shape_to_proto
 from specinfer.serving.grpc_server import RunningServer, remaining_timeout, serve_until_signalled, start_model_server
 from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics, new_registry
 from specinfer.serving.tracing import outgoing_metadata, server_span, setup_tracing
-from specinfer.serving.verifier_worker import SchedulerConfig, VerifierWorker
-from specinfer.speculator import TreeShape
+from specinfer.engine.scheduler import SchedulerConfig, VerifierWorker
+from specinfer.engine.speculator import TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -238,9 +238,9 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests). Without a
     worker thread, the caller runs `servicer.worker.worker.run()` on this thread."""
-    from specinfer.app import kv_budget_tokens, resolve_device
-    from specinfer.config import ModelConfig
-    from specinfer.runner import ModelRunner
+    from specinfer.engine.load import kv_budget_tokens, resolve_device
+    from specinfer.engine.config import ModelConfig
+    from specinfer.engine.runner import ModelRunner
 
     kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, ModelConfig.from_dir(cfg.model_dir), cfg.dtype)
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),

@@ -13,9 +13,9 @@ import math
 import torch
 
 from specinfer.errors import UserError
-from specinfer.sampling import SamplingParams
-from specinfer.speculator import TreeShape
-from specinfer.tree import DEFAULT_MAX_NODES, Draft, TokenTree
+from specinfer.engine.sampling import SamplingParams
+from specinfer.engine.speculator import TreeShape
+from specinfer.engine.tree import DEFAULT_MAX_NODES, Draft, TokenTree
 from specinfer.v1 import specinfer_pb2 as pb
 
 MAX_TREE_NODES = 1024

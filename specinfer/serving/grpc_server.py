@@ -235,7 +235,7 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
     (the loading) thread while gRPC threads take requests, until SIGTERM drains it.
 
     `build` returns (server, worker loop) with the worker not yet running."""
-    from specinfer.cli import configure_cpu_runtime
+    from specinfer.cli.main import configure_cpu_runtime
     from specinfer.serving.logs import setup_logging
 
     configure_cpu_runtime()  # before the first BLAS call, which is when MKL reads it

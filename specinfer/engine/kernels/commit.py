@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from specinfer.kernels.tree_attention import HAS_TRITON, _next_pow2
-from specinfer.model import KVCache
+from specinfer.engine.kernels.tree_attention import HAS_TRITON, _next_pow2
+from specinfer.engine.model import KVCache
 
 if HAS_TRITON:
     import triton

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.kernels.tree_attention import (
+from specinfer.engine.kernels.tree_attention import (
     TILE_FIELDS,
     WORD_BITS,
     TreeAttentionMetadata,
@@ -33,7 +33,7 @@ from specinfer.kernels.tree_attention import (
     auto_num_splits,
     choose_block_m,
 )
-from specinfer.model import ForwardBatch
+from specinfer.engine.model import ForwardBatch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_TREE_SIZES = (1, 16, 32, 64)

@@ -75,13 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--speculator-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
     b.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], help="with --concurrency: OpenMP idle waits")
 
-    from specinfer.launcher import add_up_parser
+    from specinfer.cli.launcher import add_up_parser
 
     add_up_parser(sub)
-    from specinfer.client import add_client_parser
+    from specinfer.cli.client import add_client_parser
 
     add_client_parser(sub)
-    from specinfer.pool import add_pool_parsers
+    from specinfer.pool.commands import add_pool_parsers
 
     add_pool_parsers(sub)
 
@@ -117,31 +117,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command == "generate":
-            from specinfer.commands import run_generate
+            from specinfer.cli.commands import run_generate
 
             return run_generate(args, default_cache_dir(args))
         if args.command == "bench" and args.concurrency:
-            from specinfer.bench_serving import run_serving_bench
+            from specinfer.cli.bench_serving import run_serving_bench
 
             return run_serving_bench(args, default_cache_dir(args))
         if args.command == "bench":
-            from specinfer.bench import run_bench
+            from specinfer.cli.bench import run_bench
 
             return run_bench(args, default_cache_dir(args))
         if args.command == "demo-models":
-            from specinfer.commands import run_demo_models
+            from specinfer.cli.commands import run_demo_models
 
             return run_demo_models(args, default_cache_dir(args))
         if args.command == "up":
-            from specinfer.launcher import run_up
+            from specinfer.cli.launcher import run_up
 
             return run_up(args, default_cache_dir(args))
         if args.command in ("make-ssm", "boost-tune"):
-            from specinfer.pool import run_pool_command
+            from specinfer.pool.commands import run_pool_command
 
             return run_pool_command(args)
         if args.command == "client":
-            from specinfer.client import run_client
+            from specinfer.cli.client import run_client
 
             return run_client(args)
         raise UserError(f"unknown command {args.command!r}")
@@ -152,6 +152,3 @@ def main(argv: list[str] | None = None) -> int:
         print("specinfer: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

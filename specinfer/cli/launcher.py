@@ -158,8 +158,8 @@ def add_up_parser(sub) -> None:
 
 
 def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.commands import resolve_paths
-    from specinfer.tree import parse_tree_width
+    from specinfer.cli.commands import resolve_paths
+    from specinfer.engine.tree import parse_tree_width
 
     parse_tree_width(args.tree_width)
     if args.num_speculators < 1:
@@ -169,7 +169,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     paths, _ = resolve_paths(args, cache_dir)
     if not paths.ssms:
         raise UserError("the stack needs at least one --ssm")
-    from specinfer.app import check_models
+    from specinfer.engine.load import check_models
 
     check_models(paths)
     cfg = StackConfig(
@@ -188,7 +188,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         target = f"{cfg.host}:{cfg.gateway_port}"
         print(f"specinfer: stack is up; gateway at {target} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         if args.prompt:
-            from specinfer.client import GatewayClient
+            from specinfer.cli.client import GatewayClient
 
             reply = GatewayClient(target, timeout_s=300).generate(args.prompt, max_tokens=args.max_tokens)
             print(json.dumps(_as_dict(reply)), flush=True)

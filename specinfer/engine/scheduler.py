@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.engine import LLMState, Verifier
+from specinfer.engine.llm_engine import LLMState, Verifier
 from specinfer.errors import CapacityError, UnavailableError
-from specinfer.sampling import SamplingParams
+from specinfer.engine.sampling import SamplingParams
 from specinfer.serving.metrics import ModelMetrics
-from specinfer.serving.workers import BatchWorker, Job
-from specinfer.tree import TokenTree
+from specinfer.engine.workers import BatchWorker, Job
+from specinfer.engine.tree import TokenTree
 
 
 @dataclass(frozen=True)

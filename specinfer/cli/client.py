@@ -180,7 +180,7 @@ class GatewayClient:
 
 # -- CLI glue: `specinfer client generate|info|get|cancel` ----------------------------------
 def _tree_width(text: str) -> tuple[int, ...]:
-    from specinfer.tree import parse_tree_width
+    from specinfer.engine.tree import parse_tree_width
 
     try:
         return parse_tree_width(text)

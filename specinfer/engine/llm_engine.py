@@ -13,14 +13,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specinfer.blocks import SequenceKV
+from specinfer.engine.blocks import SequenceKV
 from specinfer.errors import UserError
-from specinfer.policy import CostModel, LoadAwarePolicy
-from specinfer.runner import ModelRunner, Work, chain_work
-from specinfer.sampling import SamplingParams, make_generator, target_probs
-from specinfer.speculator import SSMState, SSMTree, Speculator, TreeShape
-from specinfer.tree import PAPER_TREE_WIDTH, TokenTree
-from specinfer.verify import verify_greedy, verify_stochastic
+from specinfer.engine.policy import CostModel, LoadAwarePolicy
+from specinfer.engine.runner import ModelRunner, Work, chain_work
+from specinfer.engine.sampling import SamplingParams, make_generator, target_probs
+from specinfer.engine.speculator import SSMState, SSMTree, Speculator, TreeShape
+from specinfer.engine.tree import PAPER_TREE_WIDTH, TokenTree
+from specinfer.engine.verify import verify_greedy, verify_stochastic
 
 MODES = ("incremental", "sequence", "tree", "auto")
 

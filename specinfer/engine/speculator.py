@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specinfer.blocks import SequenceKV
+from specinfer.engine.blocks import SequenceKV
 from specinfer.errors import UserError
-from specinfer.runner import ModelRunner, Work, chain_work
-from specinfer.sampling import SamplingParams, proposal_probs
-from specinfer.tree import DEFAULT_MAX_NODES, TokenTree, merge_trees, plan_level
+from specinfer.engine.runner import ModelRunner, Work, chain_work
+from specinfer.engine.sampling import SamplingParams, proposal_probs
+from specinfer.engine.tree import DEFAULT_MAX_NODES, TokenTree, merge_trees, plan_level
 
 TREE_POLICIES = ("merge", "mixed")
 

@@ -3,7 +3,7 @@
 SpecInfer (arXiv 2305.09781) aligns a pool of small speculative models (SSMs) with the LLM by an
 unsupervised, AdaBoost-like procedure, "collective boost-tuning":
 
-1. take prompts from a corpus and let the LLM generate continuations (`specinfer.boost_data`);
+1. take prompts from a corpus and let the LLM generate continuations (`specinfer.pool.boost_data`);
 2. fine-tune SSM 1 to reproduce the LLM on all of them;
 3. mark the samples where SSM 1 now reproduces the LLM, and fine-tune SSM 2 on the rest;
 4. and so on through the pool: SSM k trains on what none of SSMs 1..k-1 got right.
@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specinfer.boost_data import BoostData, DataConfig, build_data, read_corpus
+from specinfer.pool.boost_data import BoostData, DataConfig, build_data, read_corpus
 from specinfer.errors import UserError
 
 STATE_DIR = ".boost"
@@ -142,8 +142,8 @@ def load_or_build_data(cfg: BoostConfig, state: Path, progress: bool) -> tuple[B
     if path.is_file():
         tensors = load_file(str(path))
         return BoostData.from_tensors(tensors, "train"), BoostData.from_tensors(tensors, "eval")
-    from specinfer.config import ModelConfig
-    from specinfer.runner import ModelRunner
+    from specinfer.engine.config import ModelConfig
+    from specinfer.engine.runner import ModelRunner
     from specinfer.tokenizer import TextTokenizer
 
     d = cfg.data
@@ -340,7 +340,7 @@ def load_model(model_dir: Path, device: str):
     """An SSM as a float32 transformers `LlamaForCausalLM` (safetensors only)."""
     from transformers import AutoModelForCausalLM
 
-    from specinfer.loader import safetensors_files
+    from specinfer.engine.loader import safetensors_files
 
     safetensors_files(Path(model_dir))  # refuses pickle-only checkpoints with a UserError
     with _quiet_transformers():
@@ -350,7 +350,7 @@ def load_model(model_dir: Path, device: str):
 
 def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
     """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer; `boost.json` last."""
-    from specinfer.make_ssm import copy_tokenizer_files, install_dir
+    from specinfer.pool.make_ssm import copy_tokenizer_files, install_dir
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
@@ -430,7 +430,7 @@ def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BoostConfig:
-    from specinfer.app import ModelPaths, check_models, resolve_device
+    from specinfer.engine.load import ModelPaths, check_models, resolve_device
 
     check_models(ModelPaths(args.llm, tuple(args.ssm)))  # dirs, architectures, same vocabulary
     data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,

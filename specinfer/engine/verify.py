@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specinfer.tree import TokenTree
+from specinfer.engine.tree import TokenTree
 
 _EPS = 1e-12
 

@@ -165,8 +165,8 @@ def draw_prompts(regions: Sequence[_Region], count: int, min_len: int, max_len: 
 def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig, seed: int,
                            progress: bool) -> tuple[list[list[int]], list[bool]]:
     """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset)."""
-    from specinfer.engine import SpecConfig
-    from specinfer.sampling import SamplingParams
+    from specinfer.engine.llm_engine import SpecConfig
+    from specinfer.engine.sampling import SamplingParams
 
     rng = random.Random(seed)
     order = list(range(len(prompts)))
@@ -189,7 +189,7 @@ def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig
 def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress: bool,
                     batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One teacher-forced LLM pass per sequence: (top-1 ids, top-k ids, top-k probs) per position."""
-    from specinfer.runner import chain_work
+    from specinfer.engine.runner import chain_work
 
     out = []
     with _bar(len(sequences), "LLM targets", progress) as bar:
@@ -260,7 +260,7 @@ def assemble(prompts: Sequence[list[int]], continuations: Sequence[list[int]], s
 def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
                progress: bool = True) -> tuple[BoostData, BoostData]:
     """(training data, held-out evaluation data) for the LLM in `llm_runner`."""
-    from specinfer.engine import Engine
+    from specinfer.engine.llm_engine import Engine
 
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus]
     token_lists = [enc.ids for enc in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]

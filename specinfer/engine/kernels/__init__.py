@@ -8,7 +8,7 @@ Everything imports without triton or CUDA; `HAS_TRITON` says whether the kernels
 Without CUDA, Triton kernels run in its CPU interpreter (slow; used by the tests).
 """
 
-from specinfer.kernels.tree_attention import HAS_TRITON, is_interpreted
+from specinfer.engine.kernels.tree_attention import HAS_TRITON, is_interpreted
 
 __all__ = ["HAS_TRITON", "enable_triton", "is_interpreted"]
 
@@ -19,8 +19,8 @@ def enable_triton(runner, fused_commit: bool = True, **attention_kwargs):
     Sets `runner.model.attention_backend`; with `fused_commit`, rewraps `runner.kv` (same tensors)
     so that `ModelRunner.commit` moves the accepted path with one launch for all layers.
     """
-    from specinfer.kernels.commit import FusedCommitKVCache
-    from specinfer.kernels.tree_attention import TritonAttention
+    from specinfer.engine.kernels.commit import FusedCommitKVCache
+    from specinfer.engine.kernels.tree_attention import TritonAttention
 
     backend = TritonAttention.for_config(runner.cfg, **attention_kwargs)
     runner.model.attention_backend = backend

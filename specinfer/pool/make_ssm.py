@@ -15,7 +15,7 @@ The result is an ordinary Hugging Face checkpoint (``config.json`` with the new
 ``num_hidden_layers``/``intermediate_size``, ``model.safetensors``, ``generation_config.json`` and
 the LLM's tokenizer files), plus ``make_ssm.json`` recording where it came from. Such a model is
 usually a poor speculator as cut; collective boost-tuning (``specinfer boost-tune``,
-`specinfer.boost_tune`) is what makes it agree with the LLM. Safetensors only.
+`specinfer.pool.boost_tune`) is what makes it agree with the LLM. Safetensors only.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
-from specinfer.config import ModelConfig
+from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
-from specinfer.loader import load_state_dict
+from specinfer.engine.loader import load_state_dict
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")

@@ -95,8 +95,8 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
-    from specinfer.app import load_engine, load_tokenizer, check_models
-    from specinfer.engine import SpecConfig
+    from specinfer.engine.load import load_engine, load_tokenizer, check_models
+    from specinfer.engine.llm_engine import SpecConfig
 
     llm_cfg, _ = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
@@ -125,12 +125,12 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
 
 
 def run_serving_bench(args, cache_dir: Path) -> int:
-    from specinfer.app import check_models
-    from specinfer.client import GatewayClient
-    from specinfer.commands import resolve_paths
-    from specinfer.launcher import Stack, StackConfig
-    from specinfer.tree import parse_tree_width
-    from specinfer.app import read_prompts
+    from specinfer.engine.load import check_models
+    from specinfer.cli.client import GatewayClient
+    from specinfer.cli.commands import resolve_paths
+    from specinfer.cli.launcher import Stack, StackConfig
+    from specinfer.engine.tree import parse_tree_width
+    from specinfer.engine.load import read_prompts
 
     levels = _parse_levels(args.concurrency)
     if args.rounds < 1 or args.requests_per_level < 1:
@@ -192,7 +192,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
             report["results"][f"temperature={temperature}"] = table
     finally:
         stack.stop()
-    from specinfer.bench import machine_info
+    from specinfer.cli.bench import machine_info
 
     report["machine"] = machine_info(args.dtype)
     text = json.dumps(report, indent=2)

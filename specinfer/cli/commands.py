@@ -7,11 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from specinfer.app import (
+from specinfer.engine.load import (
     ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts,
 )
 from specinfer.errors import UserError
-from specinfer.tree import parse_tree_width
+from specinfer.engine.tree import parse_tree_width
 
 
 def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths, Path | None]:
@@ -22,7 +22,7 @@ def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths
     if args.llm is None:
         if args.ssm:
             raise UserError("--ssm given without --llm")
-        from specinfer.demo_models import ensure_demo_models
+        from specinfer.pool.demo_models import ensure_demo_models
 
         demo = ensure_demo_models(cache_dir, progress=True)
         return ModelPaths(demo.llm, tuple(demo.ssms)), demo.prompts
@@ -30,7 +30,7 @@ def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths
 
 
 def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
-    from specinfer.engine import SpecConfig
+    from specinfer.engine.llm_engine import SpecConfig
 
     widths = parse_tree_width(args.tree_width)
     if args.max_tree_nodes < 1:
@@ -46,7 +46,7 @@ def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.sampling import SamplingParams
+    from specinfer.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.prompt is not None:
@@ -88,7 +88,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
 
 
 def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.demo_models import DemoBudget, ensure_demo_models
+    from specinfer.pool.demo_models import DemoBudget, ensure_demo_models
 
     budget = DemoBudget.tiny() if args.tiny else DemoBudget.full()
     if args.tiny:
@@ -96,7 +96,7 @@ def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
     if args.force:
         import shutil
 
-        from specinfer.demo_models import DEFAULT_DEMO_DIR_NAME
+        from specinfer.pool.demo_models import DEFAULT_DEMO_DIR_NAME
 
         shutil.rmtree(cache_dir / DEFAULT_DEMO_DIR_NAME, ignore_errors=True)
     demo = ensure_demo_models(cache_dir, budget=budget, progress=True)

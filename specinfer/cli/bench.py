@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specinfer.app import ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts
+from specinfer.engine.load import ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts
 from specinfer.errors import UserError
 
 
@@ -102,10 +102,10 @@ class _TransformersArms:
 
 
 def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.commands import resolve_paths
-    from specinfer.engine import SpecConfig
-    from specinfer.sampling import SamplingParams
-    from specinfer.tree import parse_tree_width
+    from specinfer.cli.commands import resolve_paths
+    from specinfer.engine.llm_engine import SpecConfig
+    from specinfer.engine.sampling import SamplingParams
+    from specinfer.engine.tree import parse_tree_width
 
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir)

@@ -15,12 +15,12 @@ from typing import Callable
 
 import torch
 
-from specinfer.blocks import BlockAllocator, SequenceKV
-from specinfer.config import ModelConfig
+from specinfer.engine.blocks import BlockAllocator, SequenceKV
+from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
-from specinfer.loader import llama_weights, load_state_dict, parse_dtype
-from specinfer.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
-from specinfer.tree import is_chain, visibility
+from specinfer.engine.loader import llama_weights, load_state_dict, parse_dtype
+from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
+from specinfer.engine.tree import is_chain, visibility
 
 DEFAULT_BLOCK_SIZE = 16
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.model import LlamaModel
+from specinfer.engine.model import LlamaModel
 
 RESIDENT = ("embed", "norm", "lm_head")
 

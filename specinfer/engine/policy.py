@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from specinfer.tree import TokenTree
+from specinfer.engine.tree import TokenTree
 
 PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
@@ -52,7 +52,7 @@ class CostModel:
         """Times one forward pass per size over a `context`-token prefix. The fastest of several
         repeats: start-up shares the CPU with other processes, and a slow outlier would inflate
         every larger size (costs are made monotone below)."""
-        from specinfer.runner import Work
+        from specinfer.engine.runner import Work
 
         free_slots = runner.allocator.num_free * runner.allocator.block_size
         context = max(1, min(context, free_slots // 2))

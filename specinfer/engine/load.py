@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.config import ModelConfig
+from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
 
@@ -57,8 +57,8 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
 
     The SSMs may run in another dtype than the LLM: they only propose tokens, and verification
     against the LLM keeps the output exact whatever they compute in."""
-    from specinfer.engine import Engine
-    from specinfer.runner import ModelRunner
+    from specinfer.engine.llm_engine import Engine
+    from specinfer.engine.runner import ModelRunner
 
     device = resolve_device(device)
     llm = ModelRunner.from_dir(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens)

@@ -19,10 +19,10 @@ from typing import Any, Callable
 import torch
 
 from specinfer.errors import UnavailableError
-from specinfer.sampling import SamplingParams, make_generator
+from specinfer.engine.sampling import SamplingParams, make_generator
 from specinfer.serving.metrics import ModelMetrics
-from specinfer.speculator import SSMState, SSMTree, Speculator, TreeShape
-from specinfer.tree import TokenTree
+from specinfer.engine.speculator import SSMState, SSMTree, Speculator, TreeShape
+from specinfer.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,5 @@
+import sys
+
+from specinfer.cli.main import main
+
+sys.exit(main())
