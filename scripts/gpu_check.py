@@ -63,8 +63,9 @@ from specinfer.engine.loader import llama_weights, load_state_dict  # noqa: E402
 from specinfer.engine.model import KVCache, LlamaModel, SeqAttention  # noqa: E402
 from specinfer.engine.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
 from specinfer.engine.runner import ModelRunner  # noqa: E402
-from specinfer.engine.sampling import SamplingParams  # noqa: E402
-from specinfer.engine.tree import PAPER_TREE_WIDTH, ancestor_rows  # noqa: E402
+from specinfer.params import SamplingParams  # noqa: E402
+from specinfer.engine.tree import ancestor_rows  # noqa: E402
+from specinfer.limits import PAPER_TREE_WIDTH  # noqa: E402
 
 TINY = ARGS.tiny
 DEV = "cpu" if TINY else "cuda"

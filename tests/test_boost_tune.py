@@ -25,8 +25,9 @@ from specinfer.engine.llm_engine import Engine, SpecConfig
 from specinfer.errors import UserError
 from specinfer.pool.make_ssm import make_ssm
 from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import Speculator, TreeShape
-from specinfer.engine.sampling import SamplingParams
+from specinfer.engine.speculator import Speculator
+from specinfer.params import TreeShape
+from specinfer.params import SamplingParams
 from util import add_tokenizer, perturbed_copy, save_tiny_llama
 
 CORPUS_FILES = ("textwrap.py", "colorsys.py", "bisect.py", "shlex.py")

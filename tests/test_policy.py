@@ -138,7 +138,7 @@ def test_only_steady_trees_count_as_speculation_cost():
     """The first tree of a request opens the streams and prefills the SSMs on the whole context,
     and one after plain steps makes them catch up: neither is a step's speculation cost."""
     from services.verifier.speculators import SpeculationDriver
-    from specinfer.engine.speculator import TreeShape
+    from specinfer.params import TreeShape
 
     class Link:
         is_alive = True

@@ -10,7 +10,8 @@ from transformers.generation.logits_process import (
 )
 
 from specinfer.errors import UserError
-from specinfer.engine.sampling import SamplingParams, proposal_probs, target_probs, warp_logits
+from specinfer.engine.sampling import proposal_probs, target_probs, warp_logits
+from specinfer.params import SamplingParams
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verify import residual_distribution, verify_stochastic
 

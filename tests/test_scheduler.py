@@ -16,7 +16,7 @@ from services.verifier.server import build as build_verifier
 from specinfer.engine.llm_engine import Engine, GenerationResult, SpecConfig, Verifier
 from specinfer.errors import CapacityError
 from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import SamplingParams
+from specinfer.params import SamplingParams
 from specinfer.engine.scheduler import SchedulerConfig, VerifierWorker
 from specinfer.engine.tree import TokenTree
 from specinfer.v1 import specinfer_pb2 as pb

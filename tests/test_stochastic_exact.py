@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 import specinfer.engine.verify
 from specinfer.engine.llm_engine import Engine, SpecConfig
 from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import SamplingParams, target_probs
+from specinfer.engine.sampling import target_probs
+from specinfer.params import SamplingParams
 from util import perturbed_copy, save_tiny_llama
 
 VOCAB = 8

@@ -6,7 +6,8 @@ import pytest
 
 from specinfer.engine.blocks import BlockAllocator, SequenceKV
 from specinfer.errors import CapacityError, UserError
-from specinfer.engine.tree import TokenTree, ancestor_rows, is_chain, merge_trees, parse_tree_width, plan_level, visibility
+from specinfer.engine.tree import TokenTree, ancestor_rows, is_chain, merge_trees, plan_level, visibility
+from specinfer.limits import parse_tree_width
 from specinfer.engine.verify import verify_greedy
 
 

@@ -21,7 +21,7 @@ from specinfer.engine.llm_engine import Engine, SpecConfig
 from specinfer.engine.model import KVCache, LlamaModel, SeqAttention
 from specinfer.engine.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import SamplingParams
+from specinfer.params import SamplingParams
 from specinfer.engine.tree import ancestor_rows
 
 triton = pytest.importorskip("triton")

@@ -14,13 +14,15 @@ import grpc
 
 from services.speculator.config import SpeculatorConfig, parse_config
 from specinfer.errors import UserError
-from specinfer.serving.convert import sampling_from_proto, shape_from_proto, tree_to_proto
+from specinfer.serving.convert import sampling_from_proto, shape_from_proto
+from specinfer.serving.trees import tree_to_proto
 from specinfer.serving.grpc_server import RunningServer, serve_until_signalled, start_model_server
 from specinfer.serving.metrics import ModelMetrics, new_registry
 from specinfer.serving.tracing import server_span, setup_tracing
 from specinfer.engine.workers import SpeculatorWorker
-from specinfer.engine.speculator import Speculator, TreeShape
-from specinfer.engine.tree import PAPER_TREE_WIDTH
+from specinfer.engine.speculator import Speculator
+from specinfer.params import TreeShape
+from specinfer.limits import PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -49,7 +51,8 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
         if not context_ids:
             raise UserError("start.context_ids is empty")
         params = sampling_from_proto(start.sampling)
-        shape = shape_from_proto(start.shape, DEFAULT_SHAPE)
+        shape = shape_from_proto(start.shape)
+        shape = DEFAULT_SHAPE if shape.is_default else shape
         ssm_indices = self._pool(list(start.ssm_names))
         with server_span(self.tracer, "speculator.speculate", context, request_id=start.request_id,
                          ssm_names=",".join(self.names[i] for i in ssm_indices)) as span:
@@ -76,7 +79,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                     fb = msg.feedback
                     feedback = (self._tokens(fb.accepted, "feedback.accepted"), self._tokens([fb.bonus], "feedback.bonus")[0])
                     max_depth = int(fb.max_depth)
-                    shape_override = shape_from_proto(fb.shape, session.shape) if fb.HasField("shape") else None
+                    shape_override = shape_from_proto(fb.shape) if fb.HasField("shape") and fb.shape.widths else None
                 span.set_attribute("steps", step)
             finally:
                 self.worker.close(session)

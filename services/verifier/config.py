@@ -37,7 +37,7 @@ class VerifierConfig:
 
 def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> VerifierConfig:
     from specinfer.engine.load import parse_kv_budget
-    from specinfer.engine.tree import parse_tree_width
+    from specinfer.limits import parse_tree_width
 
     env = dict(os.environ if env is None else env)
     p = argparse.ArgumentParser(prog="specinfer-verifier", description="Hosts the LLM and verifies token trees.")

@@ -28,7 +28,7 @@ from specinfer.serving.grpc_server import RunningServer, remaining_timeout, serv
 from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics, new_registry
 from specinfer.serving.tracing import outgoing_metadata, server_span, setup_tracing
 from specinfer.engine.scheduler import SchedulerConfig, VerifierWorker
-from specinfer.engine.speculator import TreeShape
+from specinfer.params import TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 

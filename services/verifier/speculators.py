@@ -15,9 +15,10 @@ from dataclasses import replace
 
 import grpc
 
-from specinfer.serving.convert import shape_to_proto, tree_from_proto
+from specinfer.serving.convert import shape_to_proto
+from specinfer.serving.trees import tree_from_proto
 from specinfer.serving.grpc_server import CHANNEL_OPTIONS
-from specinfer.engine.speculator import TreeShape
+from specinfer.params import TreeShape
 from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc

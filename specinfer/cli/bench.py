@@ -104,8 +104,8 @@ class _TransformersArms:
 def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.cli.commands import resolve_paths
     from specinfer.engine.llm_engine import SpecConfig
-    from specinfer.engine.sampling import SamplingParams
-    from specinfer.engine.tree import parse_tree_width
+    from specinfer.params import SamplingParams
+    from specinfer.limits import parse_tree_width
 
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir)

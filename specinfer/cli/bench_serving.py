@@ -129,7 +129,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     from specinfer.cli.client import GatewayClient
     from specinfer.cli.commands import resolve_paths
     from specinfer.cli.launcher import Stack, StackConfig
-    from specinfer.engine.tree import parse_tree_width
+    from specinfer.limits import parse_tree_width
     from specinfer.engine.load import read_prompts
 
     levels = _parse_levels(args.concurrency)

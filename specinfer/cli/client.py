@@ -180,7 +180,7 @@ class GatewayClient:
 
 # -- CLI glue: `specinfer client generate|info|get|cancel` ----------------------------------
 def _tree_width(text: str) -> tuple[int, ...]:
-    from specinfer.engine.tree import parse_tree_width
+    from specinfer.limits import parse_tree_width
 
     try:
         return parse_tree_width(text)

@@ -11,7 +11,7 @@ from specinfer.engine.load import (
     ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts,
 )
 from specinfer.errors import UserError
-from specinfer.engine.tree import parse_tree_width
+from specinfer.limits import parse_tree_width
 
 
 def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths, Path | None]:
@@ -46,7 +46,7 @@ def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.engine.sampling import SamplingParams
+    from specinfer.params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if args.prompt is not None:

@@ -159,7 +159,7 @@ def add_up_parser(sub) -> None:
 
 def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.cli.commands import resolve_paths
-    from specinfer.engine.tree import parse_tree_width
+    from specinfer.limits import parse_tree_width
 
     parse_tree_width(args.tree_width)
     if args.num_speculators < 1:

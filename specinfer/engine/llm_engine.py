@@ -17,9 +17,12 @@ from specinfer.engine.blocks import SequenceKV
 from specinfer.errors import UserError
 from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import SamplingParams, make_generator, target_probs
-from specinfer.engine.speculator import SSMState, SSMTree, Speculator, TreeShape
-from specinfer.engine.tree import PAPER_TREE_WIDTH, TokenTree
+from specinfer.engine.sampling import make_generator, target_probs
+from specinfer.params import SamplingParams
+from specinfer.engine.speculator import SSMState, SSMTree, Speculator
+from specinfer.params import TreeShape
+from specinfer.engine.tree import TokenTree
+from specinfer.limits import PAPER_TREE_WIDTH
 from specinfer.engine.verify import verify_greedy, verify_stochastic
 
 MODES = ("incremental", "sequence", "tree", "auto")

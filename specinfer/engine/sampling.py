@@ -8,32 +8,9 @@ top-k, then top-p), and both the verifier and plain incremental sampling use it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from specinfer.errors import UserError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 means no top-k filter
-    seed: int | None = None
-
-    def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise UserError(f"temperature must be a number >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserError(f"top_k must be >= 0, got {self.top_k}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+from specinfer.params import SamplingParams
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 
 from specinfer.engine.llm_engine import LLMState, Verifier
 from specinfer.errors import CapacityError, UnavailableError
-from specinfer.engine.sampling import SamplingParams
+from specinfer.params import SamplingParams
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.engine.workers import BatchWorker, Job
 from specinfer.engine.tree import TokenTree

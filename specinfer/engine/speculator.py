@@ -14,48 +14,15 @@ lie on the accepted path and queues the rest of the accepted tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from specinfer.engine.blocks import SequenceKV
-from specinfer.errors import UserError
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import SamplingParams, proposal_probs
-from specinfer.engine.tree import DEFAULT_MAX_NODES, TokenTree, merge_trees, plan_level
-
-TREE_POLICIES = ("merge", "mixed")
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    widths: tuple[int, ...]
-    max_nodes: int = DEFAULT_MAX_NODES
-    is_sampled: bool = True  # stochastic mode: draw children from q (True) or take top-k (False)
-    proposal_top_k: int = 32  # sampled children come from q truncated to this many tokens
-    # Dynamic pruning: a node joins the tree only if the SSM's probability of its whole path
-    # (the product along it) is at least this; 0 keeps every node the widths allow.
-    min_path_prob: float = 0.0
-    # --- SSM pool policy (boost-tuning work, issue 5) ---
-    # "merge": every SSM the request uses expands the full width vector; the trees are merged.
-    # "mixed": only the request's first SSM (in pool order: the best one) expands `widths`; every
-    # other SSM adds its top-1 path (a width-1 chain of the same depth) to the merged tree.
-    policy: str = "merge"
-
-    def __post_init__(self):
-        if self.policy not in TREE_POLICIES:
-            raise UserError(f"unknown tree policy {self.policy!r}: choose one of {', '.join(TREE_POLICIES)}")
-
-    def clipped(self, max_depth: int) -> "TreeShape":
-        return replace(self, widths=self.widths[: max(0, max_depth)])
-
-    def for_ssm(self, is_primary: bool) -> "TreeShape":
-        """The shape one SSM of the request's pool expands under this policy."""
-        if self.policy == "merge" or is_primary:
-            return self
-        return replace(self, widths=(1,) * len(self.widths))
-    # --- end SSM pool policy ---
-
+from specinfer.engine.sampling import proposal_probs
+from specinfer.engine.tree import TokenTree, merge_trees, plan_level
+from specinfer.params import SamplingParams, TreeShape
 
 @dataclass
 class SSMState:

@@ -15,11 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specinfer.errors import UserError
-
-PAPER_TREE_WIDTH = (1, 1, 3, 1, 1, 1, 1, 1)
-DEFAULT_MAX_NODES = 64
-
 
 @dataclass(frozen=True)
 class Draft:
@@ -160,20 +155,6 @@ def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
             for d in tree.drafts[node]:
                 merged.drafts[maps[ti][node]].append(Draft(maps[ti][d.child], d.proposal))
     return merged, maps
-
-
-def parse_tree_width(text: str) -> tuple[int, ...]:
-    """Parses '1,1,3,1' into a width vector; raises UserError on anything malformed."""
-    parts = [p.strip() for p in str(text).split(",")]
-    try:
-        widths = tuple(int(p) for p in parts)
-    except ValueError:
-        raise UserError(f"malformed tree width {text!r}: expected comma-separated positive integers like 1,1,3,1") from None
-    if not widths or any(w < 1 for w in widths):
-        raise UserError(f"malformed tree width {text!r}: every width must be a positive integer")
-    if len(widths) > 64:
-        raise UserError(f"tree width {text!r} is deeper than 64 levels")
-    return widths
 
 
 def plan_level(num_frontier_children: list[int], num_nodes: int, max_nodes: int) -> list[int]:

@@ -19,9 +19,11 @@ from typing import Any, Callable
 import torch
 
 from specinfer.errors import UnavailableError
-from specinfer.engine.sampling import SamplingParams, make_generator
+from specinfer.engine.sampling import make_generator
+from specinfer.params import SamplingParams
 from specinfer.serving.metrics import ModelMetrics
-from specinfer.engine.speculator import SSMState, SSMTree, Speculator, TreeShape
+from specinfer.engine.speculator import SSMState, SSMTree, Speculator
+from specinfer.params import TreeShape
 from specinfer.engine.tree import TokenTree
 
 log = logging.getLogger(__name__)

@@ -166,7 +166,7 @@ def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig
                            progress: bool) -> tuple[list[list[int]], list[bool]]:
     """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset)."""
     from specinfer.engine.llm_engine import SpecConfig
-    from specinfer.engine.sampling import SamplingParams
+    from specinfer.params import SamplingParams
 
     rng = random.Random(seed)
     order = list(range(len(prompts)))

@@ -1,0 +1,143 @@
+"""Every limit and default of a request, in one place, with one validation function per message.
+
+The token-tree defaults are SpecInfer's (Section 3.1: the expansion config <1,1,3,1,1,1,1,1>).
+A limit here has one value wherever a message enters: the gateway, the verifier, the speculators
+and the command line all check against these. Plain Python: the gateway imports this too.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from specinfer.errors import UserError
+
+# ---- token trees (SpecInfer Section 3.1) -----------------------------------------------------
+PAPER_TREE_WIDTH = (1, 1, 3, 1, 1, 1, 1, 1)  # the paper's expansion config <k1, ..., km>
+DEFAULT_MAX_TREE_NODES = 64
+DEFAULT_PROPOSAL_TOP_K = 32  # sampled children come from the SSM's q truncated to this many tokens
+TREE_POLICIES = ("merge", "mixed")
+MAX_TREE_DEPTH = 16
+MAX_TREE_WIDTH = 64  # children per node at one level
+MAX_TREE_NODES = 1024
+
+# ---- requests --------------------------------------------------------------------------------
+DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say
+MAX_STOP_SEQUENCES = 8
+MAX_STOP_CHARS = 256
+_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The per-request limits a deployment may tighten or widen (gateway flags)."""
+
+    max_prompt_tokens: int = 2048  # session history included
+    max_new_tokens: int = 512  # generated tokens per request
+    default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # used when a request says 0
+    max_concurrent_requests: int = 64
+    max_stop_sequences: int = MAX_STOP_SEQUENCES
+    max_stop_chars: int = MAX_STOP_CHARS
+    max_tree_depth: int = MAX_TREE_DEPTH
+    max_tree_width: int = MAX_TREE_WIDTH
+    max_tree_nodes: int = MAX_TREE_NODES
+
+    def __post_init__(self):
+        for name in ("max_prompt_tokens", "max_new_tokens", "default_max_new_tokens", "max_concurrent_requests",
+                     "max_tree_depth"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name, hard in (("max_tree_depth", MAX_TREE_DEPTH), ("max_tree_width", MAX_TREE_WIDTH),
+                           ("max_tree_nodes", MAX_TREE_NODES), ("max_stop_sequences", MAX_STOP_SEQUENCES),
+                           ("max_stop_chars", MAX_STOP_CHARS)):
+            if getattr(self, name) > hard:
+                raise UserError(f"{name} must be <= {hard}, got {getattr(self, name)}")
+
+
+# ---- one check per message -------------------------------------------------------------------
+def check_id(value: str, name: str = "request_id") -> None:
+    if not _ID.match(value):
+        raise UserError(f"{name}: must be 1-128 characters of [A-Za-z0-9_.:-], got {value!r}")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """SamplingParams: temperature >= 0 and finite, top_p in (0, 1], top_k >= 0."""
+    if not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+        raise UserError(f"sampling.temperature: must be a number >= 0, got {temperature}")
+    if math.isinf(temperature):
+        raise UserError(f"sampling.temperature: must be finite, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"sampling.top_p: must be in (0, 1] (0 = unset = 1), got {top_p}")
+    if top_k < 0:
+        raise UserError(f"sampling.top_k: must be >= 0 (0 = no filter), got {top_k}")
+
+
+def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, min_path_prob: float,
+                policy: str) -> None:
+    """TreeShape: widths in [1, MAX_TREE_WIDTH], at most MAX_TREE_DEPTH levels, 1..MAX_TREE_NODES nodes."""
+    if any(w < 1 for w in widths):
+        raise UserError(f"shape.widths: every width must be >= 1, got {list(widths)}")
+    if any(w > MAX_TREE_WIDTH for w in widths):
+        raise UserError(f"shape.widths: every width must be <= {MAX_TREE_WIDTH}, got {list(widths)}")
+    if len(widths) > MAX_TREE_DEPTH:
+        raise UserError(f"shape.widths: tree deeper than {MAX_TREE_DEPTH} levels ({len(widths)})")
+    if not 1 <= max_nodes <= MAX_TREE_NODES:
+        raise UserError(f"shape.max_nodes: must be in [1, {MAX_TREE_NODES}], got {max_nodes}")
+    if proposal_top_k < 1:
+        raise UserError(f"shape.proposal_top_k: must be >= 1, got {proposal_top_k}")
+    if not 0.0 <= min_path_prob < 1.0:
+        raise UserError(f"shape.min_path_prob: must be in [0, 1), got {min_path_prob}")
+    if policy not in TREE_POLICIES:
+        raise UserError(f"shape.policy: unknown tree policy {policy!r}: choose one of {', '.join(TREE_POLICIES)}")
+
+
+def parse_tree_width(text: str) -> tuple[int, ...]:
+    """Parses '1,1,3,1' into a width vector; raises UserError on anything malformed."""
+    parts = [p.strip() for p in str(text).split(",")]
+    try:
+        widths = tuple(int(p) for p in parts)
+    except ValueError:
+        raise UserError(f"malformed tree width {text!r}: expected comma-separated positive integers like 1,1,3,1") from None
+    if not widths or any(w < 1 for w in widths):
+        raise UserError(f"malformed tree width {text!r}: every width must be a positive integer")
+    if len(widths) > MAX_TREE_DEPTH:
+        raise UserError(f"tree width {text!r} is deeper than {MAX_TREE_DEPTH} levels")
+    if any(w > MAX_TREE_WIDTH for w in widths):
+        raise UserError(f"tree width {text!r}: every width must be <= {MAX_TREE_WIDTH}")
+    return widths
+
+
+def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:
+    if len(stop) > limits.max_stop_sequences:
+        raise UserError(f"stop: at most {limits.max_stop_sequences} stop sequences, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not s:
+            raise UserError(f"stop[{i}]: stop sequences must be non-empty")
+        if len(s) > limits.max_stop_chars:
+            raise UserError(f"stop[{i}]: longer than {limits.max_stop_chars} characters")
+
+
+def check_prompt_ids(prompt_ids: list[int] | tuple[int, ...], max_new_tokens: int, vocab_size: int,
+                     max_context: int) -> None:
+    """A tokenized request the LLM can serve: non-empty, inside the vocabulary, inside the context."""
+    if not prompt_ids:
+        raise UserError("prompt is empty")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab_size:
+        raise UserError(f"prompt token ids must be inside the vocabulary [0, {vocab_size})")
+    if len(prompt_ids) + max_new_tokens > max_context:
+        raise UserError(
+            f"prompt ({len(prompt_ids)} tokens) plus max new tokens ({max_new_tokens}) exceeds "
+            f"the model context of {max_context} tokens"
+        )
+
+
+def check_prompt_length(num_prompt_tokens: int, num_history_tokens: int, limits: RequestLimits) -> None:
+    total = num_prompt_tokens + num_history_tokens
+    if num_prompt_tokens == 0:
+        raise UserError("prompt: tokenizes to no tokens")
+    if total > limits.max_prompt_tokens:
+        where = f" ({num_history_tokens} of them session history)" if num_history_tokens else ""
+        raise UserError(f"prompt: {total} tokens{where}, more than max_prompt_tokens={limits.max_prompt_tokens}")

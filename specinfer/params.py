@@ -1,0 +1,121 @@
+"""What a request asks for, as one set of types on every hop: gateway, verifier, speculators, CLI.
+
+`SamplingParams` defines the LLM distribution that stochastic verification preserves (SpecInfer
+Section 4.3); `TreeShape` is the expansion config of a token tree (Section 3.1);
+`GenerationParams` is a whole request. Protobuf is converted to these once, at each service's
+edge (`specinfer.serving.convert`); everything past the edge passes them down as they are.
+Each type validates itself on construction against `specinfer.limits`. Plain Python: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from specinfer import limits
+from specinfer.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k filter
+    seed: int | None = None
+
+    def __post_init__(self):
+        limits.check_sampling(self.temperature, self.top_p, self.top_k)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How to expand a token tree. Empty `widths` means "the server's default shape" (load-aware
+    where the server has a policy): a request that names no widths leaves the whole shape to it."""
+
+    widths: tuple[int, ...] = ()
+    max_nodes: int = limits.DEFAULT_MAX_TREE_NODES
+    is_sampled: bool = True  # stochastic mode: draw children from q (True) or take the top-k (False)
+    proposal_top_k: int = limits.DEFAULT_PROPOSAL_TOP_K  # sampled children come from q truncated to this
+    # Dynamic pruning: a node joins the tree only if the SSM's probability of its whole path
+    # (the product along it) is at least this; 0 keeps every node the widths allow.
+    min_path_prob: float = 0.0
+    # Several SSMs: "merge" expands the full widths in every SSM and merges the trees; "mixed"
+    # expands them in the request's first SSM only and adds every other SSM's top-1 path.
+    policy: str = "merge"
+
+    def __post_init__(self):
+        limits.check_shape(self.widths, self.max_nodes, self.proposal_top_k, self.min_path_prob, self.policy)
+
+    @property
+    def is_default(self) -> bool:
+        return not self.widths
+
+    def clipped(self, max_depth: int) -> "TreeShape":
+        return replace(self, widths=self.widths[: max(0, max_depth)])
+
+    def for_ssm(self, is_primary: bool) -> "TreeShape":
+        """The shape one SSM of the request's pool expands under this policy."""
+        if self.policy == "merge" or is_primary:
+            return self
+        return replace(self, widths=(1,) * len(self.widths))
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One generation request's knobs (the prompt travels beside it, as text or token ids)."""
+
+    max_new_tokens: int = 0  # 0 = the server's default
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    shape: TreeShape = field(default_factory=TreeShape)
+    is_speculative: bool = True  # False: plain incremental decoding
+    ssm_names: tuple[str, ...] = ()  # the SSM pool to speculate with; empty = all
+    stop: tuple[str, ...] = ()  # stop strings, applied to the text
+    stop_token_ids: tuple[int, ...] = ()  # empty = the model's end-of-sequence tokens
+    is_ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise UserError(f"max_tokens: must be >= 0 (0 = server default), got {self.max_new_tokens}")
+        if any(not name for name in self.ssm_names):
+            raise UserError("ssm_names: names must be non-empty")
+
+    def stop_tokens(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The token ids that end generation."""
+        if self.is_ignore_eos:
+            return frozenset()
+        return frozenset(self.stop_token_ids or eos_token_ids)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GenerationParams":
+        shape = dict(d.get("shape") or {})
+        return cls(
+            max_new_tokens=int(d.get("max_new_tokens", 0)),
+            sampling=SamplingParams(**(d.get("sampling") or {})),
+            shape=TreeShape(**{**shape, "widths": tuple(shape.get("widths") or ())}),
+            is_speculative=bool(d.get("is_speculative", True)),
+            ssm_names=tuple(d.get("ssm_names") or ()),
+            stop=tuple(d.get("stop") or ()),
+            stop_token_ids=tuple(d.get("stop_token_ids") or ()),
+            is_ignore_eos=bool(d.get("is_ignore_eos", False)),
+        )
+
+    def checked(self, request_limits: limits.RequestLimits) -> "GenerationParams":
+        """Validated against a deployment's limits, with max_new_tokens resolved."""
+        if self.max_new_tokens > request_limits.max_new_tokens:
+            raise UserError(f"max_tokens: at most {request_limits.max_new_tokens}, got {self.max_new_tokens}")
+        limits.check_stop(self.stop, request_limits)
+        widths = self.shape.widths
+        if len(widths) > request_limits.max_tree_depth:
+            raise UserError(f"shape.widths: tree deeper than {request_limits.max_tree_depth} levels ({len(widths)})")
+        if any(w > request_limits.max_tree_width for w in widths):
+            raise UserError(f"shape.widths: every width must be <= {request_limits.max_tree_width}, got {list(widths)}")
+        if self.shape.max_nodes > request_limits.max_tree_nodes:
+            raise UserError(f"shape.max_nodes: at most {request_limits.max_tree_nodes}, got {self.shape.max_nodes}")
+        max_new = self.max_new_tokens or min(request_limits.default_max_new_tokens, request_limits.max_new_tokens)
+        return replace(self, max_new_tokens=max_new)
