@@ -7,16 +7,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.runner import ModelRunner
+from specinfer.params import TreeShape
 
 NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
 def runners(tiny_pair):
-    llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=4096)
-    ssms = [ModelRunner.from_dir(p, max_kv_tokens=4096) for p in tiny_pair.ssms]
+    llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=8192)
+    ssms = [ModelRunner.from_dir(p, max_kv_tokens=8192) for p in tiny_pair.ssms]
     return llm, ssms
 
 
@@ -24,7 +25,7 @@ def runners(tiny_pair):
 def incremental_outputs(runners, greedy_prompts):
     llm, _ = runners
     engine = Engine(llm)
-    return [engine.generate(p, NEW_TOKENS, spec=SpecConfig(mode="incremental")).output_ids for p in greedy_prompts]
+    return [engine.generate(p, mode_params("incremental", NEW_TOKENS)).output_ids for p in greedy_prompts]
 
 
 def test_incremental_equals_transformers_generate(tiny_pair, greedy_prompts, incremental_outputs):
@@ -36,26 +37,27 @@ def test_incremental_equals_transformers_generate(tiny_pair, greedy_prompts, inc
 
 
 CASES = {
-    "sequence": (SpecConfig(mode="sequence", widths=(1,) * 6), 1),
-    "tree": (SpecConfig(mode="tree", widths=(1, 1, 3, 1, 1, 1, 1, 1)), 1),
-    "tree-wide": (SpecConfig(mode="tree", widths=(3, 2, 2, 1), max_nodes=16), 1),
-    "tree-merged-2-ssms": (SpecConfig(mode="tree", widths=(2, 2, 1, 1, 1)), 2),
-    "tree-dynamic-pruned": (SpecConfig(mode="tree", widths=(3, 3, 2, 2, 2, 2), max_nodes=12, min_path_prob=0.05), 1),
+    "sequence": ("sequence", TreeShape((1,) * 6), 1),
+    "tree": ("tree", TreeShape((1, 1, 3, 1, 1, 1, 1, 1)), 1),
+    "tree-wide": ("tree", TreeShape((3, 2, 2, 1), max_nodes=16), 1),
+    "tree-merged-2-ssms": ("tree", TreeShape((2, 2, 1, 1, 1)), 2),
+    "tree-dynamic-pruned": ("tree", TreeShape((3, 3, 2, 2, 2, 2), max_nodes=12, min_path_prob=0.05), 1),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_speculative_greedy_equals_incremental(runners, greedy_prompts, incremental_outputs, case):
     llm, ssms = runners
-    spec, num_ssms = CASES[case]
+    mode, shape, num_ssms = CASES[case]
     engine = Engine(llm, ssms[:num_ssms])
+    params = mode_params(mode, NEW_TOKENS, shape)
     accepted, steps, short_steps = 0, 0, 0
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
-        r = engine.generate(prompt, NEW_TOKENS, spec=spec)
+        r = engine.generate(prompt, params)
         assert r.output_ids == expected
         accepted += sum(r.accepted_per_step)
         steps += r.num_llm_steps
-        short_steps += sum(1 for a in r.accepted_per_step if a < len(spec.widths))
+        short_steps += sum(1 for a in r.accepted_per_step if a < len(shape.widths))
     # The comparison only means something if trees were both accepted and rejected.
     assert accepted > steps * 0.3, (accepted, steps)
     assert short_steps > 0
@@ -66,8 +68,8 @@ def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outpu
     """Several requests stepping together (one forward per level / step) change nothing."""
     llm, ssms = runners
     engine = Engine(llm, ssms)
-    spec = SpecConfig(mode="tree", widths=(2, 1, 2, 1))
-    reqs = [engine.start(p, NEW_TOKENS - i, spec=spec) for i, p in enumerate(greedy_prompts)]
+    reqs = [engine.start(p, mode_params("tree", NEW_TOKENS - i, TreeShape((2, 1, 2, 1))))
+            for i, p in enumerate(greedy_prompts)]
     results = engine.generate_batch(reqs)
     for i, (r, expected) in enumerate(zip(results, incremental_outputs)):
         assert r.output_ids == expected[: NEW_TOKENS - i]
@@ -77,10 +79,10 @@ def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outpu
 def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_prompts, incremental_outputs):
     """The SSM's dtype changes what it proposes, never what comes out."""
     llm, _ = runners
-    engine = Engine(llm, [ModelRunner.from_dir(tiny_pair.ssms[0], dtype="bfloat16", max_kv_tokens=4096)])
+    engine = Engine(llm, [ModelRunner.from_dir(tiny_pair.ssms[0], dtype="bfloat16", max_kv_tokens=8192)])
     accepted = 0
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
-        r = engine.generate(prompt, NEW_TOKENS, spec=SpecConfig(mode="tree", widths=(2, 1, 1, 1)))
+        r = engine.generate(prompt, mode_params("tree", NEW_TOKENS, TreeShape((2, 1, 1, 1))))
         assert r.output_ids == expected
         accepted += sum(r.accepted_per_step)
     assert accepted > 0
@@ -88,10 +90,9 @@ def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_pro
 
 def test_auto_mode_picks_shapes_and_stays_exact(runners, greedy_prompts, incremental_outputs):
     llm, ssms = runners
-    engine = Engine(llm, ssms[:1])
-    spec = SpecConfig(mode="auto", widths=(3, 3, 1, 1, 1, 1), max_nodes=32)
+    engine = Engine(llm, ssms[:1], EngineConfig(default_shape=TreeShape((3, 3, 1, 1, 1, 1), max_nodes=32)))
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
-        assert engine.generate(prompt, NEW_TOKENS, spec=spec).output_ids == expected
+        assert engine.generate(prompt, mode_params("auto", NEW_TOKENS)).output_ids == expected
     policy = next(iter(engine.policies.values()))
     assert sum(policy.stats.trials) > 3 * 20  # it learnt from real steps, beyond its prior
     # These test SSMs cost as much as the LLM, so the policy should mostly decide not to speculate.

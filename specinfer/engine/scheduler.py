@@ -21,12 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.engine.llm_engine import LLMState, Verifier
+from specinfer.engine.tree import TokenTree
+from specinfer.engine.verifier import LLMState, Verifier
+from specinfer.engine.workers import BatchWorker, Job, WorkerMetrics
 from specinfer.errors import CapacityError, UnavailableError
 from specinfer.params import SamplingParams
-from specinfer.serving.metrics import ModelMetrics
-from specinfer.engine.workers import BatchWorker, Job
-from specinfer.engine.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -56,11 +55,13 @@ class CachedSession:
     last_used: float
 
 
-class VerifierWorker:
-    """Owns the LLM runner; every model call goes through its single thread."""
+class Scheduler:
+    """Owns the LLM runner; every model call goes through its worker. Threaded in the verifier
+    service (request threads submit, one thread runs the passes); driven inline by the in-process
+    engine (`pump`)."""
 
     def __init__(self, verifier: Verifier, cfg: SchedulerConfig = SchedulerConfig(),
-                 metrics: ModelMetrics | None = None, is_threaded: bool = True):
+                 metrics: WorkerMetrics | None = None, is_threaded: bool = True):
         self.verifier = verifier
         self.runner = verifier.runner
         self.cfg = cfg
@@ -94,6 +95,17 @@ class VerifierWorker:
 
     def release_session(self, session_id: str) -> bool:
         return self.worker.call("release_session", session_id)
+
+    def pump(self, futures: list[Future]) -> None:
+        """Runs passes on this thread until `futures` are done (an unthreaded scheduler)."""
+        self.worker.pump(futures)
+
+    def run(self) -> None:
+        """The worker loop, on this thread, until `stop` (see `BatchWorker.run`)."""
+        self.worker.run()
+
+    def stop(self) -> None:
+        self.worker.stop()
 
     # ---- the worker thread -----------------------------------------------------------------
 

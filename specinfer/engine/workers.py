@@ -14,19 +14,29 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
-from specinfer.errors import UnavailableError
 from specinfer.engine.sampling import make_generator
-from specinfer.params import SamplingParams
-from specinfer.serving.metrics import ModelMetrics
 from specinfer.engine.speculator import SSMState, SSMTree, Speculator
-from specinfer.params import TreeShape
 from specinfer.engine.tree import TokenTree
+from specinfer.errors import UnavailableError
+from specinfer.params import SamplingParams, TreeShape
 
 log = logging.getLogger(__name__)
+
+
+class WorkerMetrics(Protocol):
+    """The model metrics a worker updates (Prometheus collectors in the services)."""
+
+    step_seconds: Any
+    batch_size: Any
+    requests_waiting: Any
+    requests_running: Any
+    iteration_tokens: Any
+
+    def observe_kv(self, num_used: int, num_free: int) -> None: ...
 
 
 @dataclass
@@ -48,7 +58,7 @@ class BatchWorker:
     """
 
     def __init__(self, name: str, process: Callable[[list[Job]], None], max_batch: int = 256,
-                 metrics: ModelMetrics | None = None, is_threaded: bool = True):
+                 metrics: WorkerMetrics | None = None, is_threaded: bool = True):
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._process = process
         self._metrics = metrics
@@ -56,6 +66,9 @@ class BatchWorker:
         self._lock = threading.Lock()
         self._is_stopped = False
         self._done = threading.Event()
+        self._carried: list[Job] = []
+        self._is_busy = False
+        self.is_threaded = is_threaded
         if is_threaded:
             threading.Thread(target=self.run, name=name, daemon=True).start()
 
@@ -69,14 +82,25 @@ class BatchWorker:
         return job.future
 
     def call(self, kind: str, *args, timeout: float | None = None) -> Any:
-        return self.submit(kind, *args).result(timeout=timeout)
+        future = self.submit(kind, *args)
+        if not self.is_threaded:
+            self.pump([future])
+        return future.result(timeout=timeout)
+
+    def pump(self, futures: list[Future]) -> None:
+        """Runs iterations on the calling thread until every future is done (unthreaded workers)."""
+        while not all(f.done() for f in futures):
+            if self._iterate(block=False) is None:
+                return
 
     def stop(self) -> None:
         """Finishes the batch in progress, then fails every job not yet started."""
         with self._lock:
             self._is_stopped = True
             self._queue.put(None)
-        self._done.wait(timeout=30)
+        if self.is_threaded:
+            self._done.wait(timeout=30)
+        self._fail(self._carried, UnavailableError("model worker is shutting down"))
         while True:
             try:
                 job = self._queue.get_nowait()
@@ -90,42 +114,46 @@ class BatchWorker:
         worker is not threaded: with OpenMP, a model is markedly slower (here 15 vs 20 ms per
         LLM pass) on a thread other than the one that first ran it."""
         try:
-            self._loop()
+            while self._iterate(block=True) is not None:
+                pass
         finally:
             self._done.set()
 
-    def _loop(self) -> None:
-        carried: list[Job] = []
-        is_busy = False
-        while True:
-            try:  # block only when nothing carried over can make progress
-                job = self._queue.get(timeout=None if not carried else (0 if is_busy else IDLE_POLL_S))
-            except queue.Empty:
-                job = _NO_JOB
-            if job is None:
-                self._fail(carried, UnavailableError("model worker is shutting down"))
-                return
-            jobs = carried + ([] if job is _NO_JOB else [job])
-            while len(jobs) < self._max_batch:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)
-                    break
-                jobs.append(nxt)
-            start = time.perf_counter()
+    def _iterate(self, block: bool) -> bool | None:
+        """Takes every pending job (plus those carried over) and processes them once; None once
+        stopped. Blocks for work only when `block` and nothing carried over can make progress."""
+        carried = self._carried
+        try:
+            timeout = None if not carried else (0 if self._is_busy else IDLE_POLL_S)
+            job = self._queue.get(timeout=timeout) if block else self._queue.get_nowait()
+        except queue.Empty:
+            job = _NO_JOB
+        if job is None:
+            self._fail(carried, UnavailableError("model worker is shutting down"))
+            self._carried = []
+            return None
+        jobs = carried + ([] if job is _NO_JOB else [job])
+        while len(jobs) < self._max_batch:
             try:
-                carried, is_busy = self._process(jobs) or ([], False)
-                if self._metrics is not None and is_busy:
-                    self._metrics.step_seconds.observe(time.perf_counter() - start)
-                    self._metrics.batch_size.observe(sum(1 for j in jobs if j.kind in ("step", "verify")))
-                    self._metrics.requests_waiting.set(self._queue.qsize() + len(carried))
-            except Exception as exc:  # noqa: BLE001 - a failed batch fails its jobs, not the worker
-                log.exception("worker batch failed")
-                self._fail(jobs, exc)
-                carried = []
+                nxt = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._queue.put(None)
+                break
+            jobs.append(nxt)
+        start = time.perf_counter()
+        try:
+            self._carried, self._is_busy = self._process(jobs) or ([], False)
+            if self._metrics is not None and self._is_busy:
+                self._metrics.step_seconds.observe(time.perf_counter() - start)
+                self._metrics.batch_size.observe(sum(1 for j in jobs if j.kind in ("step", "verify")))
+                self._metrics.requests_waiting.set(self._queue.qsize() + len(self._carried))
+        except Exception as exc:  # noqa: BLE001 - a failed batch fails its jobs, not the worker
+            log.exception("worker batch failed")
+            self._fail(jobs, exc)
+            self._carried, self._is_busy = [], False
+        return self._is_busy
 
     @staticmethod
     def _fail(jobs: list[Job], exc: BaseException) -> None:
@@ -152,7 +180,7 @@ class SpecSession:
 class SpeculatorWorker:
     """Builds token trees for many requests at once (one batched SSM pass per tree level)."""
 
-    def __init__(self, speculator: Speculator, max_batch: int = 256, metrics: ModelMetrics | None = None,
+    def __init__(self, speculator: Speculator, max_batch: int = 256, metrics: WorkerMetrics | None = None,
                  is_threaded: bool = True):
         self.speculator = speculator
         self.metrics = metrics

@@ -1,0 +1,74 @@
+"""The LLM side: per-request KV state and one forward pass that verifies many token trees.
+
+SpecInfer Section 4: the tree (rooted at the last verified token) and any verified tokens not yet
+in the cache go through the LLM in one pass with a topology-aware mask; greedy or multi-step
+speculative sampling picks the accepted path and one bonus token, and only the accepted nodes'
+KV is committed. Prompt chunks of requests still being prefilled ride in the same pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specinfer.engine.blocks import SequenceKV
+from specinfer.engine.runner import ModelRunner, Work, chain_work
+from specinfer.engine.sampling import target_probs
+from specinfer.engine.tree import TokenTree
+from specinfer.engine.verify import verify_greedy, verify_stochastic
+from specinfer.params import SamplingParams
+
+
+@dataclass
+class LLMState:
+    seq: SequenceKV
+    pending: list[int]  # verified tokens not yet in the LLM cache; the last one is the next root
+
+
+VerifyItem = tuple[LLMState, TokenTree, SamplingParams, "torch.Generator | None"]
+
+
+class Verifier:
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def start(self, prompt_ids: list[int]) -> LLMState:
+        return LLMState(self.runner.new_sequence(), list(prompt_ids))
+
+    def release(self, state: LLMState) -> None:
+        state.seq.free()
+
+    def step(self, items: list[VerifyItem], prefills: list[tuple[LLMState, int]]) -> list[tuple[list[int], int]]:
+        """One LLM forward pass: every item's pending tokens plus its tree, and `prefills`
+        (state, n): the next n pending tokens of requests whose prompt is still being read in
+        chunks. Returns (accepted tokens, bonus) per item."""
+        works = [chain_work(state.seq, state.pending[:n], "none") for state, n in prefills]
+        works += [tree_work(state, tree) for state, tree, _, _ in items]
+        all_logits = self.runner.run(works)  # one pass over every request's chunk or tree
+        for state, n in prefills:
+            state.seq.num_committed += n
+            state.pending = state.pending[n:]
+        results = []
+        for (state, tree, params, gen), logits in zip(items, all_logits[len(prefills):]):
+            if params.is_greedy:
+                path, bonus = verify_greedy(tree, logits.argmax(dim=-1).tolist())
+            else:
+                path, bonus = verify_stochastic(tree, target_probs(logits, params), gen)
+            num_chain = len(state.pending) - 1
+            self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
+            state.pending = [bonus]
+            results.append(([tree.tokens[n] for n in path[1:]], bonus))
+        return results
+
+
+def tree_work(state: LLMState, tree: TokenTree) -> Work:
+    """The pending verified tokens (a chain) followed by the tree hanging off the last one."""
+    if tree.tokens[0] != state.pending[-1]:
+        raise ValueError("tree root must be the last verified token")
+    chain = state.pending[:-1]
+    k = len(chain)
+    base = state.seq.num_committed
+    parents = list(range(-1, k - 1)) + [(p + k if p >= 0 else k - 1) for p in tree.parents]
+    positions = list(range(base, base + k)) + [base + k + d for d in tree.depths]
+    return Work(state.seq, chain + tree.tokens, positions, parents, len(tree))
