@@ -11,15 +11,19 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import replace
 
 import grpc
 
-from specinfer.serving.convert import shape_to_proto
-from specinfer.serving.trees import tree_from_proto
-from specinfer.serving.grpc_server import CHANNEL_OPTIONS
-from specinfer.params import TreeShape
+from specinfer.engine.loop import DraftTree
 from specinfer.engine.tree import TokenTree, merge_trees
+from specinfer.errors import UserError
+from specinfer.params import GenerationParams, TreeShape
+from specinfer.serving.convert import sampling_to_proto, shape_to_proto
+from specinfer.serving.grpc_server import CHANNEL_OPTIONS
+from specinfer.serving.tracing import outgoing_metadata
+from specinfer.serving.trees import tree_from_proto
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -123,23 +127,82 @@ def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_
     return (trees[0] if len(trees) == 1 else merge_trees(trees)[0]), failed
 
 
-class SpeculationDriver:
-    """One request's speculation across steps: which tree to ask for, and when.
+class RemoteSpeculation:
+    """The speculator services a verifier streams trees from (a `DraftSource` of the engine)."""
 
-    The shape of each step comes from `choose_widths(batch_size)` (load-aware) or is fixed.
+    def __init__(self, targets: tuple[str, ...], vocab_size: int, step_timeout_s: float):
+        self.speculators = [(target, speculator_stub(target)) for target in targets]
+        self.vocab_size = vocab_size
+        self.step_timeout_s = step_timeout_s
+        self._hosted: dict[str, tuple[str, ...]] = {}
+
+    def hosted_names(self, target: str, stub) -> tuple[str, ...] | None:
+        """The SSMs a speculator hosts (asked once, then cached); None while it cannot be asked."""
+        if target not in self._hosted:
+            try:
+                self._hosted[target] = tuple(stub.Info(pb.InfoRequest(), timeout=1.0).ssm_names)
+            except grpc.RpcError:
+                return None
+        return self._hosted[target]
+
+    def all_names(self) -> list[str]:
+        names = []
+        for target, stub in self.speculators:
+            names += list(self.hosted_names(target, stub) or ())  # one that is down adds no names
+        return names
+
+    def chosen(self, ssm_names: tuple[str, ...]) -> list[tuple[str, object]]:
+        """The speculators serving a request's SSM pool (all of them for the default pool)."""
+        if not ssm_names:
+            return self.speculators
+        chosen, hosted_all = [], set()
+        for target, stub in self.speculators:
+            hosted = self.hosted_names(target, stub)
+            if hosted is None or set(hosted) & set(ssm_names):
+                chosen.append((target, stub))
+            hosted_all |= set(hosted or ())
+        unknown = [n for n in ssm_names if n not in hosted_all]
+        if unknown and all(self.hosted_names(t, s) is not None for t, s in self.speculators):
+            raise UserError(f"ssm_names: no speculator hosts {', '.join(unknown)}")
+        return chosen
+
+    def num_sources(self, ssm_names: tuple[str, ...]) -> int:
+        return len(self.chosen(ssm_names))
+
+    def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
+               timeout_s: float | None) -> "SpeculationDriver":
+        speculators = self.chosen(params.ssm_names)
+        sampling = sampling_to_proto(params.sampling)
+        metadata = outgoing_metadata()  # the request's trace context, taken on its own thread
+
+        def open_links(start: pb.SpeculateStart) -> list[SpeculatorLink]:
+            start.request_id = request_id
+            start.sampling.CopyFrom(sampling)
+            start.ssm_names.extend(params.ssm_names)
+            links = [SpeculatorLink(target, stub, timeout_s) for target, stub in speculators]
+            for link in links:
+                link.open(start, metadata)
+            return links
+
+        return SpeculationDriver(open_links, prompt_ids, shape, self.vocab_size, params.sampling.is_greedy,
+                                 self.step_timeout_s)
+
+
+class SpeculationDriver:
+    """One request's trees from the speculator services, across steps (the engine's `Drafts`).
+
     Streams to the speculators open only when the first tree is wanted, so a request that never
     speculates costs the speculators nothing. A step that should not speculate asks nothing; the
     tokens it verifies reach the speculators with the next request for a tree (their caches
     catch up then), so switching speculation off and on costs no extra round trip.
     """
 
-    def __init__(self, open_links, context_ids: list[int], shape: TreeShape, choose_widths, vocab_size: int,
-                 is_greedy: bool, step_timeout_s: float):
-        self.open_links = open_links  # (start message) -> links; None when there are no speculators
+    def __init__(self, open_links, context_ids: list[int], shape: TreeShape, vocab_size: int, is_greedy: bool,
+                 step_timeout_s: float):
+        self.open_links = open_links  # (start message) -> links
         self.links: list[SpeculatorLink] = []
         self.history = list(context_ids)  # every verified token so far, prompt included
         self.shape = shape
-        self.choose_widths = choose_widths  # batch size -> widths; () = do not speculate
         self.vocab_size = vocab_size
         self.is_greedy = is_greedy
         self.step_timeout_s = step_timeout_s
@@ -153,21 +216,13 @@ class SpeculationDriver:
 
     @property
     def is_usable(self) -> bool:
-        if self.open_links is None:
-            return False
         return not self.links or any(link.is_alive for link in self.links)
-
-    def plan(self, budget_depth: int, batch_size: int) -> tuple[int, ...]:
-        """Widths for the next tree, clipped to the depth the request has left."""
-        if not self.is_usable or budget_depth <= 0:
-            return ()
-        return tuple(self.choose_widths(batch_size))[:budget_depth]
 
     def ask(self, widths: tuple[int, ...]) -> None:
         """Requests the next tree (opening the streams with the whole context the first time)."""
         if not widths or not self.is_usable:
             return
-        shape = self._shape_proto(widths)
+        shape = shape_to_proto(replace(self.shape, widths=widths))
         self.is_steady = bool(self.links) and self.num_unsent_steps == 1
         if not self.links:
             start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=len(widths))
@@ -181,25 +236,22 @@ class SpeculationDriver:
         self.is_awaiting = True
         self.asked_depth = len(widths)
 
-    def tree(self, root: int) -> tuple[TokenTree, list[str], int]:
-        """The tree for this step (root-only when none was asked), failures, and its depth."""
+    def tree(self, root: int) -> DraftTree:
+        """The tree for this step (root-only when none was asked) and the speculators that failed."""
         if not self.is_awaiting:
-            return TokenTree.with_root(root), [], 0
+            return DraftTree(TokenTree.with_root(root), [], 0, 0.0)
         self.is_awaiting = False
+        started = time.perf_counter()
         tree, failed = gather_tree(self.links, root, self.step_timeout_s, self.vocab_size, self.is_greedy,
                                    self.shape.max_nodes)
-        return tree, failed, self.asked_depth
+        return DraftTree(tree, failed, self.asked_depth, time.perf_counter() - started)
 
-    def after_step(self, verified: list[int], widths: tuple[int, ...]) -> None:
-        """Records a verified step, then asks for the next tree if `widths` says to speculate."""
+    def after_step(self, verified: list[int]) -> None:
+        """Records a verified step; its tokens go out with the next request for a tree."""
         self.history.extend(verified)
         self.unsent.extend(verified)
         self.num_unsent_steps += 1
-        self.ask(widths)
 
     def close(self) -> None:
         for link in self.links:
             link.close()
-
-    def _shape_proto(self, widths: tuple[int, ...]) -> pb.TreeShape:
-        return shape_to_proto(replace(self.shape, widths=widths))
