@@ -28,11 +28,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fake_verifier import FakeVerifier, cycle_successor, expected_tokens, start_fake_verifier
-from services.gateway.config import GatewayConfig, GatewayLimits, config_from_args
+from services.gateway.config import GatewayConfig, config_from_args
 from services.gateway.server import serve
 from services.gateway.stops import TextState, held_back_len
 from services.gateway.store import MemoryStore, RedisStore
 from specinfer.cli.client import GatewayClient, GatewayError, add_client_parser, run_client
+from specinfer.limits import RequestLimits
 from specinfer.serving.metrics import new_registry
 from specinfer.serving.tracing import outgoing_metadata, setup_tracing
 from specinfer.tokenizer import TextTokenizer
@@ -44,7 +45,7 @@ VOCAB = 400
 CORPUS = ["the quick brown fox jumps over the lazy dog. ", "hello world, hello gateway. ",
           "stop here and go on. ", "caf\u00e9 na\u00efve r\u00e9sum\u00e9. "] * 30
 SCRIPT_TEXT = " quick brown fox jumps over lazy dog."
-LIMITS = GatewayLimits(max_prompt_tokens=64, max_tokens=256, default_max_tokens=16, max_concurrent_requests=8,
+LIMITS = RequestLimits(max_prompt_tokens=64, max_new_tokens=256, default_max_new_tokens=16, max_concurrent_requests=8,
                        max_stop_sequences=4, max_tree_depth=8)
 
 
@@ -167,7 +168,7 @@ def test_default_max_tokens_and_params_pass_through(stub, fake):
     resp = stub.Generate(gen_request(
         "hi", sampling=pb.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=42), speculate=False,
         shape=pb.TreeShape(widths=[1, 2], max_nodes=8), ignore_eos=True), timeout=10)
-    assert len(resp.token_ids) == LIMITS.default_max_tokens
+    assert len(resp.token_ids) == LIMITS.default_max_new_tokens
     req = fake.calls[0].request
     assert not req.speculate and req.ignore_eos and list(req.shape.widths) == [1, 2] and req.shape.max_nodes == 8
     assert req.sampling.temperature == pytest.approx(0.7) and req.sampling.top_p == pytest.approx(0.9)
@@ -205,8 +206,8 @@ INVALID = [
     ("prompt too long", dict(prompt="hello world " * 200), "prompt"),
     ("negative max_tokens", dict(max_tokens=-1), "max_tokens"),
     ("zero max_tokens", dict(max_tokens=0), "max_tokens"),
-    ("over the model's context", dict(max_tokens=LIMITS.max_tokens), "max_tokens"),
-    ("max_tokens over limit", dict(max_tokens=LIMITS.max_tokens + 1), "max_tokens"),
+    ("over the model's context", dict(max_tokens=LIMITS.max_new_tokens), "max_tokens"),
+    ("max_tokens over limit", dict(max_tokens=LIMITS.max_new_tokens + 1), "max_tokens"),
     ("negative temperature", dict(sampling=pb.SamplingParams(temperature=-0.5)), "temperature"),
     ("NaN temperature", dict(sampling=pb.SamplingParams(temperature=math.nan)), "temperature"),
     ("top_p above 1", dict(sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
@@ -292,6 +293,35 @@ def test_text_state_holds_back_stop_prefixes(tokenizer):
     assert state.is_stopped and state.final_text() == " the lazy"
     assert all(" dog" not in t for t in texts)
     assert TextState.replay(tokenizer, (" dog",), ids).final_text() == " the lazy"
+
+
+SPECULATION_FIGURES = ("mean_accepted", "mean_tree_nodes", "acceptance_rate")
+
+
+def test_stats_report_only_measured_values(stub, fake, tokenizer):
+    """The verifier measures acceptance; a request the gateway ends early (a stop string, a cancel)
+    never gets that measurement, so it reports its own counts and leaves the figures unset."""
+    done = stub.Generate(gen_request("hello", max_tokens=10), timeout=10)
+    assert all(done.stats.HasField(name) for name in SPECULATION_FIGURES)
+    assert done.stats.mean_tree_nodes == pytest.approx(4.0) and done.stats.acceptance_rate == pytest.approx(1 / 3)
+
+    stopped = stub.Generate(gen_request("hello", max_tokens=200, stop=[" over"]), timeout=10)
+    assert stopped.finish_reason == "stop"
+    stored = stub.GetRequest(pb.GetRequestRequest(request_id=stopped.request_id), timeout=5)
+    for stats in (stopped.stats, stored.stats):
+        assert stats.llm_steps > 0 and stats.output_tokens == len(stopped.token_ids) > 0
+        assert stats.prompt_tokens == len(tokenizer.encode("hello")) and stats.latency_s > 0
+        assert stats.tokens_per_step == pytest.approx(stats.output_tokens / stats.llm_steps)
+        assert not any(stats.HasField(name) for name in SPECULATION_FIGURES)
+
+    fake.reset(delay_s=0.03)
+    stream = stub.GenerateStream(gen_request(max_tokens=200), timeout=10)
+    rid = next(stream).request_id
+    next(stream)
+    assert stub.CancelRequest(pb.CancelRequestRequest(request_id=rid), timeout=5).cancelled
+    last = list(stream)[-1]
+    assert last.finish_reason == "cancelled" and last.stats.llm_steps > 0
+    assert not any(last.stats.HasField(name) for name in SPECULATION_FIGURES)
 
 
 # -- sessions --------------------------------------------------------------------------------
@@ -542,6 +572,78 @@ def test_real_redis_round_trip(fake, tok_dir, tokenizer, fake_server):
             store.r.delete(key)
 
 
+def _measured_store(kind: str, sizes: list[int]):
+    """A store whose writes append their payload size in bytes to `sizes` (for Redis: every
+    argument of every command of each round trip, as sent)."""
+    if kind == "memory":
+        store = MemoryStore()
+        write = store._write
+
+        def measured_write(key, fields, *args, **kwargs):
+            sizes.append(len(key.encode()) + sum(len(k.encode()) + len(v.encode()) for k, v in fields.items()))
+            return write(key, fields, *args, **kwargs)
+
+        store._write = measured_write
+        return store
+    if not _redis_reachable():
+        pytest.skip("no Redis on 127.0.0.1:6379")
+    store = RedisStore("redis://127.0.0.1:6379/0", request_ttl_s=120, session_ttl_s=120,
+                       key_prefix=f"specinfer-test-{uuid.uuid4().hex[:8]}:")
+    pipeline = store.r.pipeline
+
+    def measured_pipeline(*args, **kwargs):
+        p = pipeline(*args, **kwargs)
+        execute = p.execute
+
+        def measured_execute(*a, **kw):
+            sizes.append(sum(len(str(arg).encode()) for command, _ in p.command_stack for arg in command))
+            return execute(*a, **kw)
+
+        p.execute = measured_execute
+        return p
+
+    store.r.pipeline = measured_pipeline
+    return store
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_store_writes_per_step_do_not_grow(kind, fake, fake_server, tok_dir, tokenizer, script):
+    """Each verified step writes only that step (one round trip), not the whole output so far;
+    readers still see the whole output, while it runs and once it has ended."""
+    sizes: list[int] = []
+    store = _measured_store(kind, sizes)
+    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(),
+               store=store, tokenizer=tokenizer)
+    want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 200)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            s = pb_grpc.GatewayStub(ch)
+            fake.reset(delay_s=0.002)
+            stream = s.GenerateStream(gen_request("hello", max_tokens=200), timeout=20)
+            rid, got = next(stream).request_id, []
+            for msg in stream:
+                got += list(msg.token_ids)
+                if len(got) >= 100:
+                    break
+            running = s.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5)
+            assert list(running.token_ids) == want[:len(running.token_ids)] and len(running.token_ids) >= 100
+            assert tokenizer.decode(want).startswith(running.text) and running.text
+            list(stream)
+            final = s.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5)
+            assert final.status == "finished" and list(final.token_ids) == want
+            assert final.text == tokenizer.decode(want)
+    finally:
+        gw.stop(0)
+    steps = sizes[2:-1]  # less the request's creation and first write, and its final write
+    assert len(steps) >= 90  # 100 steps of 2 tokens, one round trip each
+    assert max(steps[-10:]) <= max(steps[:10]) + 8  # a longer output does not cost more per step
+    if kind == "redis":
+        key = f"{store.prefix}req:{rid}"
+        assert not [f for f in store.r.hkeys(key) if f.startswith("step:")]  # folded into the final state
+        for k in store.r.scan_iter(f"{store.prefix}*"):
+            store.r.delete(k)
+
+
 def test_memory_store_expires():
     store = MemoryStore(request_ttl_s=1, session_ttl_s=1)
     from services.gateway.store import SessionRecord
@@ -566,7 +668,7 @@ def test_health_and_reflection(channel):
 def test_info(stub, fake):
     info = stub.Info(pb.InfoRequest(), timeout=5)
     assert info.model == "fake-llm" and list(info.default_shape.widths) == [1, 1, 3, 1]
-    assert info.max_tokens == LIMITS.max_tokens and info.max_prompt_tokens == LIMITS.max_prompt_tokens
+    assert info.max_tokens == LIMITS.max_new_tokens and info.max_prompt_tokens == LIMITS.max_prompt_tokens
     assert info.max_concurrent_requests == LIMITS.max_concurrent_requests
     assert info.max_stop_sequences == LIMITS.max_stop_sequences
 
@@ -600,7 +702,7 @@ def test_config_flags_and_env(tmp_path):
            "SPECINFER_VERIFIER_ADDR": "dns:///verifier:50052", "SPECINFER_MAX_TOKENS": "64"}
     cfg = config_from_args(["--port", "7000", "--max-concurrent-requests", "3"], env)
     assert cfg.port == 7000 and cfg.verifier_addr == "dns:///verifier:50052" and cfg.redis_url is None
-    assert cfg.limits.max_tokens == 64 and cfg.limits.max_concurrent_requests == 3 and cfg.model_dir == tmp_path
+    assert cfg.limits.max_new_tokens == 64 and cfg.limits.max_concurrent_requests == 3 and cfg.model_dir == tmp_path
 
 
 def test_client_library(gateway, fake):

@@ -14,23 +14,9 @@ from pathlib import Path
 from typing import Callable, Mapping, TypeVar
 
 from specinfer.errors import UserError
+from specinfer.limits import RequestLimits
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class GatewayLimits:
-    """Per-request limits enforced before anything goes downstream."""
-
-    max_prompt_tokens: int = 2048  # session history included
-    max_tokens: int = 512  # generated tokens per request
-    default_max_tokens: int = 128  # used when a request says 0
-    max_concurrent_requests: int = 64
-    max_stop_sequences: int = 8
-    max_stop_chars: int = 256
-    max_tree_depth: int = 16
-    max_tree_width: int = 64  # children per node at one level
-    max_tree_nodes: int = 1024
 
 
 @dataclass(frozen=True)
@@ -40,7 +26,7 @@ class GatewayConfig:
     verifier_addr: str = "127.0.0.1:50052"  # host:port, or a dns:///host:port target (round robin)
     redis_url: str | None = None  # None = embedded in-memory store
     model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
-    limits: GatewayLimits = field(default_factory=GatewayLimits)
+    limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
     default_deadline_s: float = 300.0  # when the client sets no deadline
     request_ttl_s: int = 24 * 3600
     session_ttl_s: int = 24 * 3600
@@ -106,18 +92,24 @@ def _positive(name: str, value: float) -> None:
 def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayConfig:
     """Parses flags; every unset flag falls back to its environment variable, then the default."""
     a = build_parser().parse_args(argv)
-    d, dl = GatewayConfig(), GatewayLimits()
-    limits = GatewayLimits(
-        max_prompt_tokens=_pick(a.max_prompt_tokens, env, "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens),
-        max_tokens=_pick(a.max_tokens, env, "SPECINFER_MAX_TOKENS", int, dl.max_tokens),
-        default_max_tokens=_pick(a.default_max_tokens, env, "SPECINFER_DEFAULT_MAX_TOKENS", int, dl.default_max_tokens),
-        max_concurrent_requests=_pick(a.max_concurrent_requests, env, "SPECINFER_MAX_CONCURRENT_REQUESTS", int,
-                                      dl.max_concurrent_requests),
-        max_stop_sequences=_pick(a.max_stop_sequences, env, "SPECINFER_MAX_STOP_SEQUENCES", int, dl.max_stop_sequences),
-        max_tree_depth=_pick(a.max_tree_depth, env, "SPECINFER_MAX_TREE_DEPTH", int, dl.max_tree_depth),
-    )
-    for name in ("max_prompt_tokens", "max_tokens", "default_max_tokens", "max_concurrent_requests", "max_tree_depth"):
-        _positive(name, getattr(limits, name))
+    d, dl = GatewayConfig(), RequestLimits()
+    values = {
+        "max_prompt_tokens": _pick(a.max_prompt_tokens, env, "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens),
+        "max_new_tokens": _pick(a.max_tokens, env, "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens),
+        "default_max_new_tokens": _pick(a.default_max_tokens, env, "SPECINFER_DEFAULT_MAX_TOKENS", int,
+                                        dl.default_max_new_tokens),
+        "max_concurrent_requests": _pick(a.max_concurrent_requests, env, "SPECINFER_MAX_CONCURRENT_REQUESTS", int,
+                                         dl.max_concurrent_requests),
+        "max_stop_sequences": _pick(a.max_stop_sequences, env, "SPECINFER_MAX_STOP_SEQUENCES", int,
+                                    dl.max_stop_sequences),
+        "max_tree_depth": _pick(a.max_tree_depth, env, "SPECINFER_MAX_TREE_DEPTH", int, dl.max_tree_depth),
+    }
+    for name, flag in (("max_prompt_tokens", "--max-prompt-tokens"), ("max_new_tokens", "--max-tokens"),
+                       ("default_max_new_tokens", "--default-max-tokens"),
+                       ("max_concurrent_requests", "--max-concurrent-requests"),
+                       ("max_tree_depth", "--max-tree-depth")):
+        _positive(flag, values[name])
+    limits = RequestLimits(**values)
     model_dir = _pick(a.model_dir, env, "SPECINFER_MODEL_DIR", Path, None)
     if model_dir is None:
         raise UserError("the gateway needs the LLM's directory for its tokenizer: --model-dir or SPECINFER_MODEL_DIR")

@@ -23,11 +23,12 @@ from services.gateway.runs import Chunk, RequestRun, RunDeps, RunPlan, RunRegist
 from services.gateway.stops import TextState
 from services.gateway.store import INTERRUPTED, RUNNING, RequestRecord, SessionRecord, Store
 from services.gateway.telemetry import GatewayMetrics
-from services.gateway.validation import (
-    GenerationParams, NewRequest, check_prompt_length, check_request_id, validate_request,
-)
+from services.gateway.validation import NewRequest, validate_request
 from services.gateway.verifier_client import VerifierClient, VerifierSummary
 from specinfer.errors import NotFoundError, UnavailableError, UserError
+from specinfer.limits import check_id, check_prompt_length
+from specinfer.params import GenerationParams
+from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class GatewayCore:
         history = session.history_ids if session else ()
         turn_ids = encode_turn(self.tokenizer, req.prompt, bool(history))
         check_prompt_length(len(turn_ids), len(history), self.limits)
-        self._check_context(len(history) + len(turn_ids), req.params.max_tokens)
+        self._check_context(len(history) + len(turn_ids), req.params.max_new_tokens)
         request_id = req.request_id or uuid.uuid4().hex
         params = req.params
         if params.sampling.seed is None:
@@ -154,11 +155,11 @@ class GatewayCore:
         yield Chunk(req.request_id, (), 0, "", 0, 0)
         yield from self._stream(req.request_id, 0, call)
 
-    def _check_context(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Prompt plus max_tokens must fit the LLM's context (from Verifier.Info, cached for a minute)."""
+    def _check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Prompt plus max_new_tokens must fit the LLM's context (from Verifier.Info, cached for a minute)."""
         max_context = self._verifier_max_context()
-        if max_context and num_prompt_tokens + max_tokens > max_context:
-            raise UserError(f"max_tokens: the prompt's {num_prompt_tokens} tokens plus max_tokens={max_tokens} "
+        if max_context and num_prompt_tokens + max_new_tokens > max_context:
+            raise UserError(f"max_tokens: the prompt's {num_prompt_tokens} tokens plus max_tokens={max_new_tokens} "
                             f"exceed the model's context of {max_context} tokens")
 
     def _verifier_max_context(self) -> int | None:
@@ -182,12 +183,13 @@ class GatewayCore:
 
     def _plan(self, rec: RequestRecord, call: CallContext) -> RunPlan:
         return RunPlan(rec.request_id, rec.prompt, rec.prompt_ids, rec.generated_ids,
-                       GenerationParams.from_json(rec.params), rec.session_id, rec.session_base_len, rec.stats,
-                       call.deadline_s, call.metadata, call.started_at or time.monotonic())
+                       GenerationParams.from_json(rec.params), rec.session_id, rec.session_base_len,
+                       rec.stats or GenerationStats(), call.deadline_s, call.metadata,
+                       call.started_at or time.monotonic())
 
     # -- resume ------------------------------------------------------------------------------
     def resume(self, request_id: str, token_offset: int, call: CallContext) -> Iterator[Chunk]:
-        check_request_id(request_id)
+        check_id(request_id)
         if token_offset < 0:
             raise UserError(f"token_offset: must be >= 0, got {token_offset}")
         call.on_event("resume", {"request_id": request_id, "token_offset": token_offset})
@@ -297,20 +299,24 @@ class GatewayCore:
         """Streams a stored request: its tail if it has ended, else its progress on another gateway."""
         params = GenerationParams.from_json(rec.params)
         state = TextState.replay(self.tokenizer, params.stop, rec.generated_ids[:since_tokens])
-        since_chars = len(state.text_at(since_tokens)) if since_chars is None else since_chars
+        since_chars = state.visible_lens[state.num_tokens] if since_chars is None else since_chars
         while True:
             ids = rec.generated_ids
             for t in ids[state.num_tokens:]:
                 if state.is_stopped or state.push(t):
                     break
             n = len(ids)
-            text = rec.text if rec.is_terminal else state.text_at(min(n, state.num_tokens))
+            if rec.is_terminal:
+                delta, num_chars = rec.text[since_chars:], len(rec.text)
+            else:
+                k = min(n, state.num_tokens)
+                delta, num_chars = state.text_since(since_chars, k), state.visible_lens[k]
             error = RuntimeError(f"request failed: {rec.error}") if rec.status == "failed" else None
             if rec.is_terminal or n > since_tokens:
-                yield Chunk(rec.request_id, tuple(ids[since_tokens:]), since_tokens, text[since_chars:], n,
-                            max(len(text), since_chars), rec.is_terminal, rec.status, rec.finish_reason,
+                yield Chunk(rec.request_id, tuple(ids[since_tokens:]), since_tokens, delta, n,
+                            max(num_chars, since_chars), rec.is_terminal, rec.status, rec.finish_reason,
                             rec.stats if rec.is_terminal else None, error)
-                since_tokens, since_chars = n, max(len(text), since_chars)
+                since_tokens, since_chars = n, max(num_chars, since_chars)
             if rec.is_terminal or not self._is_running_elsewhere(rec) or not link.is_active():
                 return
             time.sleep(FOLLOW_POLL_S)
@@ -318,7 +324,7 @@ class GatewayCore:
 
     # -- cancel, state, sessions, info ---------------------------------------------------------
     def cancel(self, request_id: str) -> bool:
-        check_request_id(request_id)
+        check_id(request_id)
         live = self.registry.get(request_id)
         if live is not None:
             is_cancelled = live.cancel()
@@ -340,7 +346,7 @@ class GatewayCore:
         return is_applied
 
     def get_request(self, request_id: str) -> RequestRecord:
-        check_request_id(request_id)
+        check_id(request_id)
         rec = self.store.get_request(request_id)
         if rec is None:
             raise NotFoundError(f"request_id: unknown request {request_id!r}")
@@ -356,7 +362,7 @@ class GatewayCore:
         return session_id
 
     def delete_session(self, session_id: str, metadata: tuple[tuple[str, str], ...]) -> bool:
-        check_request_id(session_id, "session_id")
+        check_id(session_id, "session_id")
         is_deleted = self.store.delete_session(session_id)
         try:
             self.verifier.release_session(session_id, 2.0, list(metadata))

@@ -1,9 +1,11 @@
 """One request's generation: a worker thread that consumes one Verifier.Generate stream.
 
 The worker appends every verified step's tokens to the request's state (in memory, and in the
-store in one round trip per step), applies stop sequences and max tokens, and records how the
-request ended. Client RPCs are observers: they read progress from here and never talk to the
-verifier themselves, so a client can disconnect and later resume without losing tokens.
+store in one round trip per step that writes only that step), applies stop sequences and max
+tokens, and records how the request ended, with the statistics measured (SpecInfer Section 6's
+metrics: the verifier's, or only the gateway's own counts when it ended the verifier call early).
+Client RPCs are observers: they read progress from here and never talk to the verifier
+themselves, so a client can disconnect and later resume without losing tokens.
 
 When the last observer leaves, the run is *interrupted*: the verifier call is cancelled (the
 verifier frees the request's KV caches) and the request stays resumable. `cancel()` ends it
@@ -15,18 +17,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import grpc
 
-from services.gateway.stats import counted_stats, final_stats, merge_stats
 from services.gateway.stops import TextState
 from services.gateway.store import CANCELLED, FAILED, FINISHED, INTERRUPTED, RUNNING, Progress, Store
 from services.gateway.telemetry import GatewayMetrics
-from services.gateway.validation import GenerationParams
 from services.gateway.verifier_client import VerifierCall, VerifierClient, VerifierStep, domain_error
 from specinfer.errors import CapacityError, UnavailableError
+from specinfer.params import GenerationParams
+from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,10 @@ class RunPlan:
     prompt: str  # the turn's text (for the session history)
     prompt_ids: tuple[int, ...]  # the full context: session history + this turn
     generated_ids: tuple[int, ...]  # tokens earlier segments produced (resume)
-    params: GenerationParams  # seed resolved
+    params: GenerationParams  # max_new_tokens and seed resolved
     session_id: str
     session_base_len: int
-    prior_stats: dict
+    prior_stats: GenerationStats  # earlier segments' (resume)
     deadline_s: float  # for the verifier call
     metadata: tuple[tuple[str, str], ...]  # trace context for the verifier
     started_at: float  # time.monotonic() when the client's RPC arrived
@@ -81,7 +83,7 @@ class Chunk:
     is_done: bool = False
     status: str = RUNNING
     finish_reason: str = ""
-    stats: dict | None = None
+    stats: GenerationStats | None = None
     error: Exception | None = None
 
 
@@ -95,15 +97,19 @@ class RequestRun:
         self.status = RUNNING
         self.finish_reason = ""
         self.final_text: str | None = None
-        self.stats: dict | None = None
+        self.stats: GenerationStats | None = None
         self.error: Exception | None = None
         self.num_observers = 0
         self._stop_reason = ""  # "", "interrupted" or "cancelled"
         self._stream = None
         self._num_steps = 0
-        self._num_step_tokens = 0
-        self._verifier_stats: dict | None = None
+        self._verifier_stats: GenerationStats | None = None
         self._last_token_at: float | None = None
+        # What this run has written to the store: None until its first (whole-state) write, then
+        # the tokens and visible characters stored, and the step fields it appended.
+        self._num_stored_tokens: int | None = None
+        self._num_stored_chars = 0
+        self._step_offsets: list[int] = []
         self._thread = threading.Thread(target=self._work, name=f"run-{plan.request_id}", daemon=True)
 
     # -- control (any thread) ---------------------------------------------------------------
@@ -155,7 +161,7 @@ class RequestRun:
     # -- observing ---------------------------------------------------------------------------
     def text_len_at(self, num_tokens: int) -> int:
         with self.cond:
-            return len(self.text.text_at(num_tokens))
+            return self.text.visible_lens[num_tokens]
 
     def read(self, since_tokens: int, since_chars: int, timeout_s: float) -> Chunk | None:
         """Waits up to `timeout_s` for progress past `since_tokens`; None if there is none."""
@@ -165,9 +171,12 @@ class RequestRun:
             n, is_done = self.text.num_tokens, self.status != RUNNING
             if not is_done and n <= since_tokens:
                 return None
-            text = self.final_text if is_done and self.final_text is not None else self.text.text_at(n)
-            return Chunk(self.request_id, tuple(self.text.ids[since_tokens:n]), since_tokens, text[since_chars:],
-                         n, max(len(text), since_chars), is_done, self.status, self.finish_reason,
+            if is_done and self.final_text is not None:
+                delta, num_chars = self.final_text[since_chars:], len(self.final_text)
+            else:
+                delta, num_chars = self.text.text_since(since_chars, n), self.text.visible_lens[n]
+            return Chunk(self.request_id, tuple(self.text.ids[since_tokens:n]), since_tokens, delta,
+                         n, max(num_chars, since_chars), is_done, self.status, self.finish_reason,
                          self.stats if is_done else None, self.error if is_done else None)
 
     # -- the worker ---------------------------------------------------------------------------
@@ -185,10 +194,11 @@ class RequestRun:
     def _generate(self) -> None:
         plan = self.plan
         num_done = len(plan.generated_ids)
-        if num_done >= plan.params.max_tokens:
+        if num_done >= plan.params.max_new_tokens:
             return self._end(FINISHED, "length")
-        call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, plan.params.max_tokens - num_done,
-                            plan.params, derive_seed(plan.params.sampling.seed or 0, num_done), plan.session_id)
+        sampling = replace(plan.params.sampling, seed=derive_seed(plan.params.sampling.seed or 0, num_done))
+        params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - num_done, sampling=sampling)
+        call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, params, plan.session_id)
         stream = self.deps.verifier.generate(call, plan.deadline_s, list(plan.metadata))
         with self.cond:
             self._stream = stream
@@ -213,7 +223,7 @@ class RequestRun:
 
     def _apply(self, step: VerifierStep) -> str:
         """Adds one verified step's tokens; returns a finish reason if the gateway ends it here."""
-        max_tokens = self.plan.params.max_tokens
+        max_new_tokens = self.plan.params.max_new_tokens
         end_reason = ""
         with self.cond:
             if self._stop_reason:
@@ -221,7 +231,7 @@ class RequestRun:
             if step.token_ids and self._last_token_at is None and not self.plan.generated_ids:
                 self.deps.metrics.time_to_first_token.observe(time.monotonic() - self.plan.started_at)
             for token in step.token_ids:
-                if self.text.num_tokens >= max_tokens:
+                if self.text.num_tokens >= max_new_tokens:
                     end_reason = "length"
                     break
                 if self.text.push(token):
@@ -230,16 +240,30 @@ class RequestRun:
             if step.token_ids:
                 self._last_token_at = time.monotonic()
                 self._num_steps += 1
-                self._num_step_tokens += len(step.token_ids)
             if step.stats is not None:
                 self._verifier_stats = step.stats
             self.cond.notify_all()
         return end_reason
 
     def _persist_running(self) -> bool:
+        """Stores this step in one round trip: the whole state on the run's first write (a resumed
+        record may predate this run), then only what each step adds."""
         with self.cond:
-            progress = Progress(RUNNING, tuple(self.text.ids), self.text.visible)
-        return self.deps.store.put_progress(self.request_id, progress)
+            num_tokens, num_chars = self.text.num_tokens, self.text.visible_lens[-1]
+            offset = self._num_stored_tokens
+            if offset is None:
+                progress = Progress(RUNNING, tuple(self.text.ids), self.text.visible)
+            else:
+                ids = tuple(self.text.ids[offset:])
+                delta = self.text.text_since(self._num_stored_chars, num_tokens)
+        if offset is None:
+            is_cancel_requested = self.deps.store.put_progress(self.request_id, progress)
+        else:
+            if ids:
+                self._step_offsets.append(offset)
+            is_cancel_requested = self.deps.store.put_step(self.request_id, offset, ids, delta)
+        self._num_stored_tokens, self._num_stored_chars = num_tokens, num_chars
+        return is_cancel_requested
 
     def _end_on_rpc_error(self, exc: Exception) -> None:
         with self.cond:
@@ -252,10 +276,15 @@ class RequestRun:
         error = domain_error(exc)
         return self._end(INTERRUPTED if code in _RESUMABLE_CODES else FAILED, "", error)
 
-    def _segment_stats(self) -> dict:
-        stats = self._verifier_stats or counted_stats(self._num_step_tokens, self._num_steps)
-        end = self._last_token_at or time.monotonic()
-        return dict(stats, latency_s=end - self.plan.started_at)
+    def _segment_stats(self, num_tokens: int) -> GenerationStats:
+        """This verifier call's statistics: the verifier's, or, when the gateway ended the call
+        before its last message (a stop string, a cancel, an interruption), only what the gateway
+        counted itself; the speculation figures are then unknown and stay unset."""
+        latency_s = (self._last_token_at or time.monotonic()) - self.plan.started_at
+        if self._verifier_stats is not None:
+            return replace(self._verifier_stats, latency_s=latency_s)
+        return GenerationStats(prompt_tokens=len(self.plan.prompt_ids), output_tokens=num_tokens,
+                               llm_steps=self._num_steps, latency_s=latency_s)
 
     def _end(self, status: str, finish_reason: str, error: Exception | None = None) -> None:
         """Persists the final state first, then tells observers (so GetRequest agrees with them)."""
@@ -263,12 +292,12 @@ class RequestRun:
             ids = tuple(self.text.ids)
             is_final = status in (FINISHED, CANCELLED, FAILED)
             text = self.text.final_text() if is_final else self.text.visible
-            stats = final_stats(merge_stats(self.plan.prior_stats, self._segment_stats()),
-                                len(self.plan.prompt_ids), len(ids))
+            segment = self._segment_stats(len(ids) - len(self.plan.generated_ids))
+            stats = self.plan.prior_stats.merged(segment).with_counts(len(self.plan.prompt_ids), len(ids))
         self.deps.metrics.output_tokens.inc(len(ids) - len(self.plan.generated_ids))
         try:
             self.deps.store.put_progress(self.request_id, Progress(status, ids, text, finish_reason, stats,
-                                                                   str(error or "")))
+                                                                   str(error or "")), tuple(self._step_offsets))
             if status == FINISHED and self.plan.session_id:
                 self._append_turn(ids, text)
         except UnavailableError as exc:

@@ -27,13 +27,15 @@ from services.gateway.core import CallContext, GatewayCore
 from services.gateway.runs import Chunk
 from services.gateway.store import RequestRecord, Store, make_store
 from services.gateway.telemetry import GatewayMetrics
-from services.gateway.validation import GenerationParams, NewRequest, SamplingSpec, TreeSpec
-from services.gateway.verifier_client import STATS_FIELDS, VerifierClient
+from services.gateway.validation import NewRequest
+from services.gateway.verifier_client import VerifierClient
 from specinfer.errors import UnavailableError, UserError
+from specinfer.serving import convert
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server, status_for
 from specinfer.serving.logs import setup_logging
 from specinfer.serving.metrics import MetricsServer, new_registry
 from specinfer.serving.tracing import incoming_context, outgoing_metadata, setup_tracing
+from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
@@ -45,23 +47,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
 
 # -- protobuf <-> domain, at the edge only ---------------------------------------------------
 def new_request_from_proto(msg: pb.GenerateRequest) -> NewRequest:
-    s = msg.sampling
-    sampling = SamplingSpec(temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-                            seed=s.seed if s.HasField("seed") else None)
-    tree = TreeSpec(tuple(msg.shape.widths), msg.shape.max_nodes, msg.shape.sampled, msg.shape.proposal_top_k,
-                    msg.shape.policy, msg.shape.min_path_prob, tuple(msg.ssm_names))
-    if msg.HasField("max_tokens") and msg.max_tokens <= 0:
+    """The client's request as domain types; the parameters validate themselves on the way."""
+    if msg.HasField("max_tokens") and msg.max_tokens <= 0:  # unset means the default; 0 is a mistake
         raise UserError(f"max_tokens: must be >= 1 (leave it unset for the server default), got {msg.max_tokens}")
-    max_tokens = msg.max_tokens if msg.HasField("max_tokens") else 0  # 0: the gateway's default
-    params = GenerationParams(max_tokens, sampling, tuple(msg.stop),
-                              msg.speculate if msg.HasField("speculate") else True, tree, msg.ignore_eos)
-    return NewRequest(msg.prompt, params, msg.session_id, msg.request_id)
+    return NewRequest(msg.prompt, convert.params_from_generate_request(msg), msg.session_id, msg.request_id)
 
 
-def stats_to_proto(stats: dict | None) -> pb.GenerationStats | None:
-    if not stats:
-        return None
-    return pb.GenerationStats(**{k: stats[k] for k in STATS_FIELDS if k in stats})
+def stats_to_proto(stats: GenerationStats | None) -> pb.GenerationStats | None:
+    return None if stats is None else convert.stats_to_proto(stats)
 
 
 def chunk_to_proto(chunk: Chunk) -> pb.GenerateStreamResponse:
@@ -136,8 +129,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             span.set_attribute("finish_reason", chunk.finish_reason)
             if chunk.status == "cancelled":
                 span.add_event("cancelled", {"request_id": chunk.request_id})
-            if chunk.stats:
-                span.set_attribute("prompt_tokens", int(chunk.stats.get("prompt_tokens", 0)))
+            if chunk.stats is not None:
+                span.set_attribute("prompt_tokens", chunk.stats.prompt_tokens)
 
     def _stream(self, method: str, context, chunks_for, **attrs) -> Iterator[pb.GenerateStreamResponse]:
         with self._rpc(method, context, "gateway.generate", **attrs) as span:
@@ -195,7 +188,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             lim = self.core.limits
             return pb.GatewayInfo(
                 model=v.model, ssm_names=list(v.ssm_names), max_prompt_tokens=lim.max_prompt_tokens,
-                max_tokens=lim.max_tokens, max_concurrent_requests=lim.max_concurrent_requests,
+                max_tokens=lim.max_new_tokens, max_concurrent_requests=lim.max_concurrent_requests,
                 default_shape=pb.TreeShape(widths=list(v.default_widths), max_nodes=v.default_max_nodes),
                 max_stop_sequences=lim.max_stop_sequences)
 

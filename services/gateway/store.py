@@ -5,6 +5,12 @@ GetRequest can read it and a streamed request can be resumed by id after a recon
 outage or a gateway restart. Records are flat string hashes; `Store` implements the domain
 operations once, over four primitives that `RedisStore` and `MemoryStore` provide.
 
+A running request's output grows by one write per verified step, and that write costs the step's
+size, not the output's: the step's token ids and visible-text delta go into a field of their own,
+`step:<token offset>`, beside the whole-state fields (`generated_ids`, `text`) that a request's
+first and last writes set. A record reads as the whole state followed by the steps that continue
+it. Writing a step twice (a retried round trip) rewrites the same field with the same value.
+
 Redis errors become `UnavailableError` (gRPC UNAVAILABLE). redis-py reconnects per command, so
 the gateway recovers by itself once Redis is back; short socket timeouts make an outage fail fast.
 """
@@ -15,16 +21,18 @@ import json
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from specinfer.errors import UnavailableError
+from specinfer.stats import GenerationStats
 
 RUNNING, INTERRUPTED, FINISHED, CANCELLED, FAILED = "running", "interrupted", "finished", "cancelled", "failed"
 TERMINAL_STATUSES = frozenset({FINISHED, CANCELLED, FAILED})
 
 Hash = dict[str, str]
 Decide = Callable[["Hash | None"], "Hash | None"]
+STEP = "step:"  # a step's field: STEP + its token offset -> JSON [token ids, visible text delta]
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class RequestRecord:
     generated_ids: tuple[int, ...] = ()
     text: str = ""  # visible text so far; the final text once terminal
     finish_reason: str = ""
-    stats: dict = field(default_factory=dict)
+    stats: GenerationStats | None = None  # set once the request has ended (or been interrupted)
     error: str = ""
     owner: str = ""  # id of the gateway whose worker drives it
     session_base_len: int = 0  # session history length this turn started from
@@ -52,13 +60,13 @@ class RequestRecord:
 
 @dataclass(frozen=True)
 class Progress:
-    """One verified step's worth of change, written in one round trip."""
+    """A request's whole state, written in one round trip (a run's first and last writes)."""
 
     status: str
     generated_ids: tuple[int, ...]
     text: str
     finish_reason: str = ""
-    stats: dict | None = None
+    stats: GenerationStats | None = None
     error: str = ""
 
 
@@ -73,12 +81,30 @@ def _ids(text: str | None) -> tuple[int, ...]:
     return tuple(json.loads(text)) if text else ()
 
 
+def _stats(text: str | None) -> GenerationStats | None:
+    return GenerationStats.from_json(json.loads(text)) if text else None
+
+
 def _progress_hash(request_id: str, p: Progress) -> Hash:
     h = {"request_id": request_id, "status": p.status, "generated_ids": json.dumps(list(p.generated_ids)),
          "text": p.text, "finish_reason": p.finish_reason, "error": p.error, "updated_at": repr(time.time())}
     if p.stats is not None:
-        h["stats"] = json.dumps(p.stats)
+        h["stats"] = json.dumps(p.stats.to_json())
     return h
+
+
+def _output(h: Hash) -> tuple[tuple[int, ...], str]:
+    """The token ids and text a hash holds: the whole state, then the steps that continue it."""
+    ids, text = list(_ids(h.get("generated_ids"))), [h.get("text", "")]
+    for offset, value in sorted((int(k[len(STEP):]), v) for k, v in h.items() if k.startswith(STEP)):
+        if offset < len(ids):  # already in the whole state
+            continue
+        if offset > len(ids):  # a gap: nothing after it continues this output
+            break
+        step_ids, delta = json.loads(value)
+        ids.extend(step_ids)
+        text.append(delta)
+    return tuple(ids), "".join(text)
 
 
 def record_to_hash(r: RequestRecord) -> Hash:
@@ -86,19 +112,20 @@ def record_to_hash(r: RequestRecord) -> Hash:
         "request_id": r.request_id, "status": r.status, "prompt": r.prompt, "session_id": r.session_id,
         "params": json.dumps(r.params), "prompt_ids": json.dumps(list(r.prompt_ids)),
         "generated_ids": json.dumps(list(r.generated_ids)), "text": r.text, "finish_reason": r.finish_reason,
-        "stats": json.dumps(r.stats), "error": r.error, "owner": r.owner,
+        "stats": json.dumps(r.stats.to_json()) if r.stats is not None else "", "error": r.error, "owner": r.owner,
         "session_base_len": str(r.session_base_len), "updated_at": repr(r.updated_at or time.time()),
         "cancel_requested": "1" if r.is_cancel_requested else "0",
     }
 
 
 def hash_to_record(h: Hash) -> RequestRecord:
+    generated_ids, text = _output(h)
     return RequestRecord(
         request_id=h["request_id"], status=h["status"], prompt=h.get("prompt", ""),
         session_id=h.get("session_id", ""), params=json.loads(h.get("params") or "{}"),
-        prompt_ids=_ids(h.get("prompt_ids")), generated_ids=_ids(h.get("generated_ids")),
-        text=h.get("text", ""), finish_reason=h.get("finish_reason", ""),
-        stats=json.loads(h.get("stats") or "{}"), error=h.get("error", ""), owner=h.get("owner", ""),
+        prompt_ids=_ids(h.get("prompt_ids")), generated_ids=generated_ids,
+        text=text, finish_reason=h.get("finish_reason", ""),
+        stats=_stats(h.get("stats")), error=h.get("error", ""), owner=h.get("owner", ""),
         session_base_len=int(h.get("session_base_len") or 0), updated_at=float(h.get("updated_at") or 0),
         is_cancel_requested=h.get("cancel_requested") == "1",
     )
@@ -125,8 +152,10 @@ class Store(ABC):
     def _read(self, key: str) -> Hash | None: ...
 
     @abstractmethod
-    def _write(self, key: str, fields: Hash, ttl_s: int, read_field: str | None = None) -> str | None:
-        """Sets fields and the TTL and returns `read_field`'s value, in one round trip."""
+    def _write(self, key: str, fields: Hash, ttl_s: int, read_field: str | None = None,
+               drop: tuple[str, ...] = ()) -> str | None:
+        """Sets fields, deletes the `drop` fields, sets the TTL and returns `read_field`'s value,
+        in one round trip."""
 
     @abstractmethod
     def _cas(self, key: str, decide: Decide, ttl_s: int) -> tuple[Hash | None, bool]:
@@ -158,11 +187,21 @@ class Store(ABC):
         h = self._read(self._rkey(request_id))
         return hash_to_record(h) if h and "status" in h else None
 
-    def put_progress(self, request_id: str, progress: Progress) -> bool:
-        """Writes one step's progress; returns True if another gateway asked to cancel it."""
+    def put_progress(self, request_id: str, progress: Progress, drop_steps: tuple[int, ...] = ()) -> bool:
+        """Writes a request's whole state, deleting the step fields at `drop_steps` (the state holds
+        them now); returns True if another gateway asked to cancel it."""
         key, fields = self._rkey(request_id), _progress_hash(request_id, progress)
-        flag = self._write(key, fields, self.request_ttl_s, "cancel_requested")
+        flag = self._write(key, fields, self.request_ttl_s, "cancel_requested", tuple(f"{STEP}{o}" for o in drop_steps))
         return flag == "1"
+
+    def put_step(self, request_id: str, offset: int, ids: tuple[int, ...], text_delta: str) -> bool:
+        """Appends one verified step to a running request's output: `ids` continue it at token
+        `offset`, `text_delta` continues its visible text. Costs the step's size, not the output's.
+        Returns True if another gateway asked to cancel it."""
+        fields = {"status": RUNNING, "updated_at": repr(time.time())}
+        if ids or text_delta:
+            fields[f"{STEP}{offset}"] = json.dumps([list(ids), text_delta], ensure_ascii=False)
+        return self._write(self._rkey(request_id), fields, self.request_ttl_s, "cancel_requested") == "1"
 
     def update_request_if(self, request_id: str, decide: Callable[[RequestRecord], Hash | None]
                           ) -> tuple[RequestRecord | None, bool]:
@@ -233,10 +272,13 @@ class MemoryStore(Store):
             h = self._live(key)
             return dict(h) if h is not None else None
 
-    def _write(self, key, fields, ttl_s, read_field=None):
+    def _write(self, key, fields, ttl_s, read_field=None, drop=()):
         with self._lock:
             self._sweep()
-            h = {**(self._live(key) or {}), **fields}
+            h = self._live(key) or {}  # updated in place: reads copy, and a step costs its own size
+            h.update(fields)
+            for name in drop:
+                h.pop(name, None)
             self._data[key] = (h, time.monotonic() + ttl_s)
             return h.get(read_field) if read_field else None
 
@@ -286,15 +328,17 @@ class RedisStore(Store):
     def _read(self, key):
         return self._call(lambda: self.r.hgetall(key)) or None
 
-    def _write(self, key, fields, ttl_s, read_field=None):
+    def _write(self, key, fields, ttl_s, read_field=None, drop=()):
         def run():
             p = self.r.pipeline(transaction=True)
             p.hset(key, mapping=fields)
+            if drop:
+                p.hdel(key, *drop)
             p.expire(key, ttl_s)
             if read_field:
                 p.hget(key, read_field)
             out = p.execute()
-            return out[2] if read_field else None
+            return out[-1] if read_field else None
 
         return self._call(run)
 

@@ -14,14 +14,14 @@ from typing import Iterator
 
 import grpc
 
-from services.gateway.validation import GenerationParams
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.params import GenerationParams
+from specinfer.serving import convert
 from specinfer.serving.grpc_server import CHANNEL_OPTIONS
+from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
-STATS_FIELDS = ("prompt_tokens", "output_tokens", "llm_steps", "tokens_per_step", "mean_accepted",
-                "mean_tree_nodes", "acceptance_rate", "latency_s", "fell_back")
 _RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 1000),  # also bounds one connection attempt to ~1 s
@@ -33,9 +33,7 @@ _RECONNECT_OPTIONS = [
 class VerifierCall:
     request_id: str
     prompt_ids: tuple[int, ...]  # everything the LLM has to attend to: context plus tokens so far
-    max_new_tokens: int
-    params: GenerationParams
-    seed: int
+    params: GenerationParams  # max_new_tokens: the tokens still to generate; the seed: this call's
     session_id: str = ""
 
 
@@ -43,7 +41,7 @@ class VerifierCall:
 class VerifierStep:
     token_ids: tuple[int, ...]
     finish_reason: str = ""
-    stats: dict | None = None
+    stats: GenerationStats | None = None  # the verifier's measurement, on its last message
 
 
 @dataclass(frozen=True)
@@ -55,10 +53,6 @@ class VerifierSummary:
     default_max_nodes: int
     num_speculators: int
     ssm_names: tuple[str, ...] = ()
-
-
-def stats_to_dict(msg: pb.GenerationStats) -> dict:
-    return {f: getattr(msg, f) for f in STATS_FIELDS}
 
 
 def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
@@ -85,20 +79,6 @@ def channel_options(target: str) -> list[tuple[str, object]]:
     return options
 
 
-def _to_proto(call: VerifierCall) -> pb.VerifierGenerateRequest:
-    p = call.params
-    return pb.VerifierGenerateRequest(
-        request_id=call.request_id, prompt_ids=list(call.prompt_ids), max_new_tokens=call.max_new_tokens,
-        sampling=pb.SamplingParams(temperature=p.sampling.temperature, top_p=p.sampling.top_p,
-                                   top_k=p.sampling.top_k, seed=call.seed),
-        speculate=p.is_speculative,
-        shape=pb.TreeShape(widths=list(p.tree.widths), max_nodes=p.tree.max_nodes, sampled=p.tree.is_sampled,
-                           proposal_top_k=p.tree.proposal_top_k, policy=p.tree.policy,
-                           min_path_prob=p.tree.min_path_prob),
-        session_id=call.session_id, ignore_eos=p.is_ignore_eos, ssm_names=list(p.tree.ssm_names),
-    )
-
-
 class VerifierStream:
     """One running Verifier.Generate call: iterate for steps, `cancel()` from any thread."""
 
@@ -108,7 +88,7 @@ class VerifierStream:
     def __iter__(self) -> Iterator[VerifierStep]:
         for msg in self._call:
             yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
-                               stats_to_dict(msg.stats) if msg.HasField("stats") else None)
+                               convert.stats_from_proto(msg.stats) if msg.HasField("stats") else None)
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -121,7 +101,8 @@ class VerifierClient:
         self.stub = pb_grpc.VerifierStub(self.channel)
 
     def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:
-        return VerifierStream(self.stub.Generate(_to_proto(call), timeout=timeout_s, metadata=metadata))
+        request = convert.verifier_request_to_proto(call.request_id, call.prompt_ids, call.params, call.session_id)
+        return VerifierStream(self.stub.Generate(request, timeout=timeout_s, metadata=metadata))
 
     def release_session(self, session_id: str, timeout_s: float, metadata: list[tuple[str, str]]) -> bool:
         try:
