@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from specinfer.pool.boost_data import BoostData, DataConfig
 from specinfer.pool.boost_tune import BoostConfig, TrainConfig, agreement, boost_loss, boost_tune, load_model
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.errors import UserError
 from specinfer.pool.make_ssm import make_ssm
 from specinfer.engine.runner import ModelRunner
@@ -162,7 +162,7 @@ def test_targets_are_the_llms_top1(pool):
     runner = ModelRunner.from_dir(pool.llm, max_kv_tokens=1024)
     prompts = [[5, 9, 17, 33, 40], [7, 8, 100, 3], [11, 12, 13]]
     cfg = DataConfig(continuation_tokens=10, sampled_fraction=0.34)
-    conts, sampled = generate_continuations(Engine(runner), prompts, cfg, seed=0, progress=False)
+    conts, sampled = generate_continuations(Engine.from_runners(runner), prompts, cfg, seed=0, progress=False)
     assert sampled.count(True) == 1
     fast = targets_for(runner, prompts, conts, sampled, 0, False)
     slow = score_sequences(runner, [p + c for p, c in zip(prompts, conts)], 0, False)
@@ -215,22 +215,16 @@ def test_resume_after_interruptions_gives_identical_weights(pool, uninterrupted,
 # ---- the mixed policy ------------------------------------------------------------------------
 
 
-def start(engine: Engine, prompt: list[int], n: int, spec: SpecConfig, policy: str):
-    req = engine.start(prompt, n, spec=spec)
-    req.shape = dataclasses.replace(req.shape, policy=policy)  # until SpecConfig carries the policy
-    return req
-
-
 def test_mixed_policy_greedy_equals_incremental(tiny_pair, greedy_prompts):
     llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=4096)
     ssms = [ModelRunner.from_dir(p, max_kv_tokens=4096) for p in tiny_pair.ssms]
-    engine = Engine(llm, ssms)
-    spec = SpecConfig(mode="tree", widths=(1, 1, 3, 1, 1, 1, 1, 1))
-    base = Engine(llm)
+    engine = Engine.from_runners(llm, ssms)
+    widths = (1, 1, 3, 1, 1, 1, 1, 1)
+    base = Engine.from_runners(llm)
     for prompt in greedy_prompts[:10]:
-        expected = base.generate(prompt, 48, spec=SpecConfig(mode="incremental")).output_ids
-        mixed = engine.generate_batch([start(engine, prompt, 48, spec, "mixed")])[0]
-        merged = engine.generate_batch([start(engine, prompt, 48, spec, "merge")])[0]
+        expected = base.generate(prompt, mode_params("incremental", 48)).output_ids
+        mixed = engine.generate(prompt, mode_params("tree", 48, TreeShape(widths, policy="mixed")))
+        merged = engine.generate(prompt, mode_params("tree", 48, TreeShape(widths, policy="merge")))
         assert mixed.output_ids == expected == merged.output_ids
         assert sum(mixed.accepted_per_step) > 0
     assert llm.allocator.num_used == 0 and all(s.allocator.num_used == 0 for s in ssms)
