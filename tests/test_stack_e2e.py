@@ -21,8 +21,9 @@ from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
+from specinfer.params import TreeShape
 from specinfer.serving.metrics import new_registry
 from specinfer.serving.tracing import setup_tracing
 from specinfer.tokenizer import TextTokenizer
@@ -74,7 +75,7 @@ def stack(models):
 @pytest.fixture(scope="module")
 def reference(models):
     llm, ssm = models
-    return Engine(ModelRunner.from_dir(llm), [ModelRunner.from_dir(ssm)]), TextTokenizer.from_dir(llm)
+    return Engine.from_runners(ModelRunner.from_dir(llm), [ModelRunner.from_dir(ssm)]), TextTokenizer.from_dir(llm)
 
 
 def wait_until(predicate, timeout=1.0) -> bool:
@@ -90,7 +91,7 @@ def wait_until(predicate, timeout=1.0) -> bool:
 def test_greedy_through_stack_equals_in_process(stack, reference, prompt):
     engine, tokenizer = reference
     resp = stack["stub"].Generate(pb.GenerateRequest(prompt=prompt, max_tokens=40), timeout=60)
-    expected = engine.generate(tokenizer.encode(prompt), 40, spec=SpecConfig(widths=WIDTHS))
+    expected = engine.generate(tokenizer.encode(prompt), mode_params("tree", 40, TreeShape(WIDTHS)))
     assert list(resp.token_ids) == expected.output_ids
     assert resp.text == tokenizer.decode(expected.output_ids)
     assert resp.stats.llm_steps == expected.num_llm_steps and resp.stats.tokens_per_step > 1.0
@@ -183,7 +184,7 @@ def test_speculator_death_mid_request_completes_exactly(models, reference):
             tokens += list(chunk.token_ids)
             if i == 3:
                 spec.stop(0)
-        expected = engine.generate(tokenizer.encode("def add("), 50, spec=SpecConfig(mode="incremental"))
+        expected = engine.generate(tokenizer.encode("def add("), mode_params("incremental", 50))
         assert tokens == expected.output_ids
     finally:
         gateway.stop(0)
