@@ -10,10 +10,16 @@ trees: the baseline for every speedup, and the fallback when no SSM is available
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
+from typing import Callable, Protocol
 
 from specinfer import limits
-from specinfer.engine.loop import DraftTree, Generation, GenerationResult, NoDrafts, WidthChoice, reserved_slots, run_step
+from specinfer.engine.guard import SpeculationGuard
+from specinfer.engine.loop import (
+    Drafts, DraftTree, Generation, GenerationResult, NoDrafts, StepObserver, WidthChoice, reserved_slots, run_step,
+)
 from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import make_generator
@@ -29,17 +35,45 @@ from specinfer.params import GenerationParams, SamplingParams, TreeShape
 class EngineConfig:
     default_shape: TreeShape = TreeShape(limits.PAPER_TREE_WIDTH)  # for requests that name no widths
     is_load_aware: bool = True  # those requests get per-step widths within the default shape
+    is_guarded: bool = False  # a measured guard keeps load-aware speculation from running slower than plain
     # Inline, nothing else can free memory, so a request that does not fit fails at once.
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(admission_timeout_s=0.0))
 
 
-class LocalSpeculation:
-    """Builds the trees that in-process requests asked for, all together: one batched SSM pass
-    per tree level covers every request (Section 5)."""
+class DraftSource(Protocol):
+    """Where requests' token trees come from: local SSMs, or the verifier service's speculators."""
 
-    def __init__(self, speculator: Speculator):
+    def num_sources(self, ssm_names: tuple[str, ...]) -> int: ...  # trees merged per step (0 = none)
+
+    def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
+               timeout_s: float | None) -> Drafts: ...
+
+
+class LocalSpeculation:
+    """Trees from SSMs in this process. The trees all requests asked for in a step are built
+    together: one batched SSM pass per tree level covers every request (Section 5)."""
+
+    def __init__(self, speculator: Speculator, names: list[str] | None = None):
         self.speculator = speculator
+        self.names = list(names or [f"ssm-{i}" for i in range(len(speculator.runners))])
         self._asked: list[LocalDrafts] = []
+
+    def pool(self, ssm_names: tuple[str, ...]) -> list[int]:
+        """Indices of the SSMs a request speculates with (all of them when it names none)."""
+        if not ssm_names:
+            return list(range(len(self.speculator.runners)))
+        unknown = [n for n in ssm_names if n not in self.names]
+        if unknown:
+            raise UserError(f"ssm_names: no SSM named {', '.join(unknown)} (have {', '.join(self.names)})")
+        return [i for i, name in enumerate(self.names) if name in ssm_names]
+
+    def num_sources(self, ssm_names: tuple[str, ...]) -> int:
+        return len(self.pool(ssm_names))
+
+    def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
+               timeout_s: float | None) -> "LocalDrafts":
+        states = self.speculator.start(prompt_ids, self.pool(params.ssm_names))
+        return LocalDrafts(self, states, shape, params.sampling)
 
     def build_asked(self) -> None:
         asked, self._asked = self._asked, []
@@ -98,71 +132,85 @@ class LocalDrafts:
 
 
 class Engine:
-    """LLM + optional SSMs in one process. Requests in a batch step together."""
+    """The LLM, its scheduler and a source of drafts. In process (`from_runners`) the scheduler
+    runs inline and trees come from local SSMs; the verifier service runs the scheduler on its
+    own thread, trees come from speculator services, and each request steps on its RPC thread."""
 
-    def __init__(self, llm: ModelRunner, ssms: list[ModelRunner] | None = None, cfg: EngineConfig = EngineConfig(),
-                 ssm_names: list[str] | None = None):
+    def __init__(self, llm: ModelRunner, source: DraftSource | None, cfg: EngineConfig = EngineConfig(),
+                 scheduler: Scheduler | None = None, max_context: int | None = None):
         self.cfg = cfg
         self.verifier = Verifier(llm)
-        self.speculator = Speculator(list(ssms or []))
-        self.local = LocalSpeculation(self.speculator)
-        self.scheduler = Scheduler(self.verifier, cfg.scheduler, is_threaded=False)
-        self.ssm_names = list(ssm_names or [f"ssm-{i}" for i in range(len(self.speculator.runners))])
+        self.source = source
+        self.scheduler = scheduler or Scheduler(self.verifier, cfg.scheduler, is_threaded=False)
+        self.max_context = max_context or llm.max_context
         self.policies: dict[tuple, LoadAwarePolicy] = {}  # per width bound, built on first load-aware use
         self.cost_model: CostModel | None = None
-        for ssm in self.speculator.runners:
-            if ssm.cfg.vocab_size != llm.cfg.vocab_size:
-                raise UserError(
-                    f"SSM vocabulary ({ssm.cfg.vocab_size}) differs from the LLM's ({llm.cfg.vocab_size})"
-                )
-        self.max_context = min([llm.max_context] + [r.max_context for r in self.speculator.runners])
+        self.guard = SpeculationGuard() if cfg.is_guarded else None
 
-    def start(self, prompt_ids: list[int], params: GenerationParams) -> Generation:
+    @classmethod
+    def from_runners(cls, llm: ModelRunner, ssms: list[ModelRunner] | None = None, cfg: EngineConfig = EngineConfig(),
+                     ssm_names: list[str] | None = None) -> "Engine":
+        """LLM and SSMs in one process."""
+        ssms = list(ssms or [])
+        for ssm in ssms:
+            if ssm.cfg.vocab_size != llm.cfg.vocab_size:
+                raise UserError(f"SSM vocabulary ({ssm.cfg.vocab_size}) differs from the LLM's ({llm.cfg.vocab_size})")
+        source = LocalSpeculation(Speculator(ssms), ssm_names) if ssms else None
+        return cls(llm, source, cfg, max_context=min([llm.max_context] + [r.max_context for r in ssms]))
+
+    def start(self, prompt_ids: list[int], params: GenerationParams, request_id: str = "",
+              session_id: str | None = None, timeout_s: float | None = None,
+              observer: StepObserver | None = None) -> Generation:
         """Admits one request (its worst-case KV reserved) and returns its decode loop."""
         llm_cfg = self.verifier.runner.cfg
         limits.check_prompt_ids(prompt_ids, params.max_new_tokens, llm_cfg.vocab_size, self.max_context)
-        ssm_indices = self._pool(params.ssm_names)
-        is_speculative = params.is_speculative and bool(ssm_indices)
+        num_sources = self.source.num_sources(params.ssm_names) if self.source and params.is_speculative else 0
         shape = self.cfg.default_shape if params.shape.is_default else params.shape
-        is_load_aware = is_speculative and params.shape.is_default and self.cfg.is_load_aware
-        num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens, shape,
-                                   len(ssm_indices) if is_speculative else 0)
-        session = self.scheduler.open(list(prompt_ids), None, num_slots)
-        if is_speculative:
-            states = self.speculator.start(prompt_ids, ssm_indices)
-            drafts = LocalDrafts(self.local, states, shape, params.sampling)
-        else:
-            drafts = NoDrafts()
-        choose = WidthChoice(shape.widths, self._policy(shape) if is_load_aware else None, None,
+        num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens, shape, num_sources)
+        session = self.scheduler.open(list(prompt_ids), session_id, num_slots, timeout_s)
+        try:
+            drafts = (self.source.drafts(request_id, prompt_ids, params, shape, timeout_s) if num_sources
+                      else NoDrafts())
+        except BaseException:
+            self.scheduler.close(session, None)
+            raise
+        is_load_aware = bool(num_sources) and params.shape.is_default and self.cfg.is_load_aware
+        choose = WidthChoice(shape.widths, self.policy(shape) if is_load_aware else None, self.guard,
                              params.sampling.is_greedy)
         return Generation(prompt_ids, params, params.stop_tokens(llm_cfg.eos_token_ids), drafts, choose,
-                          self.max_context, session, make_generator(params.sampling.seed, 2))
+                          self.max_context, session, make_generator(params.sampling.seed, 2), observer)
 
-    def step(self, generations: list[Generation]) -> None:
-        """One speculate + verify iteration for every unfinished request."""
-        run_step(generations, self._verify)
-        for g in generations:
-            if g.is_done:
-                self.finish(g)
+    def step(self, generations: list[Generation], should_stop: Callable[[], None] | None = None) -> list[list[int]]:
+        """One speculate + verify iteration for every unfinished request; the tokens each kept.
+        While waiting for a threaded scheduler, `should_stop()` may raise to abandon the wait."""
+        def verify(items: list[tuple[Generation, TokenTree]]) -> list[tuple[list[int], int]]:
+            futures = [self.scheduler.verify(g.session, tree, g.params.sampling, g.verify_generator)
+                       for g, tree in items]
+            if not self.scheduler.worker.is_threaded:
+                self.scheduler.pump(futures)
+            return [wait_result(f, should_stop) for f in futures]
 
-    def _verify(self, items: list[tuple[Generation, TokenTree]]) -> list[tuple[list[int], int]]:
-        futures = [self.scheduler.verify(g.session, tree, g.params.sampling, g.verify_generator) for g, tree in items]
-        self.scheduler.pump(futures)
-        return [f.result() for f in futures]
+        return run_step(generations, verify, lambda: self.scheduler.num_open)
 
-    def finish(self, generation: Generation) -> None:
-        """Frees the request's KV caches (idempotent)."""
+    def finish(self, generation: Generation, history: list[int] | None = None) -> None:
+        """Frees the request's KV caches, or keeps the LLM's as its session's cache when `history`
+        is given (the tokens the conversation now holds). Idempotent."""
         if generation.session is None:
             return
-        self.scheduler.close(generation.session, None)
-        generation.session = None
-        generation.drafts.close()
+        session, generation.session = generation.session, None
         generation.is_done = True
+        try:
+            generation.drafts.close()
+        finally:
+            self.scheduler.close(session, history)
 
     def generate_batch(self, generations: list[Generation]) -> list[GenerationResult]:
         try:
             while any(not g.is_done for g in generations):
                 self.step(generations)
+                for g in generations:
+                    if g.is_done:
+                        self.finish(g)  # its KV is free for the others at once
         finally:
             for g in generations:
                 self.finish(g)
@@ -171,24 +219,29 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
         return self.generate_batch([self.start(prompt_ids, params)])[0]
 
-    def _pool(self, names: tuple[str, ...]) -> list[int]:
-        """Indices of the SSMs a request speculates with (all of them when it names none)."""
-        if not names:
-            return list(range(len(self.speculator.runners)))
-        unknown = [n for n in names if n not in self.ssm_names]
-        if unknown:
-            raise UserError(f"ssm_names: no SSM named {', '.join(unknown)} (have {', '.join(self.ssm_names)})")
-        return [i for i, name in enumerate(self.ssm_names) if name in names]
-
-    def _policy(self, bound: TreeShape) -> LoadAwarePolicy:
-        """The load-aware policy for shapes within `bound` (its cost model calibrated once)."""
+    def policy(self, bound: TreeShape) -> LoadAwarePolicy:
+        """The load-aware policy for shapes within `bound` (the cost model calibrated once, then
+        refined by every measured pass of the scheduler)."""
         key = (len(bound.widths), max(bound.widths), bound.max_nodes)
         if key not in self.policies:
             if self.cost_model is None:
                 self.cost_model = CostModel.calibrate(self.verifier.runner)
+                self.scheduler.cost_model = self.cost_model
             self.policies[key] = LoadAwarePolicy(self.cost_model, max_depth=key[0], max_width=key[1],
                                                  max_nodes=key[2])
         return self.policies[key]
+
+
+POLL_S = 0.05
+
+
+def wait_result(future: Future, should_stop: Callable[[], None] | None):
+    """The future's result; polls `should_stop` (which raises to give up) while waiting."""
+    while True:
+        try:
+            return future.result(timeout=None if should_stop is None else POLL_S)
+        except FutureTimeout:
+            should_stop()
 
 
 MODES = ("incremental", "sequence", "tree", "auto")
