@@ -16,10 +16,10 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 import specinfer.engine.verify
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import target_probs
-from specinfer.params import SamplingParams
+from specinfer.params import SamplingParams, TreeShape
 from util import perturbed_copy, save_tiny_llama
 
 VOCAB = 8
@@ -56,12 +56,13 @@ def exact_joint(llm_dir, params: SamplingParams) -> dict[tuple[int, ...], float]
     return joint
 
 
-def speculative_counts(engine: Engine, params: SamplingParams, spec: SpecConfig) -> tuple[dict, float]:
+def speculative_counts(engine: Engine, params: SamplingParams, shape: TreeShape) -> tuple[dict, float]:
     counts: dict[tuple[int, ...], int] = {}
     accepted = steps = 0
     for start in range(0, NUM_SAMPLES, BATCH):
         reqs = [
-            engine.start(PROMPT, NUM_TOKENS, SamplingParams(params.temperature, params.top_p, params.top_k, seed=s), spec)
+            engine.start(PROMPT, mode_params("tree", NUM_TOKENS, shape, SamplingParams(
+                params.temperature, params.top_p, params.top_k, seed=s)))
             for s in range(start, start + BATCH)
         ]
         for r in engine.generate_batch(reqs):
@@ -93,27 +94,29 @@ def chi_square_pvalue(counts: dict, joint: dict) -> float:
 
 
 CONFIGS = {
-    "t1-sampled-tree": (SamplingParams(1.0), SpecConfig(widths=(2, 2), is_sampled_tree=True), 1),
-    "t1-topk-tree": (SamplingParams(1.0), SpecConfig(widths=(2, 2), is_sampled_tree=False), 1),
+    "t1-sampled-tree": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=True), 1),
+    "t1-topk-tree": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=False), 1),
     "t0.7-p0.9-sampled-tree": (SamplingParams(0.7, top_p=0.9),
-                               SpecConfig(widths=(3, 2), is_sampled_tree=True, proposal_top_k=3), 1),
-    "t0.7-p0.9-topk-tree": (SamplingParams(0.7, top_p=0.9), SpecConfig(widths=(2, 2), is_sampled_tree=False), 1),
-    "t1-merged-2-ssms": (SamplingParams(1.0), SpecConfig(widths=(2, 1), is_sampled_tree=True), 2),
-    "t1-pruned-sampled-tree": (SamplingParams(1.0), SpecConfig(widths=(3, 3), max_nodes=5, min_path_prob=0.2), 1),
+                               TreeShape((3, 2), is_sampled=True, proposal_top_k=3), 1),
+    "t0.7-p0.9-topk-tree": (SamplingParams(0.7, top_p=0.9), TreeShape((2, 2), is_sampled=False), 1),
+    "t1-merged-2-ssms": (SamplingParams(1.0), TreeShape((2, 1), is_sampled=True), 2),
+    "t1-pruned-sampled-tree": (SamplingParams(1.0), TreeShape((3, 3), max_nodes=5, min_path_prob=0.2), 1),
 }
 
 
 def make_engine(models, num_ssms: int) -> Engine:
     llm, *ssms = models
-    kv = 64 * 1024
-    return Engine(ModelRunner.from_dir(llm, max_kv_tokens=kv, block_size=8),
-                  [ModelRunner.from_dir(s, max_kv_tokens=kv, block_size=8) for s in ssms[:num_ssms]])
+    # All BATCH requests are admitted at once, each with its worst case reserved: its prompt, its
+    # new tokens and one tree per SSM (a TreeShape's max_nodes by default).
+    kv = BATCH * (len(PROMPT) + NUM_TOKENS + 1 + TreeShape().max_nodes * max(1, num_ssms)) + 1024
+    return Engine.from_runners(ModelRunner.from_dir(llm, max_kv_tokens=kv, block_size=8),
+                               [ModelRunner.from_dir(s, max_kv_tokens=kv, block_size=8) for s in ssms[:num_ssms]])
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_speculative_sampling_matches_llm_distribution(models, name):
-    params, spec, num_ssms = CONFIGS[name]
-    counts, mean_accepted = speculative_counts(make_engine(models, num_ssms), params, spec)
+    params, shape, num_ssms = CONFIGS[name]
+    counts, mean_accepted = speculative_counts(make_engine(models, num_ssms), params, shape)
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert 0.2 < mean_accepted, mean_accepted  # trees were really accepted, not only rejected
     assert pvalue > 0.001, (name, pvalue)
@@ -122,16 +125,17 @@ def test_speculative_sampling_matches_llm_distribution(models, name):
 @pytest.mark.parametrize("name", ["t1-sampled-tree", "t1-topk-tree"])
 def test_without_residual_correction_the_test_fails(models, name, monkeypatch):
     monkeypatch.setattr(specinfer.engine.verify, "residual_distribution", lambda p, q: p)
-    params, spec, num_ssms = CONFIGS[name]
-    counts, _ = speculative_counts(make_engine(models, num_ssms), params, spec)
+    params, shape, num_ssms = CONFIGS[name]
+    counts, _ = speculative_counts(make_engine(models, num_ssms), params, shape)
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert pvalue < 0.001, (name, pvalue)
 
 
 def test_seeded_runs_are_reproducible(models):
     engine = make_engine(models, 2)
-    spec = SpecConfig(widths=(2, 2, 1))
-    outs = [engine.generate(PROMPT, 24, SamplingParams(0.9, top_k=6, seed=99), spec).output_ids for _ in range(2)]
-    other = engine.generate(PROMPT, 24, SamplingParams(0.9, top_k=6, seed=100), spec).output_ids
+    shape = TreeShape((2, 2, 1))
+    outs = [engine.generate(PROMPT, mode_params("tree", 24, shape, SamplingParams(0.9, top_k=6, seed=99))).output_ids
+            for _ in range(2)]
+    other = engine.generate(PROMPT, mode_params("tree", 24, shape, SamplingParams(0.9, top_k=6, seed=100))).output_ids
     assert outs[0] == outs[1]
     assert outs[0] != other
