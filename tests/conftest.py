@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from util import perturbed_copy, save_tiny_llama
+from util import perturbed_copy, save_text_pair, save_tiny_llama
 
 
 # Tiny models gain nothing from intra-op threads, and on a shared, noisy CI machine OpenMP
@@ -34,6 +35,26 @@ def tiny_pair(tmp_path_factory) -> TinyPair:
 
 
 @pytest.fixture(scope="session")
+def text_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """(llm, ssm) with a BPE tokenizer trained on a little Python and no EOS, for the services
+    that take text (the gateway, the whole stack)."""
+    corpus = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "for x in range(3):\n    print(x)\n"]
+    return save_text_pair(tmp_path_factory.mktemp("text_pair"), 320, corpus * 30, hidden=48, max_pos=512, seed=8,
+                          ssm_seed=9, noise=0.04)
+
+
+@pytest.fixture(scope="session")
 def greedy_prompts(tiny_pair) -> list[list[int]]:
     rng = random.Random(1234)
     return [[rng.randrange(2, tiny_pair.vocab) for _ in range(rng.randrange(1, 40))] for _ in range(20)]
+
+
+@pytest.fixture
+def executor():
+    """Threads for calls that block. Submit work here rather than to bare threads: what a call
+    raises (an assertion included) comes back through its future, on the test's thread. Exiting
+    does not wait, so a call stuck by a bug fails the test through a result timeout instead of
+    hanging it."""
+    pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="test")
+    yield pool
+    pool.shutdown(wait=False, cancel_futures=True)

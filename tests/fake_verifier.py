@@ -42,16 +42,18 @@ class FakeCall:
     ended_at: float | None = None
     is_finished: bool = False  # emitted everything it was asked for
     num_sent: int = 0
+    _ended: threading.Event = field(default_factory=threading.Event, init=False, repr=False, compare=False)
 
     @property
     def is_cancelled(self) -> bool:
         return self.ended_at is not None and not self.is_finished
 
+    def end(self) -> None:
+        self.ended_at = time.monotonic()
+        self._ended.set()
+
     def wait_ended(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.ended_at is None and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return self.ended_at is not None
+        return self._ended.wait(timeout_s)
 
 
 class FakeVerifier(pb_grpc.VerifierServicer):
@@ -66,6 +68,7 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         self.calls: list[FakeCall] = []
         self.released: list[str] = []
         self._lock = threading.Lock()
+        self._called = threading.Condition(self._lock)  # notified on every new call
 
     def reset(self, *, delay_s: float = 0.01, tokens_per_step: int = 2) -> None:
         with self._lock:
@@ -74,21 +77,17 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         self.delay_s, self.tokens_per_step = delay_s, tokens_per_step
 
     def wait_for_calls(self, n: int, timeout_s: float = 2.0) -> list[FakeCall]:
-        deadline = time.monotonic() + timeout_s
-        while len(self.calls) < n and time.monotonic() < deadline:
-            time.sleep(0.005)
-        return list(self.calls)
+        with self._called:
+            self._called.wait_for(lambda: len(self.calls) >= n, timeout_s)
+            return list(self.calls)
 
     def Generate(self, request, context):
         remaining = context.time_remaining()
         call = FakeCall(request, remaining, dict(context.invocation_metadata() or ()))
-        with self._lock:
+        with self._called:
             self.calls.append(call)
-
-        def ended():
-            call.ended_at = time.monotonic()
-
-        context.add_callback(ended)
+            self._called.notify_all()
+        context.add_callback(call.end)
         prev, n, steps = request.prompt_ids[-1], 0, 0
         while n < request.max_new_tokens:
             time.sleep(self.delay_s)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from specinfer.cli.main import main
-from util import add_tokenizer, perturbed_copy, save_tiny_llama, set_config
+from util import save_text_pair, save_tiny_llama, set_config
 
 CORPUS = ["def add(a, b):\n    return a + b\n", "class Foo:\n    pass\n", "for i in range(10):\n    print(i)\n"] * 20
 VOCAB = 300
@@ -19,9 +19,7 @@ VOCAB = 300
 @pytest.fixture(scope="module")
 def cli_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    llm = save_tiny_llama(root / "llm", vocab=VOCAB, hidden=32, layers=2, max_pos=128, seed=4, eos_token_id=None)
-    add_tokenizer(llm, VOCAB, CORPUS)
-    ssm = perturbed_copy(llm, root / "ssm", noise=0.05, seed=5)
+    llm, ssm = save_text_pair(root, VOCAB, CORPUS, hidden=32, max_pos=128, seed=4, ssm_seed=5, noise=0.05)
     other = save_tiny_llama(root / "other_vocab", vocab=VOCAB + 8, hidden=32, layers=1, max_pos=128, seed=6)
     gpt2 = root / "gpt2"
     shutil.copytree(llm, gpt2)

@@ -1,4 +1,4 @@
-"""Deployment and observability checks (issue 6), runnable without Docker or a cluster.
+"""Deployment and observability checks, runnable without Docker or a cluster.
 
 Static: docker-compose.yml (healthchecks, dependency conditions, published ports, Redis AOF and
 password, scalable speculators, the GPU profile, every `${VAR}` documented in .env.example),
@@ -24,7 +24,6 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+
+from util import free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -129,12 +130,6 @@ def exec_form(args: str) -> list[str]:
     """CMD / ENTRYPOINT arguments as argv (exec form JSON, or shell form split)."""
     args = args.strip()
     return json.loads(args) if args.startswith("[") else ["sh", "-c", args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_var_refs(text: str) -> set[str]:
@@ -598,59 +593,29 @@ def test_promql_parsing_helpers():
 
 
 # ---- the live stack ------------------------------------------------------------------------------
-VOCAB = 320
-CORPUS = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "for x in range(3):\n    print(x)\n"] * 30
-
-
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def live(text_pair):
     """speculator + verifier + gateway over real gRPC on localhost, each with /metrics, traced
     into one in-memory exporter; one request has gone through when this yields."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from services.gateway.config import GatewayConfig
-    from services.gateway.server import serve as serve_gateway
-    from services.speculator.config import SpeculatorConfig
-    from services.speculator.server import build as build_speculator
-    from services.verifier.config import VerifierConfig
-    from services.verifier.server import build as build_verifier
-    from specinfer.serving.metrics import new_registry
-    from specinfer.serving.tracing import setup_tracing
     from specinfer.v1 import specinfer_pb2 as pb
-    from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
-    from util import add_tokenizer, perturbed_copy, save_tiny_llama
+    from util import start_stack
 
-    root = tmp_path_factory.mktemp("deploy")
-    llm = save_tiny_llama(root / "llm", vocab=VOCAB, hidden=48, layers=2, max_pos=512, seed=8, eos_token_id=None)
-    add_tokenizer(llm, VOCAB, CORPUS)
-    ssm = perturbed_copy(llm, root / "ssm", noise=0.04, seed=9)
+    llm, ssm = text_pair
     exporter = InMemorySpanExporter()
     ports = {"speculator": free_port(), "verifier": free_port(), "gateway": free_port()}
-    servers = []
-    try:
-        spec, _ = build_speculator(SpeculatorConfig((ssm,), port=0, device="cpu", grace_s=0,
-                                                    metrics_port=ports["speculator"]), exporter)
-        servers.append(spec)
-        verifier, _ = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
-                                                    tree_width=(1, 2, 1, 1), speculator_step_timeout_s=5,
-                                                    grace_s=0, metrics_port=ports["verifier"],
-                                                    is_load_aware=False), exporter)  # always speculate
-        servers.append(verifier)
-        gateway = serve_gateway(GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", model_dir=llm,
-                                              metrics_port=ports["gateway"], grace_s=0),
-                                setup_tracing("specinfer-gateway", None, exporter), new_registry())
-        servers.append(gateway)
-        with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            stub = pb_grpc.GatewayStub(channel)
-            reply = stub.Generate(pb.GenerateRequest(prompt="def add(a, b", max_tokens=24), timeout=120)
-            assert len(reply.token_ids) == 24
-            with pytest.raises(grpc.RpcError) as bad:  # one failed request: an error code gets a series
-                stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=-1), timeout=30)
-            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        yield {"ports": ports, "exporter": exporter, "gateway": gateway, "reply": reply}
-    finally:
-        for server in reversed(servers):
-            server.stop(0)
+    with start_stack(llm, [ssm], exporter=exporter, speculator={"metrics_port": ports["speculator"]},
+                     tree_width=(1, 2, 1, 1), speculator_step_timeout_s=5, metrics_port=ports["verifier"],
+                     is_load_aware=False,  # always speculate
+                     gateway={"metrics_port": ports["gateway"]}) as stack:
+        stub = stack.gateway_stub
+        reply = stub.Generate(pb.GenerateRequest(prompt="def add(a, b", max_tokens=24), timeout=120)
+        assert len(reply.token_ids) == 24
+        with pytest.raises(grpc.RpcError) as bad:  # one failed request: an error code gets a series
+            stub.Generate(pb.GenerateRequest(prompt="x", max_tokens=-1), timeout=30)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        yield {"ports": ports, "exporter": exporter, "gateway": stack.gateway, "reply": reply}
 
 
 def scrape(port: int) -> dict[str, dict]:
@@ -719,9 +684,7 @@ def test_spans_are_named_by_what_they_do_and_carry_the_numbers(live):
     exporter = live["exporter"]
     wanted = {"gateway.generate", "verifier.generate", "verifier.speculate", "verifier.verify_tree",
               "speculator.speculate", "speculator.build_tree"}
-    end = time.monotonic() + 5
-    while time.monotonic() < end and not wanted <= {s.name for s in exporter.get_finished_spans()}:
-        time.sleep(0.05)
+    wait_until(lambda: wanted <= {s.name for s in exporter.get_finished_spans()}, timeout=5)
     spans = exporter.get_finished_spans()
     root = next(s for s in spans if s.name == "gateway.generate" and s.attributes.get("request_id") ==
                 live["reply"].request_id)

@@ -6,24 +6,19 @@ import random
 import threading
 import time
 
-import grpc
 import pytest
 
-from services.speculator.config import SpeculatorConfig
-from services.speculator.server import build as build_speculator
-from services.verifier.config import VerifierConfig
-from services.verifier.server import build as build_verifier
-from specinfer.engine.llm_engine import Engine, GenerationResult, SpecConfig, Verifier
+from specinfer.engine.llm_engine import Engine, GenerationResult, Verifier, mode_params
 from specinfer.errors import CapacityError
 from specinfer.engine.runner import ModelRunner
 from specinfer.params import SamplingParams
-from specinfer.engine.scheduler import SchedulerConfig, VerifierWorker
+from specinfer.engine.scheduler import SchedulerConfig, Scheduler
 from specinfer.engine.tree import TokenTree
 from specinfer.v1 import specinfer_pb2 as pb
-from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from util import start_stack, wait_until
 
 
-def decode_greedy(worker: VerifierWorker, prompt: list[int], max_new: int, record: list | None = None) -> list[int]:
+def decode_greedy(worker: Scheduler, prompt: list[int], max_new: int, record: list | None = None) -> list[int]:
     """Incremental decoding through the worker (one root-only tree per step)."""
     session = worker.open(prompt, None, len(prompt) + max_new + 1)
     out = GenerationResult(prompt, [], 0)
@@ -45,7 +40,7 @@ def worker_factory(tiny_pair):
 
     def make(**kwargs):
         runner = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=kwargs.pop("max_kv_tokens", 4096), block_size=8)
-        w = VerifierWorker(Verifier(runner), SchedulerConfig(**kwargs))
+        w = Scheduler(Verifier(runner), SchedulerConfig(**kwargs))
         made.append(w)
         return w
 
@@ -54,54 +49,61 @@ def worker_factory(tiny_pair):
         w.worker.stop()
 
 
-def test_chunked_prefill_is_exact_and_does_not_stall_decoding(worker_factory, tiny_pair):
-    engine = Engine(ModelRunner.from_dir(tiny_pair.llm))
+def test_chunked_prefill_is_exact_and_does_not_stall_decoding(worker_factory, tiny_pair, executor):
+    engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
     long_prompt = [random.Random(3).randrange(2, 128) for _ in range(300)]
     short_prompt = [5, 6, 7]
     worker = worker_factory(token_budget=16, min_prefill_chunk=8)
     short_steps: list[float] = []
     long_steps: list[float] = []
-    results = {}
-    t = threading.Thread(target=lambda: results.__setitem__("short", decode_greedy(worker, short_prompt, 200, short_steps)))
-    t.start()
-    while len(short_steps) < 3:
-        time.sleep(0.001)
+    short = executor.submit(decode_greedy, worker, short_prompt, 200, short_steps)
+    assert wait_until(lambda: len(short_steps) >= 3 or short.done(), timeout=30)
+    assert len(short_steps) >= 3, short.result(timeout=0)  # re-raises what stopped it early
     long_start = time.monotonic()
-    results["long"] = decode_greedy(worker, long_prompt, 10, long_steps)
-    t.join(30)
-    plain = SpecConfig(mode="incremental")
-    assert results["long"] == engine.generate(long_prompt, 10, spec=plain, stop_token_ids=()).output_ids
-    assert results["short"] == engine.generate(short_prompt, 200, spec=plain, stop_token_ids=()).output_ids
+    long_output = decode_greedy(worker, long_prompt, 10, long_steps)
+    short_output = short.result(timeout=60)
+    assert long_output == engine.generate(long_prompt, mode_params("incremental", 10, is_ignore_eos=True)).output_ids
+    assert short_output == engine.generate(short_prompt, mode_params("incremental", 200, is_ignore_eos=True)).output_ids
     # 300 prompt tokens at <= 16 per pass take many passes; the short request kept decoding meanwhile.
     during_prefill = [x for x in short_steps if long_start < x < long_steps[0]]
     assert len(during_prefill) >= 5, len(during_prefill)
     assert worker.runner.allocator.num_used == 0
 
 
-def test_admission_waits_for_memory_then_runs(worker_factory):
+def test_admission_waits_for_memory_then_runs(worker_factory, executor):
     worker = worker_factory(max_kv_tokens=64, max_waiting=4, admission_timeout_s=10)  # 8 blocks of 8
     first = worker.open([1, 2, 3], None, 60)  # takes 8 blocks: everything
-    outcome = {}
-    t = threading.Thread(target=lambda: outcome.__setitem__("second", worker.open([4, 5], None, 40)))
-    t.start()
-    time.sleep(0.2)
-    assert "second" not in outcome  # waiting for memory, not failed
+    pending = executor.submit(worker.open, [4, 5], None, 40)
+    # Still waiting for memory after a while, not failed (an error would re-raise here). This
+    # wait is what is tested: no event marks "still waiting".
+    with pytest.raises(TimeoutError):
+        pending.result(timeout=0.2)
     worker.close(first, None)
-    t.join(5)
-    assert outcome["second"].state.seq.capacity >= 40
-    worker.close(outcome["second"], None)
+    second = pending.result(timeout=5)
+    assert second.state.seq.capacity >= 40
+    worker.close(second, None)
     assert worker.runner.allocator.num_used == 0
 
 
-def test_admission_rejects_when_queue_full_or_timeout(worker_factory):
-    worker = worker_factory(max_kv_tokens=64, max_waiting=1, admission_timeout_s=0.3)
+def test_admission_rejects_when_queue_full_or_timeout(worker_factory, executor):
+    worker = worker_factory(max_kv_tokens=64, max_waiting=1, admission_timeout_s=1.0)
     hog = worker.open([1, 2, 3], None, 64)
-    waiter = threading.Thread(target=lambda: pytest.raises(CapacityError, worker.open, [4], None, 16))
-    waiter.start()
-    time.sleep(0.05)
-    with pytest.raises(CapacityError, match="queue is full"):
-        worker.open([4], None, 16)
-    waiter.join(5)  # the waiting one timed out with CapacityError
+    # Two requests arrive together while the cache is full and the queue holds one: whichever
+    # the worker takes first waits (and times out), the other is turned away at once.
+    arrive = threading.Barrier(2)
+
+    def open_after_barrier():
+        arrive.wait(5)
+        return worker.open([4], None, 16)
+
+    calls = [executor.submit(open_after_barrier) for _ in range(2)]
+    errors = []
+    for call in calls:
+        with pytest.raises(CapacityError) as err:
+            call.result(timeout=10)
+        errors.append(str(err.value))
+    assert sorted("queue is full" in e for e in errors) == [False, True], errors
+    assert sorted("timed out" in e for e in errors) == [False, True], errors
     with pytest.raises(CapacityError, match="cache holds"):
         worker.open([1], None, 10_000)  # can never fit
     worker.close(hog, None)
@@ -110,11 +112,8 @@ def test_admission_rejects_when_queue_full_or_timeout(worker_factory):
 
 def test_thousand_cancel_loops_leak_no_kv(tiny_pair):
     """Start and cancel 1,000 requests at random points; every KV block comes back."""
-    spec, spec_servicer = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
-    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, (f"127.0.0.1:{spec.port}",), port=0,
-                                                       device="cpu", tree_width=(1, 2, 1), grace_s=0))
-    try:
-        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+    with start_stack(tiny_pair.llm, [tiny_pair.ssms[0]], tree_width=(1, 2, 1)) as stack:
+        stub, servicer = stack.verifier_stub, stack.verifier_servicer
         rng = random.Random(0)
         for i in range(1000):
             call = stub.Generate(pb.VerifierGenerateRequest(
@@ -123,16 +122,11 @@ def test_thousand_cancel_loops_leak_no_kv(tiny_pair):
             for _ in range(rng.randrange(0, 3)):
                 next(call, None)
             call.cancel()
-        llm = servicer.worker.runner.allocator
-        ssm = spec_servicer.worker.speculator.runners[0].allocator
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (llm.num_used or ssm.num_used or servicer.worker.num_open):
-            time.sleep(0.05)
-        assert llm.num_used == 0 and ssm.num_used == 0 and servicer.worker.num_open == 0
+        llm = servicer.engine.verifier.runner.allocator
+        ssm = stack.speculators[0][1].worker.speculator.runners[0].allocator
+        wait_until(lambda: not (llm.num_used or ssm.num_used or servicer.engine.scheduler.num_open), timeout=10)
+        assert llm.num_used == 0 and ssm.num_used == 0 and servicer.engine.scheduler.num_open == 0
         assert llm.num_free == llm.num_blocks
-    finally:
-        verifier.stop(0)
-        spec.stop(0)
 
 
 def test_kv_budget_parses_tokens_and_bytes():
@@ -154,40 +148,40 @@ def test_kv_budget_parses_tokens_and_bytes():
             parse_kv_budget(bad)
 
 
-def test_requests_joining_and_leaving_mid_flight_keep_greedy_outputs(tiny_pair):
+def test_requests_joining_and_leaving_mid_flight_keep_greedy_outputs(tiny_pair, executor):
     """Mixed prompt lengths, staggered arrivals, different lengths: every output equals the
     request run alone."""
-    spec, _ = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
-    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, (f"127.0.0.1:{spec.port}",), port=0,
-                                                       device="cpu", tree_width=(2, 1, 1), grace_s=0,
-                                                       token_budget=48, is_load_aware=False))
-    try:
-        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+    with start_stack(tiny_pair.llm, [tiny_pair.ssms[0]], tree_width=(2, 1, 1), token_budget=48,
+                     is_load_aware=False) as stack:
+        stub, servicer = stack.verifier_stub, stack.verifier_servicer
         rng = random.Random(11)
         jobs = [([rng.randrange(2, 128) for _ in range(rng.choice([1, 5, 40, 120]))], rng.randrange(5, 50),
                  i % 2 == 0) for i in range(10)]
+        batch_sizes = []  # requests open whenever one of them receives tokens
 
-        def run(prompt, max_new, speculate):
+        def run(prompt, max_new, speculate, on_tokens=lambda: None):
             req = pb.VerifierGenerateRequest(prompt_ids=prompt, max_new_tokens=max_new, speculate=speculate,
                                              ignore_eos=True)
-            return [t for r in stub.Generate(req, timeout=60) for t in r.token_ids]
+            tokens = []
+            for r in stub.Generate(req, timeout=60):
+                tokens += r.token_ids
+                on_tokens()
+            return tokens
 
         alone = [run(*job) for job in jobs]
-        together: dict[int, list[int]] = {}
-        batch_sizes = []
+        decoding = [threading.Event() for _ in jobs]  # set once the request has received tokens
 
         def client(i):
-            time.sleep(0.02 * i)  # staggered arrivals: requests join while others decode
-            together[i] = run(*jobs[i])
+            def on_tokens():
+                batch_sizes.append(servicer.engine.scheduler.num_open)
+                decoding[i].set()
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            batch_sizes.append(servicer.worker.num_open)
-            time.sleep(0.005)
-        assert [together[i] for i in range(len(jobs))] == alone
-        assert max(batch_sizes) >= 3  # they really overlapped
-    finally:
-        verifier.stop(0)
-        spec.stop(0)
+            try:  # staggered arrivals: each request joins while the one before it decodes
+                assert i == 0 or decoding[i - 1].wait(60), f"request {i - 1} never decoded"
+                return run(*jobs[i], on_tokens=on_tokens)
+            finally:
+                decoding[i].set()  # a failed request must not hold the next one back
+
+        together = [executor.submit(client, i) for i in range(len(jobs))]
+        assert [f.result(timeout=120) for f in together] == alone
+        assert max(batch_sizes) >= 3, batch_sizes  # they really overlapped

@@ -9,42 +9,29 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.speculator.config import SpeculatorConfig
-from services.speculator.server import build as build_speculator
-from services.verifier.config import VerifierConfig
-from services.verifier.server import build as build_verifier
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
+from specinfer.params import TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
-from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from util import LocalStack, start_stack, wait_until
 
 WIDTHS = (1, 1, 3, 1, 1, 1)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_pair):
-    return Engine(ModelRunner.from_dir(tiny_pair.llm), [ModelRunner.from_dir(tiny_pair.ssms[0])])
+    return Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm), [ModelRunner.from_dir(tiny_pair.ssms[0])])
 
 
-def start_stack(tiny_pair, num_speculators=1, **verifier_kwargs):
-    specs = [build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
-             for _ in range(num_speculators)]
-    targets = tuple(f"127.0.0.1:{s.port}" for s, _ in specs)
+def start_services(tiny_pair, num_speculators=1, **verifier_kwargs) -> LocalStack:
     verifier_kwargs.setdefault("is_load_aware", False)  # fixed trees: step counts comparable in-process
-    cfg = VerifierConfig(tiny_pair.llm, targets, port=0, device="cpu", tree_width=WIDTHS, grace_s=1,
-                         **verifier_kwargs)
-    verifier, servicer = build_verifier(cfg)
-    stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
-    return specs, (verifier, servicer), stub
+    return start_stack(tiny_pair.llm, [tiny_pair.ssms[0]] * num_speculators, tree_width=WIDTHS, **verifier_kwargs)
 
 
 @pytest.fixture
 def stack(tiny_pair):
-    specs, verifier, stub = start_stack(tiny_pair)
-    yield specs, verifier, stub
-    verifier[0].stop(0)
-    for s, _ in specs:
-        s.stop(0)
+    with start_services(tiny_pair) as running:
+        yield running
 
 
 def generate(stub, prompt, max_new, timeout=30, **kwargs):
@@ -56,38 +43,23 @@ def generate(stub, prompt, max_new, timeout=30, **kwargs):
     return tokens, last
 
 
-def wait_until(predicate, timeout=2.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
 def test_greedy_through_services_equals_in_process(stack, engine, greedy_prompts):
-    _, _, stub = stack
     for prompt in greedy_prompts[:6]:
-        tokens, last = generate(stub, prompt, 48)
-        expected = engine.generate(prompt, 48, spec=SpecConfig(widths=WIDTHS))
+        tokens, last = generate(stack.verifier_stub, prompt, 48)
+        expected = engine.generate(prompt, mode_params("tree", 48, TreeShape(WIDTHS)))
         assert tokens == expected.output_ids
         assert last.finish_reason == expected.finish_reason and last.stats.llm_steps == expected.num_llm_steps
         assert not last.stats.fell_back
 
 
 def test_two_speculators_merge_and_stay_exact(tiny_pair, engine, greedy_prompts):
-    specs, verifier, stub = start_stack(tiny_pair, num_speculators=2)
-    try:
-        tokens, _ = generate(stub, greedy_prompts[0], 40)
-        assert tokens == engine.generate(greedy_prompts[0], 40, spec=SpecConfig(widths=WIDTHS)).output_ids
-    finally:
-        verifier[0].stop(0)
-        for s, _ in specs:
-            s.stop(0)
+    with start_services(tiny_pair, num_speculators=2) as stack:
+        tokens, _ = generate(stack.verifier_stub, greedy_prompts[0], 40)
+        assert tokens == engine.generate(greedy_prompts[0], mode_params("tree", 40, TreeShape(WIDTHS))).output_ids
 
 
 def test_sampled_generation_is_seed_reproducible(stack):
-    _, _, stub = stack
+    stub = stack.verifier_stub
     kwargs = dict(sampling=pb.SamplingParams(temperature=0.9, top_p=0.95, seed=5), ignore_eos=True)
     a, _ = generate(stub, [3, 4, 5], 30, **kwargs)
     b, _ = generate(stub, [3, 4, 5], 30, **kwargs)
@@ -95,39 +67,34 @@ def test_sampled_generation_is_seed_reproducible(stack):
 
 
 def test_speculator_killed_mid_request_falls_back_exactly(stack, engine, greedy_prompts):
-    specs, (verifier, servicer), stub = stack
     prompt = greedy_prompts[1]
     tokens, last = [], None
-    stream = stub.Generate(pb.VerifierGenerateRequest(prompt_ids=prompt, max_new_tokens=60, speculate=True), timeout=30)
+    request = pb.VerifierGenerateRequest(prompt_ids=prompt, max_new_tokens=60, speculate=True)
+    stream = stack.verifier_stub.Generate(request, timeout=30)
     for i, r in enumerate(stream):
         tokens += list(r.token_ids)
         last = r
         if i == 2:
-            specs[0][0].stop(0)  # the speculator dies mid-request
-    assert tokens == engine.generate(prompt, 60, spec=SpecConfig(mode="incremental")).output_ids
+            stack.speculators[0][0].stop(0)  # the speculator dies mid-request
+    assert tokens == engine.generate(prompt, mode_params("incremental", 60)).output_ids
     assert last.stats.fell_back
 
 
 def test_no_speculator_at_all_decodes_incrementally(tiny_pair, engine):
-    cfg = VerifierConfig(tiny_pair.llm, ("127.0.0.1:1",), port=0, device="cpu", speculator_step_timeout_s=1)
-    verifier, _ = build_verifier(cfg)
-    try:
-        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+    with start_stack(tiny_pair.llm, speculator_addrs=("127.0.0.1:1",), speculator_step_timeout_s=1) as stack:
         start = time.monotonic()
-        tokens, last = generate(stub, [7, 8, 9], 20)
+        tokens, last = generate(stack.verifier_stub, [7, 8, 9], 20)
         assert time.monotonic() - start < 10
-        assert tokens == engine.generate([7, 8, 9], 20, spec=SpecConfig(mode="incremental")).output_ids
+        assert tokens == engine.generate([7, 8, 9], mode_params("incremental", 20)).output_ids
         assert last.stats.fell_back
-    finally:
-        verifier.stop(0)
 
 
 def test_client_cancel_frees_kv_within_1s(stack):
-    specs, (verifier, servicer), stub = stack
-    llm_alloc = servicer.worker.runner.allocator
-    ssm_alloc = specs[0][1].worker.speculator.runners[0].allocator
-    call = stub.Generate(pb.VerifierGenerateRequest(prompt_ids=list(range(2, 60)), max_new_tokens=400, speculate=True,
-                                                    ignore_eos=True), timeout=60)
+    servicer = stack.verifier_servicer
+    llm_alloc = servicer.engine.verifier.runner.allocator
+    ssm_alloc = stack.speculators[0][1].worker.speculator.runners[0].allocator
+    call = stack.verifier_stub.Generate(pb.VerifierGenerateRequest(
+        prompt_ids=list(range(2, 60)), max_new_tokens=400, speculate=True, ignore_eos=True), timeout=60)
     next(call)
     assert llm_alloc.num_used > 0
     call.cancel()
@@ -135,44 +102,41 @@ def test_client_cancel_frees_kv_within_1s(stack):
 
 
 def test_deadline_exceeded_and_propagated(stack):
-    _, _, stub = stack
     with pytest.raises(grpc.RpcError) as err:
-        generate(stub, list(range(2, 40)), 450, timeout=0.05, ignore_eos=True)
+        generate(stack.verifier_stub, list(range(2, 40)), 450, timeout=0.05, ignore_eos=True)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 @pytest.mark.parametrize("request_kwargs,field", [
     (dict(prompt_ids=[1, 2, 999], max_new_tokens=4), "vocabulary"),
     (dict(prompt_ids=[], max_new_tokens=4), "empty"),
-    (dict(prompt_ids=[1, 2], max_new_tokens=0), "max new tokens"),
+    (dict(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
     (dict(prompt_ids=[1, 2], max_new_tokens=4, shape=pb.TreeShape(widths=[1, 0])), "widths"),
     (dict(prompt_ids=[1, 2], max_new_tokens=4, sampling=pb.SamplingParams(temperature=-1)), "temperature"),
 ])
 def test_invalid_requests(stack, request_kwargs, field):
-    _, _, stub = stack
     with pytest.raises(grpc.RpcError) as err:
-        list(stub.Generate(pb.VerifierGenerateRequest(**request_kwargs), timeout=10))
+        list(stack.verifier_stub.Generate(pb.VerifierGenerateRequest(**request_kwargs), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in err.value.details()
 
 
 def test_session_reuses_kv_prefix_and_output_unchanged(stack, engine):
-    _, (verifier, servicer), stub = stack
+    stub, servicer = stack.verifier_stub, stack.verifier_servicer
     turn1 = [5, 9, 13, 17, 21]
     out1, _ = generate(stub, turn1, 16, session_id="s1")
     turn2 = turn1 + out1 + [30, 31, 32]
-    before = servicer.worker.sessions["s1"].token_ids
+    before = servicer.engine.scheduler.sessions["s1"].token_ids
     assert before == (turn1 + out1)[: len(before)] and len(before) >= len(turn1)
     out2, _ = generate(stub, turn2, 16, session_id="s1")
-    assert out2 == engine.generate(turn2, 16, spec=SpecConfig(widths=WIDTHS)).output_ids
+    assert out2 == engine.generate(turn2, mode_params("tree", 16, TreeShape(WIDTHS))).output_ids
     released = stub.ReleaseSession(pb.ReleaseSessionRequest(session_id="s1"))
     assert released.released
-    assert servicer.worker.runner.allocator.num_used == 0
+    assert servicer.engine.verifier.runner.allocator.num_used == 0
 
 
 def test_speculator_rejects_bad_streams(stack):
-    specs, _, _ = stack
-    stub = pb_grpc.SpeculatorStub(grpc.insecure_channel(f"127.0.0.1:{specs[0][0].port}"))
+    stub = stack.speculator_stub(0)
     bad = pb.SpeculateRequest(start=pb.SpeculateStart(context_ids=[1, 5000], max_depth=2))
     with pytest.raises(grpc.RpcError) as err:
         list(stub.Speculate(iter([bad]), timeout=5))
@@ -183,47 +147,39 @@ def test_speculator_rejects_bad_streams(stack):
     assert "is hosted here" in err.value.details()
 
 
-def test_health_and_graceful_drain(tiny_pair):
-    specs, (verifier, servicer), stub = start_stack(tiny_pair)
-    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
-    assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING
-    results = {}
+def test_health_and_graceful_drain(tiny_pair, executor):
+    with start_services(tiny_pair) as stack:
+        verifier = stack.verifier
+        health = health_pb2_grpc.HealthStub(stack.channel(verifier.port))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING
+        is_decoding = threading.Event()
 
-    def run():
-        results["tokens"], results["last"] = generate(stub, [4, 5, 6], 200, ignore_eos=True)
+        def run():
+            tokens = []
+            for r in stack.verifier_stub.Generate(pb.VerifierGenerateRequest(
+                    prompt_ids=[4, 5, 6], max_new_tokens=200, speculate=True, ignore_eos=True), timeout=30):
+                tokens += r.token_ids
+                is_decoding.set()
+            return tokens
 
-    t = threading.Thread(target=run)
-    t.start()
-    time.sleep(0.2)
-    stopper = threading.Thread(target=lambda: verifier.stop(grace_s=20))
-    stopper.start()
-    assert wait_until(lambda: verifier.health._server_status.get("") == health_pb2.HealthCheckResponse.NOT_SERVING)
-    t.join(30)
-    stopper.join(30)
-    assert len(results["tokens"]) == 200  # the in-flight request drained to completion
-    for s, _ in specs:
-        s.stop(0)
+        in_flight = executor.submit(run)
+        assert is_decoding.wait(30), in_flight.exception(timeout=0)  # the request is mid-stream
+        stopping = executor.submit(verifier.stop, grace_s=20)
+        assert wait_until(lambda: verifier.health._server_status.get("") == health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert len(in_flight.result(timeout=30)) == 200  # the in-flight request drained to completion
+        stopping.result(timeout=30)
 
 
 def test_request_picks_its_ssm_pool_by_name(tiny_pair, engine, greedy_prompts):
-    spec_a = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
-    spec_b = build_speculator(SpeculatorConfig((tiny_pair.ssms[1],), port=0, device="cpu", grace_s=0))
-    targets = tuple(f"127.0.0.1:{s.port}" for s, _ in (spec_a, spec_b))
-    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, targets, port=0, device="cpu",
-                                                       tree_width=WIDTHS, is_load_aware=False, grace_s=0))
-    try:
-        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+    with start_stack(tiny_pair.llm, tiny_pair.ssms[:2], tree_width=WIDTHS, is_load_aware=False) as stack:
+        stub, servicer = stack.verifier_stub, stack.verifier_servicer
         prompt = greedy_prompts[2]
         tokens, _ = generate(stub, prompt, 30, ssm_names=[tiny_pair.ssms[1].name])
-        assert tokens == engine.generate(prompt, 30, spec=SpecConfig(mode="incremental")).output_ids
-        assert spec_b[1].worker.speculator.runners[0].allocator.num_used == 0
+        assert tokens == engine.generate(prompt, mode_params("incremental", 30)).output_ids
+        assert stack.speculators[1][1].worker.speculator.runners[0].allocator.num_used == 0
         info = stub.Info(pb.InfoRequest(), timeout=5)
         assert sorted(info.ssm_names) == sorted(p.name for p in tiny_pair.ssms[:2])
         with pytest.raises(grpc.RpcError) as err:
             generate(stub, prompt, 4, ssm_names=["no-such-ssm"])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no-such-ssm" in err.value.details()
-        assert servicer.worker.runner.allocator.num_used == 0  # the rejected request left nothing behind
-    finally:
-        verifier.stop(0)
-        spec_a[0].stop(0)
-        spec_b[0].stop(0)
+        assert servicer.engine.verifier.runner.allocator.num_used == 0  # the rejected request left nothing behind

@@ -8,32 +8,19 @@ and resuming a stream after the client went away.
 from __future__ import annotations
 
 import socket
-import time
 import uuid
 
-import grpc
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.gateway.config import GatewayConfig
-from services.gateway.server import serve as serve_gateway
-from services.speculator.config import SpeculatorConfig
-from services.speculator.server import build as build_speculator
-from services.verifier.config import VerifierConfig
-from services.verifier.server import build as build_verifier
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
 from specinfer.params import TreeShape
-from specinfer.serving.metrics import new_registry
-from specinfer.serving.tracing import setup_tracing
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
-from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
-from util import add_tokenizer, perturbed_copy, save_tiny_llama
+from util import start_stack, wait_until
 
-VOCAB = 320
 WIDTHS = (1, 2, 1, 1)
-CORPUS = ["def add(a, b):\n    return a + b\n", "import os\nimport sys\n", "for x in range(3):\n    print(x)\n"] * 30
 
 
 def redis_url() -> str:
@@ -45,52 +32,29 @@ def redis_url() -> str:
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stack")
-    llm = save_tiny_llama(root / "llm", vocab=VOCAB, hidden=48, layers=2, max_pos=512, seed=8, eos_token_id=None)
-    add_tokenizer(llm, VOCAB, CORPUS)
-    ssm = perturbed_copy(llm, root / "ssm", noise=0.04, seed=9)
-    return llm, ssm
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
 
 
 @pytest.fixture(scope="module")
-def stack(models):
-    llm, ssm = models
-    exporter = InMemorySpanExporter()
-    spec, spec_servicer = build_speculator(SpeculatorConfig((ssm,), port=0, device="cpu", grace_s=0), exporter)
-    verifier, ver_servicer = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
-                                                           tree_width=WIDTHS, speculator_step_timeout_s=2,
-                                                           is_load_aware=False), exporter)
-    cfg = GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", redis_url=redis_url(), model_dir=llm,
-                        key_prefix=f"specinfer-test-{uuid.uuid4().hex[:8]}:")
-    gateway = serve_gateway(cfg, setup_tracing("gateway", None, exporter), new_registry())
-    stub = pb_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{gateway.port}"))
-    yield {"stub": stub, "exporter": exporter, "spec": (spec, spec_servicer), "verifier": (verifier, ver_servicer),
-           "gateway": gateway}
-    gateway.stop(0)
-    verifier.stop(0)
-    spec.stop(0)
+def stack(text_pair, exporter):
+    llm, ssm = text_pair
+    gateway = {"redis_url": redis_url(), "key_prefix": f"specinfer-test-{uuid.uuid4().hex[:8]}:"}
+    with start_stack(llm, [ssm], exporter=exporter, tree_width=WIDTHS, speculator_step_timeout_s=2,
+                     is_load_aware=False, gateway=gateway) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
-def reference(models):
-    llm, ssm = models
+def reference(text_pair):
+    llm, ssm = text_pair
     return Engine.from_runners(ModelRunner.from_dir(llm), [ModelRunner.from_dir(ssm)]), TextTokenizer.from_dir(llm)
-
-
-def wait_until(predicate, timeout=1.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 @pytest.mark.parametrize("prompt", ["def add(a, b", "import os\n", "for x in range(3):\n    "])
 def test_greedy_through_stack_equals_in_process(stack, reference, prompt):
     engine, tokenizer = reference
-    resp = stack["stub"].Generate(pb.GenerateRequest(prompt=prompt, max_tokens=40), timeout=60)
+    resp = stack.gateway_stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=40), timeout=60)
     expected = engine.generate(tokenizer.encode(prompt), mode_params("tree", 40, TreeShape(WIDTHS)))
     assert list(resp.token_ids) == expected.output_ids
     assert resp.text == tokenizer.decode(expected.output_ids)
@@ -98,25 +62,25 @@ def test_greedy_through_stack_equals_in_process(stack, reference, prompt):
 
 
 def test_speculation_off_gives_same_greedy_text(stack):
-    on = stack["stub"].Generate(pb.GenerateRequest(prompt="import sys", max_tokens=30), timeout=60)
-    off = stack["stub"].Generate(pb.GenerateRequest(prompt="import sys", max_tokens=30, speculate=False), timeout=60)
+    stub = stack.gateway_stub
+    on = stub.Generate(pb.GenerateRequest(prompt="import sys", max_tokens=30), timeout=60)
+    off = stub.Generate(pb.GenerateRequest(prompt="import sys", max_tokens=30, speculate=False), timeout=60)
     assert on.text == off.text and off.stats.tokens_per_step == pytest.approx(1.0)
 
 
 def test_streaming_deltas_add_up(stack):
-    chunks = list(stack["stub"].GenerateStream(pb.GenerateRequest(prompt="def add(", max_tokens=32), timeout=60))
+    chunks = list(stack.gateway_stub.GenerateStream(pb.GenerateRequest(prompt="def add(", max_tokens=32), timeout=60))
     offsets = [c.token_offset for c in chunks if c.token_ids]
     tokens = [t for c in chunks for t in c.token_ids]
     assert offsets == sorted(offsets) and len(tokens) == 32 and len(chunks) > 2
-    whole = stack["stub"].Generate(pb.GenerateRequest(prompt="def add(", max_tokens=32), timeout=60)
+    whole = stack.gateway_stub.Generate(pb.GenerateRequest(prompt="def add(", max_tokens=32), timeout=60)
     assert "".join(c.text_delta for c in chunks) == whole.text
     assert chunks[-1].finish_reason == "length"
 
 
-def test_one_trace_spans_gateway_verifier_speculator(stack):
-    exporter = stack["exporter"]
+def test_one_trace_spans_gateway_verifier_speculator(stack, exporter):
     rid = f"trace-{uuid.uuid4().hex[:8]}"
-    stack["stub"].Generate(pb.GenerateRequest(prompt="import os", max_tokens=12, request_id=rid), timeout=60)
+    stack.gateway_stub.Generate(pb.GenerateRequest(prompt="import os", max_tokens=12, request_id=rid), timeout=60)
     wanted = {"gateway.generate", "verifier.generate", "verifier.speculate", "verifier.verify_tree",
               "speculator.speculate", "speculator.build_tree"}
 
@@ -135,9 +99,9 @@ def test_one_trace_spans_gateway_verifier_speculator(stack):
 
 
 def test_cancel_request_frees_all_kv_within_1s(stack):
-    stub = stack["stub"]
-    llm_alloc = stack["verifier"][1].worker.runner.allocator
-    ssm_alloc = stack["spec"][1].worker.speculator.runners[0].allocator
+    stub = stack.gateway_stub
+    llm_alloc = stack.verifier_servicer.engine.verifier.runner.allocator
+    ssm_alloc = stack.speculators[0][1].worker.speculator.runners[0].allocator
     stream = stub.GenerateStream(pb.GenerateRequest(prompt="for x in", max_tokens=500, ignore_eos=True), timeout=60)
     first = next(stream)
     rid = first.request_id
@@ -149,7 +113,7 @@ def test_cancel_request_frees_all_kv_within_1s(stack):
 
 
 def test_resume_after_disconnect_no_duplicates_or_gaps(stack):
-    stub = stack["stub"]
+    stub = stack.gateway_stub
     full = stub.Generate(pb.GenerateRequest(prompt="import os\nimport", max_tokens=60), timeout=60)
     rid = f"resume-{uuid.uuid4().hex[:8]}"
     stream = stub.GenerateStream(pb.GenerateRequest(prompt="import os\nimport", max_tokens=60, request_id=rid),
@@ -168,25 +132,15 @@ def test_resume_after_disconnect_no_duplicates_or_gaps(stack):
     assert got + rest == list(full.token_ids)
 
 
-def test_speculator_death_mid_request_completes_exactly(models, reference):
-    llm, ssm = models
+def test_speculator_death_mid_request_completes_exactly(text_pair, reference):
+    llm, ssm = text_pair
     engine, tokenizer = reference
-    spec, _ = build_speculator(SpeculatorConfig((ssm,), port=0, device="cpu", grace_s=0))
-    verifier, _ = build_verifier(VerifierConfig(llm, (f"127.0.0.1:{spec.port}",), port=0, device="cpu",
-                                                tree_width=WIDTHS, speculator_step_timeout_s=2))
-    gateway = serve_gateway(GatewayConfig(port=0, verifier_addr=f"127.0.0.1:{verifier.port}", model_dir=llm),
-                            setup_tracing("gateway", None), new_registry())
-    try:
-        stub = pb_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{gateway.port}"))
+    with start_stack(llm, [ssm], tree_width=WIDTHS, speculator_step_timeout_s=2, gateway={}) as stack:
         tokens = []
-        for i, chunk in enumerate(stub.GenerateStream(pb.GenerateRequest(prompt="def add(", max_tokens=50),
-                                                      timeout=60)):
+        for i, chunk in enumerate(stack.gateway_stub.GenerateStream(
+                pb.GenerateRequest(prompt="def add(", max_tokens=50), timeout=60)):
             tokens += list(chunk.token_ids)
             if i == 3:
-                spec.stop(0)
+                stack.speculators[0][0].stop(0)
         expected = engine.generate(tokenizer.encode("def add("), mode_params("incremental", 50))
         assert tokens == expected.output_ids
-    finally:
-        gateway.stop(0)
-        verifier.stop(0)
-        spec.stop(0)
