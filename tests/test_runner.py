@@ -127,3 +127,27 @@ def test_half_precision_runs_close(tmp_path, dtype):
     lo = low.prefill(low.new_sequence(), ids)
     assert lo.dtype == torch.float32 and torch.isfinite(lo).all()
     assert (r - lo).abs().max().item() < 0.1 * r.abs().max().item()
+
+
+_IMPORT_KERNELS = """
+import os
+before = dict(os.environ)
+import specinfer.engine.kernels as kernels
+kernels.HAS_TRITON
+import specinfer.engine.kernels.commit, specinfer.engine.kernels.cuda_graphs, specinfer.engine.kernels.tree_attention
+changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))
+print("changed:", changed)
+"""
+
+
+def test_importing_the_kernels_leaves_the_environment_alone():
+    """The optional kernels import without side effects, even without CUDA: Triton's interpreter
+    is an explicit opt-in (`use_interpreter`), not something an import switches on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/"), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_KERNELS], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "changed: []"

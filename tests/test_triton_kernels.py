@@ -1,7 +1,8 @@
 """Triton tree attention, fused commit, CUDA-graph padding and offloading (SpecInfer Section 4.2).
 
-Runs on CPU: Triton kernels execute in Triton's interpreter (TRITON_INTERPRET=1, set before
-triton is imported), so shapes are kept small. Every kernel result is compared with the
+Runs on CPU: Triton kernels execute in Triton's interpreter (`use_interpreter()`, called before
+the kernel modules are imported; TRITON_INTERPRET=0 runs the compiled kernels on a GPU instead),
+so shapes are kept small. Every kernel result is compared with the
 reference path (`LlamaModel.attention`, torch SDPA with dense masks; `KVCache.move`).
 """
 
@@ -9,7 +10,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+from specinfer.engine.kernels import use_interpreter
+
+if os.environ.get("TRITON_INTERPRET") != "0":
+    use_interpreter()  # before anything imports triton
 
 import random
 from types import SimpleNamespace

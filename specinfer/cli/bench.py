@@ -16,8 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specinfer.engine.load import ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts
-from specinfer.errors import UserError
+from specinfer.engine.load import ModelPaths
 
 
 @dataclass
@@ -102,27 +101,17 @@ class _TransformersArms:
 
 
 def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.commands import resolve_paths
+    from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths
     from specinfer.engine.llm_engine import SpecConfig
     from specinfer.params import SamplingParams
     from specinfer.limits import parse_tree_width
 
     widths = parse_tree_width(args.tree_width)
-    paths, demo_prompts = resolve_paths(args, cache_dir)
-    if not paths.ssms:
-        raise UserError("bench needs at least one --ssm")
-    prompts_file = args.prompts or demo_prompts
-    if prompts_file is None:
-        raise UserError("--prompts is required with --llm")
-    prompts = read_prompts(prompts_file)
+    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
+    prompts = bench_prompts(args, demo_prompts)
     if args.num_prompts > 0:
         prompts = prompts[: args.num_prompts]
-    llm_cfg, ssm_cfgs = check_models(paths)
-    tokenizer = load_tokenizer(paths, llm_cfg)
-    prompt_ids = encode_prompts(tokenizer, prompts)
-    needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
-    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + args.max_tree_nodes + 64,
-                         ssm_dtype=args.ssm_dtype)
+    _, prompt_ids, engine = load_for_prompts(args, paths, prompts)
     engine_ssms = list(engine.speculator.runners)
 
     arms = {
@@ -177,8 +166,13 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         },
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},
     }
+    print_report(report, args.output)
+    return 0
+
+
+def print_report(report: dict, output: str | Path | None) -> None:
+    """Prints a benchmark's JSON report and, with `output`, writes it there too."""
     text = json.dumps(report, indent=2)
     print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    return 0
+    if output:
+        Path(output).write_text(text + "\n")

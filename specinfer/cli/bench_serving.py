@@ -12,7 +12,6 @@ every greedy output equals the single-request output.
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
@@ -125,24 +124,19 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
 
 
 def run_serving_bench(args, cache_dir: Path) -> int:
-    from specinfer.engine.load import check_models
     from specinfer.cli.client import GatewayClient
-    from specinfer.cli.commands import resolve_paths
+    from specinfer.cli.commands import bench_prompts, resolve_paths
     from specinfer.cli.launcher import Stack, StackConfig
     from specinfer.limits import parse_tree_width
-    from specinfer.engine.load import read_prompts
+    from specinfer.engine.load import check_models
 
     levels = _parse_levels(args.concurrency)
     if args.rounds < 1 or args.requests_per_level < 1:
         raise UserError("--rounds and --requests-per-level must be >= 1")
     widths = parse_tree_width(args.tree_width)
-    paths, demo_prompts = resolve_paths(args, cache_dir)
-    if not paths.ssms:
-        raise UserError("the serving benchmark needs at least one --ssm")
+    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="the serving benchmark")
     check_models(paths)
-    prompts = read_prompts(args.prompts or demo_prompts) if (args.prompts or demo_prompts) else None
-    if prompts is None:
-        raise UserError("--prompts is required with --llm")
+    prompts = bench_prompts(args, demo_prompts)
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 2, dtype=args.dtype,
@@ -192,13 +186,10 @@ def run_serving_bench(args, cache_dir: Path) -> int:
             report["results"][f"temperature={temperature}"] = table
     finally:
         stack.stop()
-    from specinfer.cli.bench import machine_info
+    from specinfer.cli.bench import machine_info, print_report
 
     report["machine"] = machine_info(args.dtype)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
+    print_report(report, args.output)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Implementations of `specinfer generate` and `specinfer demo-models`."""
+"""Implementations of `specinfer generate` and `specinfer demo-models`, and the model and prompt
+loading that the commands share."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from specinfer.errors import UserError
 from specinfer.limits import parse_tree_width
 
 
-def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths, Path | None]:
+def resolve_paths(
+    args: argparse.Namespace, cache_dir: Path, ssm_needed_by: str = "",
+) -> tuple[ModelPaths, Path | None]:
     """The model directories from the flags, or the demo models (built on first use).
 
-    Returns the paths and, for the demo models, their held-out prompts file.
+    Returns the paths and, for the demo models, their held-out prompts file. With
+    `ssm_needed_by` (what needs them, e.g. "the stack"), no SSM at all is a `UserError`.
     """
     if args.llm is None:
         if args.ssm:
@@ -25,8 +29,33 @@ def resolve_paths(args: argparse.Namespace, cache_dir: Path) -> tuple[ModelPaths
         from specinfer.pool.demo_models import ensure_demo_models
 
         demo = ensure_demo_models(cache_dir, progress=True)
-        return ModelPaths(demo.llm, tuple(demo.ssms)), demo.prompts
-    return ModelPaths(args.llm, tuple(args.ssm)), None
+        paths, demo_prompts = ModelPaths(demo.llm, tuple(demo.ssms)), demo.prompts
+    else:
+        paths, demo_prompts = ModelPaths(args.llm, tuple(args.ssm)), None
+    if ssm_needed_by and not paths.ssms:
+        raise UserError(f"{ssm_needed_by} needs at least one --ssm")
+    return paths, demo_prompts
+
+
+def bench_prompts(args: argparse.Namespace, demo_prompts: Path | None) -> list[str]:
+    """The prompts of `--prompts`, else the demo models' held-out prompts."""
+    path = args.prompts or demo_prompts
+    if path is None:
+        raise UserError("--prompts is required with --llm")
+    return read_prompts(path)
+
+
+def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[str]):
+    """Checks models and prompts before any weights load (configs, vocabularies, every prompt
+    plus `--max-new-tokens` within the context), then loads the engine with a KV cache for the
+    longest prompt, its new tokens and one token tree. Returns (tokenizer, prompt ids, engine)."""
+    llm_cfg, ssm_cfgs = check_models(paths)
+    tokenizer = load_tokenizer(paths, llm_cfg)
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + args.max_tree_nodes + 64,
+                         ssm_dtype=args.ssm_dtype)
+    return tokenizer, prompt_ids, engine
 
 
 def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
@@ -58,12 +87,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
     parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
     paths, _ = resolve_paths(args, cache_dir)
     spec = spec_config(args, bool(paths.ssms), args.mode)
-    llm_cfg, ssm_cfgs = check_models(paths)
-    tokenizer = load_tokenizer(paths, llm_cfg)
-    prompt_ids = encode_prompts(tokenizer, prompts)
-    needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
-    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + spec.max_nodes + 64,
-                         ssm_dtype=args.ssm_dtype)
+    tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts)
     out = open(args.output, "w") if args.output else sys.stdout
     try:
         for text, ids in zip(prompts, prompt_ids):

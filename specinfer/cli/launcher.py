@@ -166,9 +166,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError("--num-speculators must be >= 1")
     if args.once and not args.prompt:
         raise UserError("--once needs --prompt")
-    paths, _ = resolve_paths(args, cache_dir)
-    if not paths.ssms:
-        raise UserError("the stack needs at least one --ssm")
+    paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
     from specinfer.engine.load import check_models
 
     check_models(paths)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from specinfer.errors import UserError
+from specinfer.util import default_cache_dir
 
 
 class _Parser(argparse.ArgumentParser):
@@ -92,13 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_cache_dir(args: argparse.Namespace) -> Path:
-    if getattr(args, "cache_dir", None):
-        return args.cache_dir
-    env = os.environ.get("SPECINFER_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "specinfer"
-
-
 def configure_cpu_runtime() -> None:
     """Must run before the first matrix multiply (MKL reads it when it initialises). MKL picks
     slow small-matrix kernels on non-Intel CPUs unless told which code path to use; AVX-512
@@ -116,26 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        cache_dir = default_cache_dir(getattr(args, "cache_dir", None))
         if args.command == "generate":
             from specinfer.cli.commands import run_generate
 
-            return run_generate(args, default_cache_dir(args))
+            return run_generate(args, cache_dir)
         if args.command == "bench" and args.concurrency:
             from specinfer.cli.bench_serving import run_serving_bench
 
-            return run_serving_bench(args, default_cache_dir(args))
+            return run_serving_bench(args, cache_dir)
         if args.command == "bench":
             from specinfer.cli.bench import run_bench
 
-            return run_bench(args, default_cache_dir(args))
+            return run_bench(args, cache_dir)
         if args.command == "demo-models":
             from specinfer.cli.commands import run_demo_models
 
-            return run_demo_models(args, default_cache_dir(args))
+            return run_demo_models(args, cache_dir)
         if args.command == "up":
             from specinfer.cli.launcher import run_up
 
-            return run_up(args, default_cache_dir(args))
+            return run_up(args, cache_dir)
         if args.command in ("make-ssm", "boost-tune"):
             from specinfer.pool.commands import run_pool_command
 

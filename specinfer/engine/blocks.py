@@ -32,9 +32,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def can_allocate(self, num: int) -> bool:
-        return num <= len(self._free)
-
     def allocate(self, num: int) -> list[int]:
         if num > len(self._free):
             raise CapacityError(f"KV cache full: need {num} blocks, {len(self._free)} free of {self.num_blocks}")

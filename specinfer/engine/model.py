@@ -76,7 +76,7 @@ class LlamaModel:
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, dtype, self.device)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.attention_backend = None  # [issue 7] callable like self.attention, e.g. kernels.TritonAttention
+        self.attention_backend = None  # callable like self.attention, e.g. kernels.TritonAttention
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -108,7 +108,7 @@ class LlamaModel:
             else:
                 k_cache.index_copy_(0, batch.write, k)
                 v_cache.index_copy_(0, batch.write, v)
-            attn = (self.attention_backend or self.attention)(q, k_cache, v_cache, batch.seqs)  # (T, H * D) [issue 7]
+            attn = (self.attention_backend or self.attention)(q, k_cache, v_cache, batch.seqs)  # (T, H * D)
             h = h + F.linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
             x = self.rms_norm(h, w[f"{i}.post_norm"])
             gate, up = F.linear(x, w[f"{i}.gate_up"], w.get(f"{i}.gate_up_bias")).chunk(2, dim=-1)

@@ -192,9 +192,3 @@ class ModelRunner:
             dst = torch.tensor([seq.slot(b) for _, b in moves], dtype=torch.long, device=self.model.device)
             self.kv.move(src, dst)
         seq.num_committed = base + len(scratch_indices)
-
-    def truncate(self, seq: SequenceKV, num_tokens: int) -> None:
-        """Rolls the committed prefix back to its first `num_tokens` tokens."""
-        if num_tokens > seq.num_committed:
-            raise ValueError("cannot truncate forward")
-        seq.num_committed = num_tokens

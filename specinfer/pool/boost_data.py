@@ -31,6 +31,7 @@ from typing import Sequence
 import torch
 
 from specinfer.errors import UserError
+from specinfer.util import progress_bar
 
 PAD_ID = 0
 
@@ -73,7 +74,6 @@ class BoostData:
 
     tokens: torch.Tensor  # (N, L) long, PAD_ID after `lengths`
     lengths: torch.Tensor  # (N,) long
-    prompt_lens: torch.Tensor  # (N,) long
     targets: torch.Tensor  # (N, L) long: the LLM's top-1 at each position (0 outside the mask)
     mask: torch.Tensor  # (N, L) bool
     sampled: torch.Tensor  # (N,) bool: continuation sampled (True) or greedy
@@ -174,7 +174,7 @@ def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig
     sampled = set(order[: round(cfg.sampled_fraction * len(prompts))])
     spec = SpecConfig(mode="incremental")
     outputs: list[list[int]] = []
-    with _bar(len(prompts), "LLM continuations", progress) as bar:
+    with progress_bar(len(prompts), "LLM continuations", progress) as bar:
         for lo in range(0, len(prompts), cfg.gen_batch_size):
             requests = []
             for n in range(lo, min(lo + cfg.gen_batch_size, len(prompts))):
@@ -192,7 +192,7 @@ def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress
     from specinfer.engine.runner import chain_work
 
     out = []
-    with _bar(len(sequences), "LLM targets", progress) as bar:
+    with progress_bar(len(sequences), "LLM targets", progress) as bar:
         for lo in range(0, len(sequences), batch):
             chunk = sequences[lo : lo + batch]
             seqs = [runner.new_sequence() for _ in chunk]
@@ -237,7 +237,6 @@ def assemble(prompts: Sequence[list[int]], continuations: Sequence[list[int]], s
     data = BoostData(
         tokens=torch.full((n, width), PAD_ID, dtype=torch.long),
         lengths=torch.zeros(n, dtype=torch.long),
-        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long),
         targets=torch.zeros(n, width, dtype=torch.long),
         mask=torch.zeros(n, width, dtype=torch.bool),
         sampled=torch.tensor(list(sampled), dtype=torch.bool),
@@ -275,9 +274,3 @@ def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
         scores = targets_for(llm_runner, prompts, continuations, sampled, cfg.kl_top_k, progress)
         out.append(assemble(prompts, continuations, sampled, scores, cfg.kl_top_k))
     return out[0], out[1]
-
-
-def _bar(total: int, desc: str, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True)

@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -46,6 +44,7 @@ import torch.nn.functional as F
 
 from specinfer.pool.boost_data import BoostData, DataConfig, build_data, read_corpus
 from specinfer.errors import UserError
+from specinfer.util import progress_bar, quiet_transformers, staged_dir, write_atomic, write_json
 
 STATE_DIR = ".boost"
 RUN_FORMAT = 1
@@ -112,7 +111,7 @@ def boost_tune(cfg: BoostConfig, resume: bool = False, progress: bool = True, on
         agreed |= agree
         entries.append(entry)
     summary = make_summary(cfg, state, entries, train, evals)
-    _write_json(cfg.out / SUMMARY_NAME, summary)
+    write_json(cfg.out / SUMMARY_NAME, summary)
     if progress:
         print(format_summary(summary), file=sys.stderr)
     return summary
@@ -131,7 +130,7 @@ def _prepare_state(cfg: BoostConfig, resume: bool) -> Path:
     if cfg.out.exists() and any(p.name != STATE_DIR for p in cfg.out.iterdir()):
         raise UserError(f"output directory {cfg.out} is not empty")
     state.mkdir(parents=True, exist_ok=True)
-    _write_json(record_path, record)
+    write_json(record_path, record)
     return state
 
 
@@ -151,7 +150,7 @@ def load_or_build_data(cfg: BoostConfig, state: Path, progress: bool) -> tuple[B
     llm = ModelRunner.from_dir(cfg.llm, "float32", cfg.device, max_kv_tokens=kv_tokens)
     tokenizer = TextTokenizer.from_dir(cfg.llm, ModelConfig.from_dir(cfg.llm).eos_token_ids)
     train, evals = build_data(llm, tokenizer, cfg.corpus, d, progress)
-    _atomic(path, lambda tmp: save_file({**train.to_tensors("train"), **evals.to_tensors("eval")}, str(tmp)))
+    write_atomic(path, lambda tmp: save_file({**train.to_tensors("train"), **evals.to_tensors("eval")}, str(tmp)))
     return train, evals
 
 
@@ -170,7 +169,7 @@ def tune_one(cfg: BoostConfig, state: Path, index: int, source: Path, final_dir:
     before_path = ssm_state / "before.safetensors"
     if not before_path.is_file():
         before = agreement(model, evals, cfg.train.eval_batch_size, cfg.device, progress, f"SSM {index} before")
-        _atomic(before_path, lambda tmp: save_file({"eval_agree": before}, str(tmp)))
+        write_atomic(before_path, lambda tmp: save_file({"eval_agree": before}, str(tmp)))
     before = load_file(str(before_path))["eval_agree"]
     weights = train.mask & ~agreed
     trainer = Trainer(model, cfg.train, index, cfg.device)
@@ -178,7 +177,7 @@ def tune_one(cfg: BoostConfig, state: Path, index: int, source: Path, final_dir:
     trainer.fit(train, weights, ssm_state / "ckpt", progress, on_step)
     after = agreement(model, evals, cfg.train.eval_batch_size, cfg.device, progress, f"SSM {index} after")
     train_agree = agreement(model, train, cfg.train.eval_batch_size, cfg.device, progress, f"SSM {index} marks")
-    _atomic(ssm_state / "marks.safetensors",
+    write_atomic(ssm_state / "marks.safetensors",
             lambda tmp: save_file({"train_agree": train_agree, "eval_agree": after, "train_weights": weights}, str(tmp)))
     entry = {
         "index": index, "name": final_dir.name, "source": str(source), "checkpoint": str(final_dir),
@@ -226,7 +225,7 @@ class Trainer:
         if len(eligible) == 0:
             return  # every position is already right: nothing to train on
         self.model.train()
-        with _bar(self.cfg.steps, f"SSM {self.index} tuning", progress, initial=self.step) as bar:
+        with progress_bar(self.cfg.steps, f"SSM {self.index} tuning", progress, initial=self.step) as bar:
             while self.step < self.cfg.steps:
                 rows = self.batch_rows(eligible, self.step)
                 loss = self.train_step(data, weights, rows)
@@ -269,7 +268,7 @@ class Trainer:
                 tensors[f"exp_avg_sq.{n}"] = st["exp_avg_sq"].cpu().contiguous()
                 tensors[f"adam_step.{n}"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).cpu()
         meta = {"step": str(self.step), "last_loss": json.dumps(self.last_loss)}
-        _atomic(ckpt.with_suffix(".safetensors"), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        write_atomic(ckpt.with_suffix(".safetensors"), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     def resume_from(self, ckpt: Path) -> None:
         from safetensors import safe_open
@@ -320,7 +319,7 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
     """(N, L) bool: the SSM's top-1 equals the LLM's top-1 (only inside `data.mask`)."""
     model.eval()
     out = torch.zeros_like(data.mask)
-    with _bar(len(data), desc, progress) as bar:
+    with progress_bar(len(data), desc, progress) as bar:
         for lo in range(0, len(data), batch):
             rows = slice(lo, min(lo + batch, len(data)))
             width = int(data.lengths[rows].max())
@@ -343,25 +342,20 @@ def load_model(model_dir: Path, device: str):
     from specinfer.engine.loader import safetensors_files
 
     safetensors_files(Path(model_dir))  # refuses pickle-only checkpoints with a UserError
-    with _quiet_transformers():
+    with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     return model.to(device).eval()
 
 
 def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
     """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer; `boost.json` last."""
-    from specinfer.pool.make_ssm import copy_tokenizer_files, install_dir
+    from specinfer.pool.make_ssm import copy_tokenizer_files
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
-        with _quiet_transformers():
+    with staged_dir(out_dir) as tmp:
+        with quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
         copy_tokenizer_files(Path(source), tmp)
-        install_dir(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    _write_json(out_dir / DONE_NAME, entry)
+    write_json(out_dir / DONE_NAME, entry)
 
 
 def make_summary(cfg: BoostConfig, state: Path, entries: list[dict], train: BoostData, evals: BoostData) -> dict:
@@ -451,43 +445,3 @@ def run_boost_tune(args: argparse.Namespace) -> int:
     print(json.dumps({"out": str(cfg.out), "ssms": [e["checkpoint"] for e in summary["ssms"]],
                       "summary": str(cfg.out / SUMMARY_NAME)}))
     return 0
-
-
-# ---- small helpers ---------------------------------------------------------------------------
-
-
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    tmp.replace(path)
-
-
-def _write_json(path: Path, obj) -> None:
-    _atomic(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n"))
-
-
-def _bar(total: int, desc: str, enabled: bool, initial: int = 0):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, dynamic_ncols=True, initial=initial)
-
-
-class _quiet_transformers:
-    """Silences transformers' progress bars and load reports while loading/saving."""
-
-    def __enter__(self):
-        from transformers.utils import logging as hf_logging
-
-        self._bars = hf_logging.is_progress_bar_enabled()
-        self._level = hf_logging.get_verbosity()
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-        return self
-
-    def __exit__(self, *exc):
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity(self._level)
-        if self._bars:
-            hf_logging.enable_progress_bar()
-        return False

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 
-POOL_COMMANDS = ("make-ssm", "boost-tune")
-
-
 def add_pool_parsers(subparsers) -> None:
     """Adds the `make-ssm` and `boost-tune` subcommands to the CLI's subparsers."""
     from specinfer.pool.boost_tune import add_boost_tune_parser

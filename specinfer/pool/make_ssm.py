@@ -24,7 +24,6 @@ import argparse
 import json
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.engine.loader import load_state_dict
+from specinfer.util import staged_dir, write_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -159,40 +159,26 @@ def make_ssm(llm_dir: str | Path, out_dir: str | Path, layers: str, mlp_keep: fl
         raise UserError(f"output directory {out_dir} is not empty (pass --overwrite to replace it)")
     raw = json.loads((llm_dir / "config.json").read_text())
     tensors = cut_state_dict(load_state_dict(llm_dir), cfg, spec)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    try:
+    with staged_dir(out_dir) as tmp:
         write_checkpoint(tmp, tensors, cut_config(raw, cfg, spec), llm_dir)
-        _write_json(tmp / PROVENANCE_NAME, {
+        write_json(tmp / PROVENANCE_NAME, {
             "from_llm": str(llm_dir.resolve()), "layers": list(spec.layers), "mlp_keep": spec.mlp_keep,
             "llm_num_layers": cfg.num_layers, "llm_intermediate_size": cfg.intermediate_size,
             "num_parameters": sum(t.numel() for t in tensors.values()),
         })
-        install_dir(tmp, out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
-
-
-def install_dir(tmp: Path, out_dir: Path) -> None:
-    """Moves a finished checkpoint from its temporary folder into place, replacing any old one."""
-    tmp.chmod(0o755)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
 
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, source: Path) -> None:
     from safetensors.torch import save_file
 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(out / "config.json", config)
+    write_json(out / "config.json", config)
     gen = source / "generation_config.json"
     if gen.is_file():
         shutil.copyfile(gen, out / "generation_config.json")
     else:
-        _write_json(out / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")
+        write_json(out / "generation_config.json", {k: config[k] for k in ("bos_token_id", "eos_token_id")
                                                      if config.get(k) is not None})
     copy_tokenizer_files(source, out)
 
@@ -201,10 +187,6 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -4,13 +4,49 @@
 `commit`: one-launch commit of the accepted path's K/V for all layers.
 `cuda_graphs`: captured verification/decode steps for bucketed batch and tree sizes.
 
-Everything imports without triton or CUDA; `HAS_TRITON` says whether the kernels can run.
-Without CUDA, Triton kernels run in its CPU interpreter (slow; used by the tests).
+Everything imports without triton or CUDA, and importing changes nothing in the process;
+`HAS_TRITON` says whether the kernels can run. On a machine without CUDA they can run in
+Triton's CPU interpreter (slow; the tests use it): call `use_interpreter()` first, before
+anything imports the kernel modules.
 """
 
-from specinfer.engine.kernels.tree_attention import HAS_TRITON, is_interpreted
+from __future__ import annotations
 
-__all__ = ["HAS_TRITON", "enable_triton", "is_interpreted"]
+import os
+import sys
+
+__all__ = ["HAS_TRITON", "enable_triton", "is_interpreted", "use_interpreter"]
+
+_KERNEL_MODULE = "specinfer.engine.kernels.tree_attention"
+
+
+def use_interpreter() -> None:
+    """Opts this process into Triton's CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton decides between compiled and interpreted kernels when a kernel is defined, that is
+    when the kernel modules are imported, so this must come first; afterwards it raises unless
+    the kernels are already interpreted.
+    """
+    if _KERNEL_MODULE in sys.modules:
+        if not is_interpreted():
+            raise RuntimeError("use_interpreter() must be called before the kernel modules are imported")
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter (tensors on CPU)."""
+    from specinfer.engine.kernels.tree_attention import is_interpreted as kernels_interpreted
+
+    return kernels_interpreted()
+
+
+def __getattr__(name: str):
+    if name == "HAS_TRITON":
+        from specinfer.engine.kernels.tree_attention import HAS_TRITON
+
+        return HAS_TRITON
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def enable_triton(runner, fused_commit: bool = True, **attention_kwargs):

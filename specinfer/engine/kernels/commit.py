@@ -81,11 +81,6 @@ def fused_commit(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch
     _commit_kernel[grid](ik, iv, src, dst, num_moves, row_elems, k.stride(0), k.stride(1), MOVES=moves, BLOCK_C=block_c)
 
 
-def commit_kv(kv, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """`KVCache.move` with the fused kernel: a drop-in for `kv.move(src, dst)`."""
-    fused_commit(kv.k, kv.v, src, dst)
-
-
 class FusedCommitKVCache(KVCache):
     """A `KVCache` whose `move` (the runner's commit) is the fused one-launch kernel."""
 

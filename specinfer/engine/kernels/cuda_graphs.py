@@ -191,12 +191,6 @@ class GraphRunner:
             bucket.logits = self.model.forward(bucket.batch_obj, self.runner.kv)
         bucket.graph = graph
 
-    def capture_all(self) -> None:
-        """Captures every bucket now (largest first, so the shared pool is sized once)."""
-        for b in reversed(self.batch_sizes):
-            for n in reversed(self.tree_sizes):
-                self._bucket(b, n)
-
     # ---- steps ---------------------------------------------------------------------------------
 
     def _fill(self, bucket: _Bucket, works) -> None:

@@ -20,22 +20,19 @@ whole batch of requests with different prefix lengths and tree sizes:
   per G heads; an optional KV split (flash-decoding) gives a long prefix enough parallelism
   when the batch is small, followed by a small combine kernel.
 
-Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, set here if CUDA
-is absent and nobody set it): slow, but exact, so tests on CPU check the same code. The
-interpreter mishandles bfloat16 arithmetic, so there the tiles are upcast to fp32 after loading
-(`UPCAST`); on a GPU bf16/fp16 tiles feed the tensor cores directly with fp32 accumulation.
+Without CUDA the kernels can run under Triton's interpreter (``TRITON_INTERPRET=1``, set by
+`specinfer.engine.kernels.use_interpreter()` before this module is imported): slow, but exact,
+so tests on CPU check the same code. The interpreter mishandles bfloat16 arithmetic, so there
+the tiles are upcast to fp32 after loading (`UPCAST`); on a GPU bf16/fp16 tiles feed the tensor
+cores directly with fp32 accumulation.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
-
-if not torch.cuda.is_available():  # must happen before triton reads its knobs at @jit time
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
     import triton
