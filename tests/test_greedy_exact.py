@@ -24,7 +24,7 @@ def runners(tiny_pair):
 @pytest.fixture(scope="module")
 def incremental_outputs(runners, greedy_prompts):
     llm, _ = runners
-    engine = Engine(llm)
+    engine = Engine.from_runners(llm)
     return [engine.generate(p, mode_params("incremental", NEW_TOKENS)).output_ids for p in greedy_prompts]
 
 
@@ -49,7 +49,7 @@ CASES = {
 def test_speculative_greedy_equals_incremental(runners, greedy_prompts, incremental_outputs, case):
     llm, ssms = runners
     mode, shape, num_ssms = CASES[case]
-    engine = Engine(llm, ssms[:num_ssms])
+    engine = Engine.from_runners(llm, ssms[:num_ssms])
     params = mode_params(mode, NEW_TOKENS, shape)
     accepted, steps, short_steps = 0, 0, 0
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
@@ -67,7 +67,7 @@ def test_speculative_greedy_equals_incremental(runners, greedy_prompts, incremen
 def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outputs):
     """Several requests stepping together (one forward per level / step) change nothing."""
     llm, ssms = runners
-    engine = Engine(llm, ssms)
+    engine = Engine.from_runners(llm, ssms)
     reqs = [engine.start(p, mode_params("tree", NEW_TOKENS - i, TreeShape((2, 1, 2, 1))))
             for i, p in enumerate(greedy_prompts)]
     results = engine.generate_batch(reqs)
@@ -79,7 +79,7 @@ def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outpu
 def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_prompts, incremental_outputs):
     """The SSM's dtype changes what it proposes, never what comes out."""
     llm, _ = runners
-    engine = Engine(llm, [ModelRunner.from_dir(tiny_pair.ssms[0], dtype="bfloat16", max_kv_tokens=8192)])
+    engine = Engine.from_runners(llm, [ModelRunner.from_dir(tiny_pair.ssms[0], dtype="bfloat16", max_kv_tokens=8192)])
     accepted = 0
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
         r = engine.generate(prompt, mode_params("tree", NEW_TOKENS, TreeShape((2, 1, 1, 1))))
@@ -90,7 +90,7 @@ def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_pro
 
 def test_auto_mode_picks_shapes_and_stays_exact(runners, greedy_prompts, incremental_outputs):
     llm, ssms = runners
-    engine = Engine(llm, ssms[:1], EngineConfig(default_shape=TreeShape((3, 3, 1, 1, 1, 1), max_nodes=32)))
+    engine = Engine.from_runners(llm, ssms[:1], EngineConfig(default_shape=TreeShape((3, 3, 1, 1, 1, 1), max_nodes=32)))
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
         assert engine.generate(prompt, mode_params("auto", NEW_TOKENS)).output_ids == expected
     policy = next(iter(engine.policies.values()))

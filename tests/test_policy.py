@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 
 import grpc
@@ -11,7 +13,7 @@ from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from services.verifier.config import VerifierConfig
 from services.verifier.server import build as build_verifier
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.policy import AcceptanceStats, CostModel, LoadAwarePolicy, expected_accepted, num_nodes
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.tree import TokenTree
@@ -100,12 +102,16 @@ def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
             kwargs["sampling"] = sampling
         runs = []
         for _ in range(2):  # the same seed and the same shape sequence reproduce the output
-            servicer.policy = AlternatingPolicy(first)
+            engine = servicer.engine  # every request without widths follows this policy, unguarded
+            engine.cfg, engine.guard = dataclasses.replace(engine.cfg, is_load_aware=True), None
+            bound = engine.cfg.default_shape
+            engine.policies[(len(bound.widths), max(bound.widths), bound.max_nodes)] = AlternatingPolicy(first)
             runs.append([t for r in stub.Generate(pb.VerifierGenerateRequest(**kwargs), timeout=30) for t in r.token_ids])
         assert runs[0] == runs[1] and len(runs[0]) == 60
         if sampling is None:
-            engine = Engine(ModelRunner.from_dir(tiny_pair.llm))
-            assert runs[0] == engine.generate(prompt, 60, spec=SpecConfig(mode="incremental"), stop_token_ids=()).output_ids
+            engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
+            plain = mode_params("incremental", 60, is_ignore_eos=True)
+            assert runs[0] == engine.generate(prompt, plain).output_ids
     finally:
         verifier.stop(0)
         spec.stop(0)
@@ -146,11 +152,14 @@ def test_only_steady_trees_count_as_speculation_cost():
         def send_feedback(self, *args):
             pass
 
-    driver = SpeculationDriver(lambda start: [Link()], [5, 6, 7], TreeShape((2, 1)), lambda b: (2, 1), 100, True, 1.0)
+    driver = SpeculationDriver(lambda start: [Link()], [5, 6, 7], TreeShape((2, 1)), 100, True, 1.0)
     driver.ask((2, 1))
     assert not driver.is_steady  # opened the stream
-    driver.after_step([8, 9], (2, 1))
+    driver.after_step([8, 9])
+    driver.ask((2, 1))
     assert driver.is_steady  # one step's tokens
-    driver.after_step([10], ())  # a plain step: nothing asked
-    driver.after_step([11], (2, 1))
+    driver.after_step([10])  # a plain step: nothing asked
+    driver.ask(())
+    driver.after_step([11])
+    driver.ask((2, 1))
     assert not driver.is_steady  # two steps to catch up on

@@ -21,11 +21,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specinfer.engine.llm_engine import Engine, SpecConfig
+from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.model import KVCache, LlamaModel, SeqAttention
 from specinfer.engine.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.params import SamplingParams
+from specinfer.params import TreeShape
 from specinfer.engine.tree import ancestor_rows
 
 triton = pytest.importorskip("triton")
@@ -306,16 +306,16 @@ def _engine(paths, triton_backend: bool):
     if triton_backend:
         enable_triton(llm)
         enable_triton(ssm)
-    return Engine(llm, [ssm])
+    return Engine.from_runners(llm, [ssm])
 
 
 def test_engine_greedy_output_matches_reference(tiny_pair):
     reference, fast = _engine(tiny_pair, False), _engine(tiny_pair, True)
-    spec = SpecConfig(mode="tree", widths=(2, 2, 1), max_nodes=8)
+    params = mode_params("tree", 10, TreeShape((2, 2, 1), max_nodes=8))
     prompts = [[3, 17, 4, 29, 8, 8, 51], [60, 2, 33]]
 
     def run(engine):
-        reqs = [engine.start(p, 10, SamplingParams(), spec) for p in prompts]  # one batch: one launch per layer
+        reqs = [engine.start(p, params) for p in prompts]  # one batch: one launch per layer
         return engine.generate_batch(reqs)
 
     got = run(fast)
@@ -324,8 +324,8 @@ def test_engine_greedy_output_matches_reference(tiny_pair):
     assert all(max(r.accepted_per_step) >= 2 for r in got)
     backend = fast.verifier.runner.model.attention_backend
     assert backend.num_builds > 0
-    inc = SpecConfig(mode="incremental")
-    assert fast.generate(prompts[0], 6, spec=inc).output_ids == reference.generate(prompts[0], 6, spec=inc).output_ids
+    inc = mode_params("incremental", 6)
+    assert fast.generate(prompts[0], inc).output_ids == reference.generate(prompts[0], inc).output_ids
 
 
 def test_metadata_built_once_per_step(tiny_pair):
@@ -366,9 +366,9 @@ def test_graph_runner_in_engine(tiny_pair):
     reference, fast = _engine(tiny_pair, False), _engine(tiny_pair, True)
     graphs = GraphRunner(fast.verifier.runner, batch_sizes=(1, 2), tree_sizes=(1, 8), max_context=128,
                          capture=False).install()
-    spec = SpecConfig(mode="tree", widths=(2, 1, 1), max_nodes=8)
+    params = mode_params("tree", 24, TreeShape((2, 1, 1), max_nodes=8))
     prompt = [3, 17, 4, 29, 8, 8, 51, 12, 60, 2, 33]
-    assert fast.generate(prompt, 24, spec=spec).output_ids == reference.generate(prompt, 24, spec=spec).output_ids
+    assert fast.generate(prompt, params).output_ids == reference.generate(prompt, params).output_ids
     # the first step reads the 10-token prompt together with the tree: it fits no bucket and runs eagerly
     assert graphs.num_replays >= 2 and graphs.num_fallbacks >= 1
     graphs.close()

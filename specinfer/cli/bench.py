@@ -101,9 +101,8 @@ class _TransformersArms:
 
 
 def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths
-    from specinfer.engine.llm_engine import SpecConfig
-    from specinfer.params import SamplingParams
+    from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
+    from specinfer.engine.llm_engine import mode_params
     from specinfer.limits import parse_tree_width
 
     widths = parse_tree_width(args.tree_width)
@@ -112,31 +111,27 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     if args.num_prompts > 0:
         prompts = prompts[: args.num_prompts]
     _, prompt_ids, engine = load_for_prompts(args, paths, prompts)
-    engine_ssms = list(engine.speculator.runners)
-
+    ssm_names = engine.source.names
+    shape = tree_shape(args)  # auto mode's bound is the engine's default shape, the same flags
+    # Every arm but tree_merged speculates with the first SSM only. Greedy decoding throughout.
     arms = {
-        "incremental": (SpecConfig(mode="incremental"), 0),
-        "sequence": (SpecConfig(mode="sequence", widths=widths, max_nodes=args.max_tree_nodes,
-                                min_path_prob=args.min_path_prob), 1),
-        "tree": (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes,
-                            min_path_prob=args.min_path_prob), 1),
+        "incremental": ("incremental", ()),
+        "sequence": ("sequence", ssm_names[:1]),
+        "tree": ("tree", ssm_names[:1]),
+        "auto": ("auto", ssm_names[:1]),
     }
-    arms["auto"] = (SpecConfig(mode="auto", widths=widths, max_nodes=args.max_tree_nodes), 1)
-    if len(engine_ssms) > 1:
-        arms["tree_merged"] = (SpecConfig(mode="tree", widths=widths, max_nodes=args.max_tree_nodes,
-                                          min_path_prob=args.min_path_prob), len(engine_ssms))
+    if len(ssm_names) > 1:
+        arms["tree_merged"] = ("tree", tuple(ssm_names))
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, args.ssm_dtype or args.dtype,
                                                              engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
     results = {name: ArmResult() for name in names}
-    greedy = SamplingParams()
 
     def run_arm(name: str, ids: list[int], max_new: int) -> tuple[list[int], int, float]:
         if name.startswith("transformers"):
             return hf.run(ids, max_new, is_assisted=name == "transformers_assisted")
-        spec, num_ssms = arms[name]
-        engine.speculator.runners = engine_ssms[:num_ssms]
-        r = engine.generate(ids, max_new, greedy, spec)
+        mode, names_used = arms[name]
+        r = engine.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used)))
         return r.output_ids, r.num_llm_steps, r.latency_s
 
     for name in names:  # warm-up: allocators, caches, lazy inits
@@ -147,7 +142,6 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             output, steps, seconds = run_arm(name, ids, args.max_new_tokens)
             results[name].add(output, steps, seconds)
         print(f"bench: prompt {i + 1}/{len(prompt_ids)} done", file=sys.stderr, flush=True)
-    engine.speculator.runners = engine_ssms
 
     reference = results["incremental"].outputs
     report = {

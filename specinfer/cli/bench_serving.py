@@ -95,13 +95,15 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
     from specinfer.engine.load import load_engine, load_tokenizer, check_models
-    from specinfer.engine.llm_engine import SpecConfig
+    from specinfer.engine.llm_engine import mode_params
+    from specinfer.params import TreeShape
 
     llm_cfg, _ = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
     engine = load_engine(type(paths)(paths.llm, paths.ssms[:1]), dtype, "cpu", max_kv_tokens=8192, ssm_dtype=ssm_dtype)
-    spec = SpecConfig(mode="tree", widths=widths)
-    engine.generate(tokenizer.encode(prompts[0]), 8, spec=spec)  # warm-up, as the services had
+    shape = TreeShape(widths)
+    engine.generate(tokenizer.encode(prompts[0]), mode_params("tree", 8, shape))  # warm-up, as the services had
+    params = mode_params("tree", max_tokens, shape, is_ignore_eos=True)
     totals = {"in_process": [0.0, 0], "service": [0.0, 0]}
     is_equal = True
     for i, prompt in enumerate(prompts):
@@ -111,7 +113,7 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
         for arm in order:
             start = time.perf_counter()
             if arm == "in_process":
-                outputs[arm] = engine.generate(ids, max_tokens, spec=spec, stop_token_ids=()).output_ids
+                outputs[arm] = engine.generate(ids, params).output_ids
             else:
                 outputs[arm] = list(client.generate(prompt, max_tokens=max_tokens, tree_width=widths,
                                                     ignore_eos=True).token_ids)
@@ -127,8 +129,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     from specinfer.cli.client import GatewayClient
     from specinfer.cli.commands import bench_prompts, resolve_paths
     from specinfer.cli.launcher import Stack, StackConfig
-    from specinfer.limits import parse_tree_width
     from specinfer.engine.load import check_models
+    from specinfer.limits import parse_tree_width
 
     levels = _parse_levels(args.concurrency)
     if args.rounds < 1 or args.requests_per_level < 1:

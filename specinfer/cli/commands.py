@@ -48,30 +48,46 @@ def bench_prompts(args: argparse.Namespace, demo_prompts: Path | None) -> list[s
 def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[str]):
     """Checks models and prompts before any weights load (configs, vocabularies, every prompt
     plus `--max-new-tokens` within the context), then loads the engine with a KV cache for the
-    longest prompt, its new tokens and one token tree. Returns (tokenizer, prompt ids, engine)."""
+    longest prompt, its new tokens and one token tree per SSM, and the tree flags as the shape of
+    `auto` mode. Returns (tokenizer, prompt ids, engine)."""
+    from specinfer.engine.llm_engine import EngineConfig
+
     llm_cfg, ssm_cfgs = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
     prompt_ids = encode_prompts(tokenizer, prompts)
     needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
-    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=needed + args.max_tree_nodes + 64,
-                         ssm_dtype=args.ssm_dtype)
+    # A request reserves one tree per SSM it speculates with (their merged tree is at most that).
+    engine = load_engine(paths, args.dtype, args.device,
+                         max_kv_tokens=needed + args.max_tree_nodes * len(paths.ssms) + 64,
+                         ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)))
     return tokenizer, prompt_ids, engine
 
 
-def spec_config(args: argparse.Namespace, has_ssm: bool, mode: str | None):
-    from specinfer.engine.llm_engine import SpecConfig
+def tree_shape(args: argparse.Namespace):
+    """The token tree shape of `--tree-width`, `--max-tree-nodes`, `--tree-sampling` and
+    `--min-path-prob`: what `tree` mode expands, and what bounds `auto` mode's choices."""
+    from specinfer.params import TreeShape
 
     widths = parse_tree_width(args.tree_width)
     if args.max_tree_nodes < 1:
         raise UserError(f"--max-tree-nodes must be >= 1, got {args.max_tree_nodes}")
+    if not 0.0 <= args.min_path_prob < 1.0:
+        raise UserError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
+    return TreeShape(widths, max_nodes=args.max_tree_nodes,
+                     is_sampled=getattr(args, "tree_sampling", "sampled") == "sampled",
+                     min_path_prob=args.min_path_prob)
+
+
+def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None, sampling):
+    """The request parameters of the mode flags (`--mode`, else tree with SSMs and incremental
+    without). Returns (mode, params)."""
+    from specinfer.engine.llm_engine import mode_params
+
+    shape = tree_shape(args)
     mode = mode or ("tree" if has_ssm else "incremental")
     if mode != "incremental" and not has_ssm:
         raise UserError(f"--mode {mode} needs at least one --ssm")
-    if not 0.0 <= args.min_path_prob < 1.0:
-        raise UserError(f"--min-path-prob must be in [0, 1), got {args.min_path_prob}")
-    return SpecConfig(mode=mode, widths=widths, max_nodes=args.max_tree_nodes,
-                      is_sampled_tree=getattr(args, "tree_sampling", "sampled") == "sampled",
-                      min_path_prob=args.min_path_prob)
+    return mode, mode_params(mode, args.max_new_tokens, shape, sampling)
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
@@ -86,12 +102,12 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
     paths, _ = resolve_paths(args, cache_dir)
-    spec = spec_config(args, bool(paths.ssms), args.mode)
+    mode, gen_params = generation_params(args, bool(paths.ssms), args.mode, params)
     tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts)
     out = open(args.output, "w") if args.output else sys.stdout
     try:
         for text, ids in zip(prompts, prompt_ids):
-            r = engine.generate(ids, args.max_new_tokens, params, spec)
+            r = engine.generate(ids, gen_params)
             record = {
                 "prompt": text,
                 "text": tokenizer.decode(r.output_ids),
@@ -99,7 +115,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
                 "num_llm_steps": r.num_llm_steps,
                 "tokens_per_step": round(r.tokens_per_step, 4),
                 "latency_s": round(r.latency_s, 6),
-                "mode": spec.mode,
+                "mode": mode,
                 "finish_reason": r.finish_reason,
                 "mean_accepted": round(sum(r.accepted_per_step) / max(1, r.num_llm_steps), 4),
             }

@@ -165,14 +165,13 @@ def draw_prompts(regions: Sequence[_Region], count: int, min_len: int, max_len: 
 def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig, seed: int,
                            progress: bool) -> tuple[list[list[int]], list[bool]]:
     """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset)."""
-    from specinfer.engine.llm_engine import SpecConfig
+    from specinfer.engine.llm_engine import mode_params
     from specinfer.params import SamplingParams
 
     rng = random.Random(seed)
     order = list(range(len(prompts)))
     rng.shuffle(order)
     sampled = set(order[: round(cfg.sampled_fraction * len(prompts))])
-    spec = SpecConfig(mode="incremental")
     outputs: list[list[int]] = []
     with progress_bar(len(prompts), "LLM continuations", progress) as bar:
         for lo in range(0, len(prompts), cfg.gen_batch_size):
@@ -180,7 +179,8 @@ def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig
             for n in range(lo, min(lo + cfg.gen_batch_size, len(prompts))):
                 params = (SamplingParams(temperature=cfg.temperature, seed=seed * 100_003 + n)
                           if n in sampled else SamplingParams())
-                requests.append(engine.start(list(prompts[n]), cfg.continuation_tokens, params, spec))
+                requests.append(engine.start(list(prompts[n]),
+                                             mode_params("incremental", cfg.continuation_tokens, sampling=params)))
             outputs.extend(r.output_ids for r in engine.generate_batch(requests))
             bar.update(len(requests))
     return outputs, [n in sampled for n in range(len(prompts))]
@@ -265,7 +265,7 @@ def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
     token_lists = [enc.ids for enc in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
     min_len = max(1, cfg.prompt_tokens // 2)
     train_regions, eval_regions = split_regions(token_lists, newline_token_ids(tokenizer), cfg.eval_fraction, min_len)
-    engine = Engine(llm_runner)
+    engine = Engine.from_runners(llm_runner)
     out = []
     for split, regions, count in (("train", train_regions, cfg.num_prompts), ("eval", eval_regions, cfg.eval_prompts)):
         seed = cfg.seed * 2 + (split == "eval")
