@@ -1,49 +1,75 @@
-"""Speculator service configuration: flags with environment fallbacks, read in `main()` only."""
+"""Speculator service configuration: flags with environment fallbacks, read in `main()` only.
+
+A speculator hosts SSMs and streams their token trees to the verifier (SpecInfer, arXiv
+2305.09781, Section 3); every default comes from one constant.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Mapping
+
+from specinfer.errors import UserError
+from specinfer.serving.settings import (
+    DEFAULT_GRACE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DTYPES, LOCAL_HOST, LOG_LEVELS, SPECULATOR_PORT, Flag,
+    add_flag, one_of, port_flag, read_flags,
+)
 
 
 @dataclass(frozen=True)
 class SpeculatorConfig:
     ssm_dirs: tuple[Path, ...]
-    host: str = "127.0.0.1"
-    port: int = 50053
+    host: str = LOCAL_HOST
+    port: int = SPECULATOR_PORT
     dtype: str = "float32"
     device: str = "auto"
-    max_kv_tokens: int = 65536
-    max_batch: int = 256
+    max_kv_tokens: int = DEFAULT_KV_TOKENS
+    max_batch: int = DEFAULT_MAX_BATCH
     otlp_endpoint: str | None = None
     metrics_port: int = 0
     log_level: str = "info"
-    grace_s: float = 10.0
+    grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
-def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> SpeculatorConfig:
-    env = dict(os.environ if env is None else env)
+def _flags() -> list[Flag]:
+    d = {f.name: f.default for f in fields(SpeculatorConfig)}
+    return [
+        Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory, repeatable; the variable is "
+             "comma-separated", is_list=True),
+        Flag("--host", "SPECINFER_SPECULATOR_HOST", str, d["host"], "bind address"),
+        port_flag("--port", "SPECINFER_SPECULATOR_PORT", d["port"], "gRPC port"),
+        Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "SSM weights dtype"),
+        Flag("--device", "SPECINFER_SSM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
+        Flag("--max-kv-tokens", "SPECINFER_SSM_KV_TOKENS", int, d["max_kv_tokens"], "SSM KV-cache budget in tokens",
+             is_positive=True),
+        Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
+             is_positive=True),
+        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, d["otlp_endpoint"],
+             "OTLP/gRPC trace endpoint; unset = off"),
+        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", d["metrics_port"], "Prometheus /metrics port; 0 = off"),
+        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), d["log_level"], ", ".join(LOG_LEVELS)),
+        Flag("--grace-s", "SPECINFER_GRACE_S", float, d["grace_s"], "drain period on SIGTERM", low=0),
+        Flag("--threads", "SPECINFER_THREADS", int, d["num_threads"], "torch intra-op threads (0 = torch's default)",
+             low=0),
+    ]
+
+
+def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> SpeculatorConfig:
+    """Flags, else environment variables, else the defaults; raises UserError on a bad value."""
+    env = os.environ if env is None else env
+    flags = _flags()
     p = argparse.ArgumentParser(prog="specinfer-speculator", description="Hosts SSMs and streams token trees.")
-    p.add_argument("--ssm", type=Path, action="append", default=None,
-                   help="SSM checkpoint directory (repeatable); env SPECINFER_SSM_DIRS (comma-separated)")
-    p.add_argument("--host", default=env.get("SPECINFER_SPECULATOR_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env.get("SPECINFER_SPECULATOR_PORT", "50053")))
-    p.add_argument("--dtype", default=env.get("SPECINFER_DTYPE", "float32"))
-    p.add_argument("--device", default=env.get("SPECINFER_SSM_DEVICE", "auto"))
-    p.add_argument("--max-kv-tokens", type=int, default=int(env.get("SPECINFER_SSM_KV_TOKENS", "65536")))
-    p.add_argument("--max-batch", type=int, default=int(env.get("SPECINFER_MAX_BATCH", "256")))
-    p.add_argument("--otlp-endpoint", default=env.get("SPECINFER_OTLP_ENDPOINT") or None)
-    p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
-    p.add_argument("--log-level", default=env.get("SPECINFER_LOG_LEVEL", "info"))
-    p.add_argument("--grace-s", type=float, default=float(env.get("SPECINFER_GRACE_S", "10")))
-    p.add_argument("--threads", type=int, default=int(env.get("SPECINFER_THREADS", "0")),
-                   help="torch intra-op threads (0 = torch's default)")
-    a = p.parse_args(argv)
-    ssms = a.ssm or [Path(d) for d in env.get("SPECINFER_SSM_DIRS", "").split(",") if d]
-    if not ssms:
-        p.error("at least one --ssm (or SPECINFER_SSM_DIRS) is required")
-    return SpeculatorConfig(tuple(ssms), a.host, a.port, a.dtype, a.device, a.max_kv_tokens, a.max_batch,
-                            a.otlp_endpoint, a.metrics_port, a.log_level, a.grace_s, a.threads)
+    for flag in flags:
+        add_flag(p, flag)
+    a = read_flags(p, flags, argv, env)
+    if not a["ssm"]:
+        raise UserError("the speculator needs at least one SSM directory: --ssm or SPECINFER_SSM_DIRS")
+    return SpeculatorConfig(
+        ssm_dirs=a["ssm"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
+        max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], otlp_endpoint=a["otlp_endpoint"],
+        metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
+    )

@@ -16,9 +16,9 @@ from services.speculator.config import SpeculatorConfig, parse_config
 from specinfer.errors import UserError
 from specinfer.serving.convert import sampling_from_proto, shape_from_proto
 from specinfer.serving.trees import tree_to_proto
-from specinfer.serving.grpc_server import RunningServer, serve_until_signalled, start_model_server
-from specinfer.serving.metrics import ModelMetrics, new_registry
-from specinfer.serving.tracing import server_span, setup_tracing
+from specinfer.serving.grpc_server import RunningServer, model_service_main, start_model_service
+from specinfer.serving.metrics import ModelMetrics
+from specinfer.serving.tracing import server_span
 from specinfer.engine.workers import SpeculatorWorker
 from specinfer.engine.speculator import Speculator
 from specinfer.params import TreeShape
@@ -103,7 +103,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
 def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, SpeculatorServicer]:
     """Loads the SSMs and starts serving (used by `main` and by tests). Without a worker thread,
-    the caller runs `servicer.worker.worker.run()` on this thread."""
+    the caller runs `server.run_worker()` on this thread."""
     from specinfer.engine.load import resolve_device
     from specinfer.engine.runner import ModelRunner
 
@@ -113,23 +113,15 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
     if len({r.cfg.vocab_size for r in runners}) != 1:
         raise UserError("all SSMs of one speculator must share a vocabulary")
     names = [d.name for d in cfg.ssm_dirs]
-    tracer = setup_tracing("specinfer-speculator", cfg.otlp_endpoint, exporter)
-    registry = new_registry()
-    worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
-                              metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded)
-    servicer = SpeculatorServicer(worker, names, tracer)
-    server = start_model_server(
-        "speculator", cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
-        lambda s: pb_grpc.add_SpeculatorServicer_to_server(servicer, s),
-        pb.DESCRIPTOR.services_by_name["Speculator"].full_name, worker.worker.stop,
-    )
-    return server, servicer
+
+    def create(tracer, registry):
+        worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
+                                  metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded)
+        return SpeculatorServicer(worker, names, tracer), worker.worker
+
+    return start_model_service("speculator", cfg, exporter, create, pb_grpc.add_SpeculatorServicer_to_server,
+                               pb.DESCRIPTOR.services_by_name["Speculator"].full_name)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_config(argv)
-    def build_inline():
-        server, servicer = build(cfg, is_worker_threaded=False)
-        return server, servicer.worker.worker.run
-
-    return serve_until_signalled("speculator", cfg.log_level, cfg.num_threads, build_inline)
+    return model_service_main("speculator", argv, parse_config, build)

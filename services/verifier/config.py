@@ -1,26 +1,38 @@
-"""Verifier service configuration: flags with environment fallbacks, read in `main()` only."""
+"""Verifier service configuration: flags with environment fallbacks, read in `main()` only.
+
+The verifier hosts the LLM and verifies token trees (SpecInfer, arXiv 2305.09781, Section 4);
+the default tree is the paper's expansion config and every default comes from one constant.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Mapping
+
+from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_MAX_TREE_NODES, MAX_TREE_NODES, PAPER_TREE_WIDTH, parse_tree_width
+from specinfer.serving.settings import (
+    DEFAULT_GRACE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DTYPES, LOCAL_HOST, LOG_LEVELS, VERIFIER_PORT, Flag,
+    add_flag, one_of, parse_bool, pick, port_flag, read_flags,
+)
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
     model_dir: Path
     speculators: tuple[str, ...] = ()  # gRPC targets, e.g. 127.0.0.1:50053 or dns:///speculator:50053
-    host: str = "127.0.0.1"
-    port: int = 50052
+    host: str = LOCAL_HOST
+    port: int = VERIFIER_PORT
     dtype: str = "float32"
     device: str = "auto"
-    max_kv_tokens: int = 65536  # the KV budget in tokens, unless kv_budget_bytes is set
+    max_kv_tokens: int = DEFAULT_KV_TOKENS  # the KV budget in tokens, unless kv_budget_bytes is set
     kv_budget_bytes: int = 0
-    max_batch: int = 256
-    tree_width: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
-    max_tree_nodes: int = 64
+    max_batch: int = DEFAULT_MAX_BATCH
+    tree_width: tuple[int, ...] = PAPER_TREE_WIDTH
+    max_tree_nodes: int = DEFAULT_MAX_TREE_NODES
     default_deadline_s: float = 300.0
     speculator_step_timeout_s: float = 5.0
     max_sessions: int = 64
@@ -31,57 +43,73 @@ class VerifierConfig:
     otlp_endpoint: str | None = None
     metrics_port: int = 0
     log_level: str = "info"
-    grace_s: float = 10.0
+    grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
 
 
-def parse_config(argv: list[str] | None = None, env: dict[str, str] | None = None) -> VerifierConfig:
+def _flags() -> list[Flag]:
     from specinfer.engine.load import parse_kv_budget
-    from specinfer.limits import parse_tree_width
 
-    env = dict(os.environ if env is None else env)
+    d = {f.name: f.default for f in fields(VerifierConfig)}
+    return [
+        Flag("--model", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (required)"),
+        Flag("--speculator", "SPECINFER_SPECULATORS", str, d["speculators"],
+             "speculator gRPC target, repeatable; the variable is comma-separated", is_list=True),
+        Flag("--host", "SPECINFER_VERIFIER_HOST", str, d["host"], "bind address"),
+        port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
+        Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "LLM weights dtype"),
+        Flag("--device", "SPECINFER_LLM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
+        Flag("--kv-budget", ("SPECINFER_KV_BUDGET", "SPECINFER_KV_TOKENS"), parse_kv_budget,
+             (d["max_kv_tokens"], d["kv_budget_bytes"]), "KV-cache budget: tokens (65536) or bytes (2GiB, 512MB)",
+             shown_default=str(d["max_kv_tokens"])),
+        Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per forward pass",
+             is_positive=True),
+        Flag("--tree-width", "SPECINFER_TREE_WIDTH", parse_tree_width, d["tree_width"],
+             "default token-tree shape: children per level"),
+        Flag("--max-tree-nodes", "SPECINFER_MAX_TREE_NODES", int, d["max_tree_nodes"], "token-tree nodes per step",
+             low=1, high=MAX_TREE_NODES),
+        Flag("--default-deadline-s", "SPECINFER_DEFAULT_DEADLINE_S", float, d["default_deadline_s"],
+             "when the caller sets no deadline", is_positive=True),
+        Flag("--speculator-step-timeout-s", "SPECINFER_SPECULATOR_STEP_TIMEOUT_S", float,
+             d["speculator_step_timeout_s"], "wait for a speculator's tree this long", is_positive=True),
+        Flag("--max-sessions", "SPECINFER_MAX_SESSIONS", int, d["max_sessions"], "sessions kept with their KV cache",
+             low=0),
+        Flag("--token-budget", "SPECINFER_TOKEN_BUDGET", int, d["token_budget"],
+             "tokens per forward pass (trees first, then prompt chunks)", is_positive=True),
+        Flag("--max-waiting", "SPECINFER_MAX_WAITING", int, d["max_waiting"],
+             "requests that may queue for KV memory before RESOURCE_EXHAUSTED", low=0),
+        Flag("--admission-timeout-s", "SPECINFER_ADMISSION_TIMEOUT_S", float, d["admission_timeout_s"],
+             "longest wait for KV memory", is_positive=True),
+        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, d["otlp_endpoint"],
+             "OTLP/gRPC trace endpoint; unset = off"),
+        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", d["metrics_port"], "Prometheus /metrics port; 0 = off"),
+        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), d["log_level"], ", ".join(LOG_LEVELS)),
+        Flag("--grace-s", "SPECINFER_GRACE_S", float, d["grace_s"], "drain period on SIGTERM", low=0),
+        Flag("--threads", "SPECINFER_THREADS", int, d["num_threads"], "torch intra-op threads (0 = torch's default)",
+             low=0),
+    ]
+
+
+def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> VerifierConfig:
+    """Flags, else environment variables, else the defaults; raises UserError on a bad value."""
+    env = os.environ if env is None else env
+    flags = _flags()
     p = argparse.ArgumentParser(prog="specinfer-verifier", description="Hosts the LLM and verifies token trees.")
-    p.add_argument("--model", type=Path, default=env.get("SPECINFER_MODEL_DIR"), help="LLM checkpoint directory")
-    p.add_argument("--speculator", action="append", default=None,
-                   help="speculator gRPC target (repeatable); env SPECINFER_SPECULATORS (comma-separated)")
-    p.add_argument("--host", default=env.get("SPECINFER_VERIFIER_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env.get("SPECINFER_VERIFIER_PORT", "50052")))
-    p.add_argument("--dtype", default=env.get("SPECINFER_DTYPE", "float32"))
-    p.add_argument("--device", default=env.get("SPECINFER_LLM_DEVICE", "auto"))
-    p.add_argument("--kv-budget", default=env.get("SPECINFER_KV_BUDGET") or env.get("SPECINFER_KV_TOKENS", "65536"),
-                   help="KV-cache budget: tokens (65536) or bytes (2GiB, 512MB)")
-    p.add_argument("--max-batch", type=int, default=int(env.get("SPECINFER_MAX_BATCH", "256")))
-    p.add_argument("--tree-width", default=env.get("SPECINFER_TREE_WIDTH", "1,1,3,1,1,1,1,1"))
-    p.add_argument("--max-tree-nodes", type=int, default=int(env.get("SPECINFER_MAX_TREE_NODES", "64")))
-    p.add_argument("--default-deadline-s", type=float, default=float(env.get("SPECINFER_DEFAULT_DEADLINE_S", "300")))
-    p.add_argument("--speculator-step-timeout-s", type=float,
-                   default=float(env.get("SPECINFER_SPECULATOR_STEP_TIMEOUT_S", "5")))
-    p.add_argument("--max-sessions", type=int, default=int(env.get("SPECINFER_MAX_SESSIONS", "64")))
-    p.add_argument("--token-budget", type=int, default=int(env.get("SPECINFER_TOKEN_BUDGET", "512")),
-                   help="tokens per forward pass (trees first, then prompt chunks)")
-    p.add_argument("--max-waiting", type=int, default=int(env.get("SPECINFER_MAX_WAITING", "64")),
-                   help="requests that may queue for KV memory before RESOURCE_EXHAUSTED")
+    for flag in flags:
+        add_flag(p, flag)
     p.add_argument("--fixed-tree", action="store_true",
-                   default=env.get("SPECINFER_LOAD_AWARE", "1").lower() in ("0", "false", "no"),
-                   help="always use the default tree shape instead of load-aware shapes")
-    p.add_argument("--admission-timeout-s", type=float, default=float(env.get("SPECINFER_ADMISSION_TIMEOUT_S", "30")))
-    p.add_argument("--otlp-endpoint", default=env.get("SPECINFER_OTLP_ENDPOINT") or None)
-    p.add_argument("--metrics-port", type=int, default=int(env.get("SPECINFER_METRICS_PORT", "0")))
-    p.add_argument("--log-level", default=env.get("SPECINFER_LOG_LEVEL", "info"))
-    p.add_argument("--grace-s", type=float, default=float(env.get("SPECINFER_GRACE_S", "10")))
-    p.add_argument("--threads", type=int, default=int(env.get("SPECINFER_THREADS", "0")),
-                   help="torch intra-op threads (0 = torch's default)")
-    a = p.parse_args(argv)
-    if a.model is None:
-        p.error("--model (or SPECINFER_MODEL_DIR) is required")
-    kv_tokens, kv_bytes = parse_kv_budget(a.kv_budget)
-    specs = a.speculator if a.speculator is not None else [s for s in env.get("SPECINFER_SPECULATORS", "").split(",") if s]
+                   help="always use the default tree shape instead of load-aware shapes (env SPECINFER_LOAD_AWARE=0)")
+    a = read_flags(p, flags, argv, env)
+    if a["model"] is None:
+        raise UserError("the verifier needs the LLM's directory: --model or SPECINFER_MODEL_DIR")
+    kv_tokens, kv_bytes = a["kv_budget"]
+    is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)
     return VerifierConfig(
-        model_dir=Path(a.model), speculators=tuple(specs), host=a.host, port=a.port, dtype=a.dtype,
-        device=a.device, max_kv_tokens=kv_tokens or 65536, kv_budget_bytes=kv_bytes, max_batch=a.max_batch,
-        tree_width=parse_tree_width(a.tree_width), max_tree_nodes=a.max_tree_nodes,
-        default_deadline_s=a.default_deadline_s, speculator_step_timeout_s=a.speculator_step_timeout_s,
-        max_sessions=a.max_sessions, token_budget=a.token_budget, max_waiting=a.max_waiting,
-        admission_timeout_s=a.admission_timeout_s, is_load_aware=not a.fixed_tree, otlp_endpoint=a.otlp_endpoint, metrics_port=a.metrics_port,
-        log_level=a.log_level, grace_s=a.grace_s, num_threads=a.threads,
+        model_dir=a["model"], speculators=a["speculator"], host=a["host"], port=a["port"], dtype=a["dtype"],
+        device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,
+        max_batch=a["max_batch"], tree_width=a["tree_width"], max_tree_nodes=a["max_tree_nodes"],
+        default_deadline_s=a["default_deadline_s"], speculator_step_timeout_s=a["speculator_step_timeout_s"],
+        max_sessions=a["max_sessions"], token_budget=a["token_budget"], max_waiting=a["max_waiting"],
+        admission_timeout_s=a["admission_timeout_s"], is_load_aware=is_load_aware, otlp_endpoint=a["otlp_endpoint"],
+        metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.errors import UserError
+from specinfer.limits import PAPER_TREE_WIDTH
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class StackConfig:
     redis_url: str | None = None
     dtype: str = "float32"
     ssm_dtype: str | None = None  # the speculators' dtype (default: `dtype`); never changes the output
-    tree_width: str = "1,1,3,1,1,1,1,1"
+    tree_width: str = ",".join(map(str, PAPER_TREE_WIDTH))
     metrics_base_port: int = 0
     verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
     speculator_threads: int = 0  # 0 = `default_speculator_threads()`
@@ -150,7 +151,7 @@ def add_up_parser(sub) -> None:
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     up.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"], help="default: --dtype")
-    up.add_argument("--tree-width", default="1,1,3,1,1,1,1,1")
+    up.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)))
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, print the reply")
     up.add_argument("--max-tokens", type=int, default=64)

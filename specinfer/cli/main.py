@@ -7,11 +7,12 @@ Configuration is read here, in `main()`, from flags and environment variables, a
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
+from specinfer.limits import PAPER_TREE_WIDTH
 from specinfer.util import default_cache_dir
 
 
@@ -31,7 +32,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tree-width", default="1,1,3,1,1,1,1,1", help="children per level, e.g. 1,1,3,1,1,1,1,1")
+    p.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)), help="children per level, e.g. 1,1,3,1")
     p.add_argument("--max-tree-nodes", type=int, default=64, help="cap on token-tree nodes per step")
     p.add_argument("--min-path-prob", type=float, default=0.0,
                    help="prune tree branches whose SSM path probability is below this (0 = off)")
@@ -91,18 +92,6 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tiny", action="store_true", help="tiny training budget (for tests)")
     d.add_argument("--force", action="store_true", help="rebuild even if cached")
     return parser
-
-
-def configure_cpu_runtime() -> None:
-    """Must run before the first matrix multiply (MKL reads it when it initialises). MKL picks
-    slow small-matrix kernels on non-Intel CPUs unless told which code path to use; AVX-512
-    machines get the AVX-512 path. An explicit MKL_CBWR in the environment wins."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return
-    if " avx512f" in flags:
-        os.environ.setdefault("MKL_CBWR", "AVX512")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,20 +8,24 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
-from specinfer.serving.metrics import RpcMetrics
+from specinfer.serving.metrics import RpcMetrics, new_registry
+from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST
+from specinfer.serving.tracing import error_trace_id, setup_tracing
 
 log = logging.getLogger(__name__)
+S = TypeVar("S")
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -30,11 +34,13 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The one mapping from exceptions to gRPC status codes."""
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+def status_for(exc: BaseException, trace_id: str | None = None) -> tuple[grpc.StatusCode, str]:
+    """The one mapping from exceptions to gRPC status codes. Only a `UserError` is the caller's
+    fault (INVALID_ARGUMENT); an exception of no known kind is a server bug (INTERNAL), whose
+    details name only its type and the trace to look it up under."""
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):  # a downstream call's status
         return exc.code(), exc.details() or str(exc)
-    if isinstance(exc, (UserError, ValueError)):
+    if isinstance(exc, UserError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, NotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc)
@@ -44,14 +50,49 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    where = f" (trace {trace_id})" if trace_id else ""
+    return grpc.StatusCode.INTERNAL, f"internal error{where}: {type(exc).__name__}"
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException):
-    code, details = status_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.exception("unhandled error in RPC", exc_info=exc)
-    context.abort(code, details)
+class _Outcome:
+    """One RPC, unary or streaming: an exception leaving the servicer becomes its status (with
+    the traceback logged when it is a server bug), and the outcome is counted."""
+
+    def __init__(self, metrics: RpcMetrics | None, method: str, context: grpc.ServicerContext):
+        self.metrics, self.method, self.context = metrics, method, context
+        self.start = time.monotonic()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        code, details = self._status(exc)
+        if self.metrics is not None:
+            service = self.metrics.service
+            self.metrics.requests.labels(service, self.method, code.name).inc()
+            self.metrics.latency.labels(service, self.method).observe(time.monotonic() - self.start)
+        if details is not None:
+            self.context.abort(code, details)  # raises, in place of the servicer's exception
+        return False
+
+    def _status(self, exc: BaseException | None) -> tuple[grpc.StatusCode, str | None]:
+        """The RPC's code, and the details to abort with (None: nothing to abort)."""
+        already = self.context.code()
+        if exc is None:
+            return already or grpc.StatusCode.OK, None
+        if isinstance(exc, GeneratorExit):  # the client went away mid-stream
+            return grpc.StatusCode.CANCELLED, None
+        if not isinstance(exc, Exception):
+            return grpc.StatusCode.UNKNOWN, None
+        if already is not None and already != grpc.StatusCode.OK:  # e.g. `context.abort`: it stands
+            return already, None
+        code, details = status_for(exc)
+        if code == grpc.StatusCode.INTERNAL and not isinstance(exc, grpc.RpcError):
+            trace_id = error_trace_id(exc, self.context)
+            log.error("internal error in %s (trace %s): %s: %s", self.method, trace_id, type(exc).__name__, exc,
+                      exc_info=exc, extra={"fields": {"trace_id": trace_id, "rpc": self.method}})
+            code, details = status_for(exc, trace_id)
+        return code, details
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):
@@ -61,70 +102,43 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     def __init__(self, metrics: RpcMetrics | None = None):
         self.metrics = metrics
 
-    def _record(self, method: str, code: grpc.StatusCode, start: float) -> None:
-        if self.metrics is not None:
-            service = self.metrics.service
-            self.metrics.requests.labels(service, method, code.name).inc()
-            self.metrics.latency.labels(service, method).observe(time.monotonic() - start)
-
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
 
-        def wrap_unary(fn):
+        def unary(fn):
             def wrapped(request, context):
-                start, code = time.monotonic(), grpc.StatusCode.OK
-                try:
+                with _Outcome(self.metrics, method, context):
                     return fn(request, context)
-                except Exception as exc:  # noqa: BLE001 - the one place exceptions become statuses
-                    if context.code() is not None and context.code() != grpc.StatusCode.OK:
-                        code = context.code()
-                        raise
-                    code = status_for(exc)[0]
-                    _abort(context, exc)
-                finally:
-                    self._record(method, code, start)
 
             return wrapped
 
-        def wrap_stream(fn):
+        def stream(fn):
             def wrapped(request, context):
-                start, code = time.monotonic(), grpc.StatusCode.OK
-                try:
+                with _Outcome(self.metrics, method, context):
                     yield from fn(request, context)
-                except GeneratorExit:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    if context.code() is not None and context.code() != grpc.StatusCode.OK:
-                        code = context.code()
-                        raise
-                    code = status_for(exc)[0]
-                    _abort(context, exc)
-                finally:
-                    self._record(method, code, start)
 
             return wrapped
 
         if handler.unary_unary:
-            return handler._replace(unary_unary=wrap_unary(handler.unary_unary))
+            return handler._replace(unary_unary=unary(handler.unary_unary))
         if handler.stream_unary:
-            return handler._replace(stream_unary=wrap_unary(handler.stream_unary))
+            return handler._replace(stream_unary=unary(handler.stream_unary))
         if handler.unary_stream:
-            return handler._replace(unary_stream=wrap_stream(handler.unary_stream))
+            return handler._replace(unary_stream=stream(handler.unary_stream))
         if handler.stream_stream:
-            return handler._replace(stream_stream=wrap_stream(handler.stream_stream))
+            return handler._replace(stream_stream=stream(handler.stream_stream))
         return handler
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"  # internal services are not exposed by default
+    host: str = LOCAL_HOST  # internal services are not exposed by default
     port: int = 0
     max_workers: int = 64
-    grace_s: float = 10.0
+    grace_s: float = DEFAULT_GRACE_S
     max_connection_age_s: int = 300
 
 
@@ -140,6 +154,7 @@ class RunningServer:
         self.grace_s = grace_s
         self._on_stop = on_stop
         self._stopped = threading.Event()
+        self.run_worker: Callable[[], None] | None = None  # a model service's unthreaded worker loop
 
     def set_serving(self, is_serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -212,6 +227,14 @@ def remaining_timeout(context: grpc.ServicerContext, default_s: float) -> float:
     return max(0.0, remaining)
 
 
+class WorkerLoop(Protocol):
+    """A model service's worker loop (the engine's batch worker)."""
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 def start_model_server(service: str, host: str, port: int, grace_s: float, metrics_port: int,
                        registry, add_servicer: Callable[[grpc.Server], None], full_name: str,
                        stop_worker: Callable[[], None]) -> RunningServer:
@@ -230,12 +253,30 @@ def start_model_server(service: str, host: str, port: int, grace_s: float, metri
                         RpcMetrics.create(registry, service))
 
 
-def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], tuple]) -> int:
-    """A model service's `main`: JSON logs, torch threads, then the model worker loop on this
-    (the loading) thread while gRPC threads take requests, until SIGTERM drains it.
+def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any], tuple[S, WorkerLoop]],
+                        add_servicer: Callable[[S, grpc.Server], None], full_name: str) -> tuple[RunningServer, S]:
+    """The shared start of a model service once its models are loaded: its tracer and metrics
+    registry, `create(tracer, registry)` -> (servicer, worker loop), then `start_model_server`.
 
-    `build` returns (server, worker loop) with the worker not yet running."""
-    from specinfer.cli.main import configure_cpu_runtime
+    `cfg` has host, port, grace_s, metrics_port and otlp_endpoint. `exporter` is for tests.
+    Stopping the server drains RPCs, then stops the worker loop; an unthreaded loop is run by the
+    caller with `server.run_worker()`."""
+    tracer = setup_tracing(f"specinfer-{service}", cfg.otlp_endpoint, exporter)
+    registry = new_registry()
+    servicer, loop = create(tracer, registry)
+    server = start_model_server(service, cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
+                                lambda s: add_servicer(servicer, s), full_name, loop.stop)
+    server.run_worker = loop.run
+    return server, servicer
+
+
+def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], tuple]) -> int:
+    """A model service's serving loop: JSON logs, torch threads, then the model worker loop on
+    this (the loading) thread while gRPC threads take requests, until SIGTERM drains it.
+
+    `build` returns (server, worker loop) with the worker not yet running. A UserError while
+    loading (a missing checkpoint, no CUDA) is one log line and exit code 2."""
+    from specinfer.engine.runtime import configure_cpu_runtime
     from specinfer.serving.logs import setup_logging
 
     configure_cpu_runtime()  # before the first BLAS call, which is when MKL reads it
@@ -244,8 +285,30 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
         import torch
 
         torch.set_num_threads(num_threads)
-    server, run_worker = build()
+    try:
+        server, run_worker = build()
+    except UserError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     server.install_signal_handlers()
     run_worker()  # returns once stopping the server has stopped the worker
     server.wait()
     return 0
+
+
+def model_service_main(service: str, argv: list[str] | None, parse_config: Callable[[list[str] | None], Any],
+                       build: Callable[..., tuple[RunningServer, Any]]) -> int:
+    """A model service's `main`: its configuration (a bad value is one line on stderr and exit
+    code 2), then `build(cfg, is_worker_threaded=False)` and `serve_until_signalled`, the worker
+    loop on this thread. `build` starts its server with `start_model_service`."""
+    try:
+        cfg = parse_config(argv)
+    except UserError as exc:
+        print(f"specinfer-{service}: error: {exc}", file=sys.stderr)
+        return 2
+
+    def build_inline():
+        server, _ = build(cfg, is_worker_threaded=False)
+        return server, server.run_worker
+
+    return serve_until_signalled(service, cfg.log_level, cfg.num_threads, build_inline)

@@ -7,6 +7,7 @@ configured, off otherwise; tests pass an in-memory exporter.
 from __future__ import annotations
 
 import logging
+import uuid
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -18,6 +19,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 
 log = logging.getLogger(__name__)
+_TRACE_ID_ATTR = "specinfer_trace_id"  # set on an exception that leaves a server span
 
 
 def setup_tracing(service_name: str, otlp_endpoint: str | None, exporter: SpanExporter | None = None) -> trace.Tracer:
@@ -54,4 +56,35 @@ def server_span(tracer: trace.Tracer, name: str, context: grpc.ServicerContext, 
     with tracer.start_as_current_span(
         name, context=incoming_context(context), kind=trace.SpanKind.SERVER, attributes=attributes
     ) as span:
-        yield span
+        try:
+            yield span
+        except Exception as exc:
+            note_trace(exc, span)
+            raise
+
+
+def _hex_trace_id(span_context: trace.SpanContext) -> str | None:
+    return format(span_context.trace_id, "032x") if span_context.is_valid else None
+
+
+def note_trace(exc: BaseException, span: trace.Span) -> None:
+    """Remembers on the exception the trace of the span it is leaving, for the error interceptor
+    (the span has ended by the time the exception reaches it)."""
+    trace_id = _hex_trace_id(span.get_span_context())
+    if trace_id is not None and getattr(exc, _TRACE_ID_ATTR, None) is None:
+        try:
+            setattr(exc, _TRACE_ID_ATTR, trace_id)
+        except AttributeError:  # an exception type with __slots__
+            pass
+
+
+def error_trace_id(exc: BaseException, context: grpc.ServicerContext) -> str:
+    """The trace id to report an RPC's failure under: the server span the exception left, else
+    the current span, else the caller's trace; with tracing off everywhere, a fresh id of the
+    same form, so the client's message and the server's log line still name one id."""
+    return (
+        getattr(exc, _TRACE_ID_ATTR, None)
+        or _hex_trace_id(trace.get_current_span().get_span_context())
+        or _hex_trace_id(trace.get_current_span(incoming_context(context)).get_span_context())
+        or uuid.uuid4().hex
+    )

@@ -1,0 +1,174 @@
+"""Service settings: command-line flags with environment-variable fallbacks, and their defaults.
+
+Every service reads its configuration once, in `main()`, into a frozen dataclass: a flag wins,
+then its environment variable, then the default. A malformed or out-of-range value is a
+`UserError` that names the flag or the variable, which `main()` prints on one line (exit code 2).
+Plain Python: the gateway imports this too.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence, TypeVar
+
+from specinfer.errors import UserError
+
+T = TypeVar("T")
+
+# ---- the services' defaults ------------------------------------------------------------------
+LOCAL_HOST = "127.0.0.1"  # internal services are not exposed by default
+GATEWAY_PORT = 50051
+VERIFIER_PORT = 50052
+SPECULATOR_PORT = 50053
+DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
+DEFAULT_MAX_BATCH = 256  # requests in one forward pass
+DEFAULT_GRACE_S = 10.0  # drain period on SIGTERM
+DTYPES = ("float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_PORT = 65535
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+# ---- value parsers: a plain ValueError, or a UserError with its own message ------------------
+def parse_bool(text: str) -> bool:
+    """1/true/yes/on or 0/false/no/off, in any case."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise UserError(f"expected one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+
+
+def comma_list(text: str) -> list[str]:
+    """'a, b,,c' -> ['a', 'b', 'c']."""
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """A parser that accepts only `choices` (case-insensitive)."""
+
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise UserError(f"choose one of {', '.join(choices)}")
+        return value
+
+    parse.__name__ = "choice"
+    return parse
+
+
+def _type_name(parse: Callable) -> str:
+    return getattr(parse, "__name__", "value")
+
+
+def pick(value: T | None, env: Mapping[str, str], names: str | Sequence[str], parse: Callable[[str], T],
+         default: T) -> T:
+    """A flag's value if given, else the first set environment variable of `names`, parsed, else
+    `default`. A malformed variable is a UserError naming it."""
+    if value is not None:
+        return value
+    for name in (names,) if isinstance(names, str) else names:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            return parse(raw)
+        except UserError as exc:
+            raise UserError(f"environment variable {name}={raw!r}: {exc}") from None
+        except ValueError:
+            raise UserError(f"environment variable {name}={raw!r} is not a valid {_type_name(parse)}") from None
+    return default
+
+
+def check_range(name: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    """UserError unless low <= value <= high (either bound may be None)."""
+    if low is not None and value < low:
+        raise UserError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise UserError(f"{name} must be <= {high}, got {value}")
+
+
+def positive(name: str, value: float) -> None:
+    if value <= 0:
+        raise UserError(f"{name} must be > 0, got {value}")
+
+
+# ---- flags -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    """One setting: its flag, its environment variable(s), how to parse it, its default."""
+
+    name: str  # "--port"
+    env: str | tuple[str, ...]  # the variable, or several tried in order
+    parse: Callable[[str], Any]
+    default: Any
+    help: str = ""
+    is_list: bool = False  # repeatable flag; the variable holds a comma-separated list
+    low: float | None = None  # inclusive bounds, checked whatever the value's source
+    high: float | None = None
+    is_positive: bool = False  # > 0
+    shown_default: str | None = None  # the default as the help text shows it, when not str(default)
+
+    @property
+    def dest(self) -> str:
+        return self.name.lstrip("-").replace("-", "_")
+
+    @property
+    def envs(self) -> tuple[str, ...]:
+        return (self.env,) if isinstance(self.env, str) else self.env
+
+
+def _for_argparse(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse reports a UserError's own message, not 'invalid <type> value'."""
+
+    def wrapped(text: str):
+        try:
+            return parse(text)
+        except UserError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+    wrapped.__name__ = _type_name(parse)
+    return wrapped
+
+
+def add_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
+    """Adds the flag with no argparse default, so an unset flag can fall back to the environment."""
+    shown = flag.shown_default
+    if shown is None and flag.default not in (None, (), []):
+        is_seq = isinstance(flag.default, (tuple, list))
+        shown = ",".join(map(str, flag.default)) if is_seq else str(flag.default)
+    default = f", default {shown}" if shown else ""
+    help_text = f"{flag.help} (env {' or '.join(flag.envs)}{default})".lstrip()
+    p.add_argument(flag.name, type=_for_argparse(flag.parse), default=None, help=help_text,
+                   action="append" if flag.is_list else "store")
+
+
+def read_flags(p: argparse.ArgumentParser, flags: Sequence[Flag], argv: list[str] | None,
+               env: Mapping[str, str]) -> dict[str, Any]:
+    """Parses `argv` with `p` (which holds `flags`, added by `add_flag`, and maybe other
+    arguments); returns every argument by destination, each flag resolved flag > env > default
+    and range-checked."""
+    args = vars(p.parse_args(argv))
+    for flag in flags:
+        if flag.is_list:
+            parse_list = lambda text, parse=flag.parse: [parse(item) for item in comma_list(text)]  # noqa: E731
+            parse_list.__name__ = f"comma-separated list of {_type_name(flag.parse)}"
+            value = pick(args[flag.dest], env, flag.envs, parse_list, None)
+            value = tuple(flag.default if value is None else value)
+        else:
+            value = pick(args[flag.dest], env, flag.envs, flag.parse, flag.default)
+        where = f"{flag.name} ({' or '.join(flag.envs)})"
+        if value is not None and not flag.is_list:
+            check_range(where, value, flag.low, flag.high)
+            if flag.is_positive:
+                positive(where, value)
+        args[flag.dest] = value
+    return args
+
+
+def port_flag(name: str, env: str, default: int, help_text: str) -> Flag:
+    return Flag(name, env, int, default, help_text, low=0, high=MAX_PORT)

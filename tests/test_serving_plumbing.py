@@ -1,0 +1,408 @@
+"""Serving plumbing without models: the error interceptor (user errors vs server bugs, unary and
+streaming, mid-stream too, with the trace id in the reply and the log), the services'
+flag/environment configuration, and the model services' shared `main`."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.serving import grpc_server
+from specinfer.serving.grpc_server import ServerConfig, start_server, status_for
+from specinfer.serving.metrics import RpcMetrics, new_registry
+from specinfer.serving.tracing import server_span, setup_tracing
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE = "plumbing.Test"
+LOCAL = "127.0.0.1"
+TRACE_ID = re.compile(r"internal error \(trace ([0-9a-f]{32})\): (\w+)$")
+
+
+# ---- a tiny in-process server: bytes in, bytes out, behaviour chosen by the request ----------
+def _fail(kind: str, context):
+    if kind == "internal":
+        raise ValueError("double free of KV block 7")
+    if kind == "keyerror":
+        raise KeyError("slot 3")
+    if kind == "user":
+        raise UserError("prompt is empty")
+    if kind == "abort":
+        context.abort(grpc.StatusCode.NOT_FOUND, "no such session")
+    if kind == "downstream":
+        raise _Downstream()
+    raise AssertionError(kind)
+
+
+class _Downstream(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self):
+        return "the verifier is full"
+
+
+class _Servicer:
+    def __init__(self, tracer):
+        self.tracer = tracer
+
+    def unary(self, request: bytes, context):
+        kind = request.decode()
+        if kind == "ok":
+            return b"fine"
+        if kind == "traced":
+            with server_span(self.tracer, "test.unary", context):
+                _fail("internal", context)
+        _fail(kind, context)
+
+    def stream(self, request: bytes, context):
+        kind, _, when = request.decode().partition("@")
+        if when == "mid":
+            yield b"first"
+            yield b"second"
+        if kind == "ok":
+            return
+        if kind == "traced":
+            with server_span(self.tracer, "test.stream", context):
+                yield b"in span"
+                _fail("internal", context)
+        _fail(kind, context)
+
+
+@pytest.fixture
+def server():
+    """(channel, registry, exporter): a server whose servicer traces into `exporter`."""
+    exporter = InMemorySpanExporter()
+    servicer = _Servicer(setup_tracing("test", None, exporter))
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(servicer.stream),
+    })
+    registry = new_registry()
+    running = start_server(ServerConfig(port=0, grace_s=0), [lambda s: s.add_generic_rpc_handlers((handler,))],
+                           [SERVICE], rpc_metrics=RpcMetrics.create(registry, "test"))
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        yield channel, registry, exporter
+    finally:
+        channel.close()
+        running.stop(0)
+
+
+def _unary(channel, kind: str, metadata=None):
+    return channel.unary_unary(f"/{SERVICE}/Unary")(kind.encode(), timeout=10, metadata=metadata)
+
+
+def _stream(channel, kind: str) -> tuple[list[bytes], grpc.RpcError | None]:
+    received = []
+    try:
+        for item in channel.unary_stream(f"/{SERVICE}/Stream")(kind.encode(), timeout=10):
+            received.append(item)
+    except grpc.RpcError as exc:
+        return received, exc
+    return received, None
+
+
+def _error_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == grpc_server.__name__ and r.levelno >= logging.ERROR]
+
+
+def _count(registry, method: str, code: str) -> float:
+    value = registry.get_sample_value("specinfer_rpc_requests_total",
+                                      {"service": "test", "method": method, "code": code})
+    return value or 0.0
+
+
+# ---- the interceptor -------------------------------------------------------------------------
+def _assert_internal(err: grpc.RpcError, caplog, exc_type: str = "ValueError") -> str:
+    """INTERNAL, details naming only the exception type and a trace id that the logged
+    record (with its traceback) carries too; returns the trace id."""
+    assert err.code() == grpc.StatusCode.INTERNAL
+    match = TRACE_ID.match(err.details())
+    assert match, err.details()
+    assert match.group(2) == exc_type
+    assert "double free" not in err.details() and "slot" not in err.details()
+    records = _error_records(caplog)
+    assert len(records) == 1
+    record = records[0]
+    assert record.exc_info is not None and record.exc_info[0].__name__ == exc_type
+    assert record.fields["trace_id"] == match.group(1)
+    return match.group(1)
+
+
+def test_interceptor_internal_error_unary(server, caplog):
+    channel, registry, _ = server
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(channel, "internal")
+    _assert_internal(err.value, caplog)
+    assert _count(registry, "Unary", "INTERNAL") == 1
+    assert _count(registry, "Unary", "INVALID_ARGUMENT") == 0
+
+
+def test_interceptor_any_unknown_exception_is_internal(server, caplog):
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(server[0], "keyerror")
+    _assert_internal(err.value, caplog, "KeyError")
+
+
+def test_interceptor_user_error_unary(server, caplog):
+    channel, registry, _ = server
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(channel, "user")
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "prompt is empty"
+    assert not _error_records(caplog)
+    assert _count(registry, "Unary", "INVALID_ARGUMENT") == 1
+
+
+@pytest.mark.parametrize("when", ["", "@mid"])
+def test_interceptor_internal_error_stream(server, caplog, when):
+    received, err = _stream(server[0], "internal" + when)
+    assert received == ([b"first", b"second"] if when else [])
+    _assert_internal(err, caplog)
+    assert _count(server[1], "Stream", "INTERNAL") == 1
+
+
+@pytest.mark.parametrize("when", ["", "@mid"])
+def test_interceptor_user_error_stream(server, caplog, when):
+    received, err = _stream(server[0], "user" + when)
+    assert received == ([b"first", b"second"] if when else [])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details() == "prompt is empty"
+    assert not _error_records(caplog)
+
+
+def test_interceptor_keeps_a_status_the_servicer_set(server, caplog):
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(server[0], "abort")
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.NOT_FOUND, "no such session")
+    received, stream_err = _stream(server[0], "abort@mid")
+    assert received == [b"first", b"second"] and stream_err.code() == grpc.StatusCode.NOT_FOUND
+    assert not _error_records(caplog)
+    assert _count(server[1], "Unary", "NOT_FOUND") == 1
+
+
+def test_interceptor_keeps_a_downstream_status(server, caplog):
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(server[0], "downstream")
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.value.details() == "the verifier is full"
+    assert not _error_records(caplog)
+
+
+def test_interceptor_counts_successes(server):
+    assert _unary(server[0], "ok") == b"fine"
+    assert _stream(server[0], "ok@mid") == ([b"first", b"second"], None)
+    assert _count(server[1], "Unary", "OK") == 1 and _count(server[1], "Stream", "OK") == 1
+
+
+def test_interceptor_reports_the_server_span_trace(server, caplog):
+    channel, _, exporter = server
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(channel, "traced")
+    trace_id = _assert_internal(err.value, caplog)
+    (span,) = exporter.get_finished_spans()
+    assert format(span.context.trace_id, "032x") == trace_id
+    caplog.clear()
+    received, stream_err = _stream(channel, "traced")
+    assert received == [b"in span"]
+    trace_id = _assert_internal(stream_err, caplog)
+    assert format(exporter.get_finished_spans()[-1].context.trace_id, "032x") == trace_id
+
+
+def test_interceptor_reports_the_callers_trace_without_a_server_span(server, caplog):
+    caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    metadata = [("traceparent", f"00-{caller_trace}-00f067aa0ba902b7-01")]
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(server[0], "internal", metadata)
+    assert _assert_internal(err.value, caplog) == caller_trace
+
+
+@pytest.mark.parametrize("exc,code", [
+    (UserError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError("double free of KV block 1"), grpc.StatusCode.INTERNAL),
+    (KeyError("x"), grpc.StatusCode.INTERNAL),
+    (RuntimeError("x"), grpc.StatusCode.INTERNAL),
+    (NotFoundError("r1"), grpc.StatusCode.NOT_FOUND),
+    (CapacityError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (UnavailableError("redis"), grpc.StatusCode.UNAVAILABLE),
+    (ConnectionError("gone"), grpc.StatusCode.UNAVAILABLE),
+    (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
+])
+def test_interceptor_status_mapping(exc, code):
+    assert status_for(exc)[0] == code
+
+
+# ---- configuration ---------------------------------------------------------------------------
+def _verifier(argv=(), env=None):
+    from services.verifier.config import parse_config
+
+    return parse_config(["--model", "/models/llm", *argv], env or {})
+
+
+def _speculator(argv=(), env=None):
+    from services.speculator.config import parse_config
+
+    return parse_config(["--ssm", "/models/ssm", *argv], env or {})
+
+
+def test_config_defaults_are_the_product_constants():
+    from services.speculator.config import SpeculatorConfig
+    from services.verifier.config import VerifierConfig
+    from specinfer import limits
+    from specinfer.serving import settings
+
+    v, s = _verifier(), _speculator()
+    assert v.tree_width == limits.PAPER_TREE_WIDTH == VerifierConfig(Path("m")).tree_width
+    assert v.max_tree_nodes == limits.DEFAULT_MAX_TREE_NODES
+    assert (v.port, s.port) == (settings.VERIFIER_PORT, settings.SPECULATOR_PORT)
+    assert v.max_kv_tokens == s.max_kv_tokens == settings.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
+    assert v.max_batch == s.max_batch == settings.DEFAULT_MAX_BATCH
+    assert v.host == s.host == settings.LOCAL_HOST
+    assert v.is_load_aware and v.speculators == () and v.otlp_endpoint is None
+    assert v == VerifierConfig(Path("/models/llm"))
+    assert s == SpeculatorConfig((Path("/models/ssm"),))
+
+
+def test_config_flag_beats_env_beats_default():
+    env = {"SPECINFER_VERIFIER_PORT": "6000", "SPECINFER_TREE_WIDTH": "2,2", "SPECINFER_SPECULATORS": "a:1, b:2",
+           "SPECINFER_KV_TOKENS": "1024", "SPECINFER_LOAD_AWARE": "false", "SPECINFER_LOG_LEVEL": "DEBUG"}
+    v = _verifier([], env)
+    assert (v.port, v.tree_width, v.speculators, v.max_kv_tokens) == (6000, (2, 2), ("a:1", "b:2"), 1024)
+    assert not v.is_load_aware and v.log_level == "debug"
+    v = _verifier(["--port", "7000", "--speculator", "c:3", "--kv-budget", "2GiB"], env)
+    assert (v.port, v.speculators, v.kv_budget_bytes) == (7000, ("c:3",), 2 << 30)
+    assert _verifier(["--fixed-tree"]).is_load_aware is False
+    assert _verifier([], {"SPECINFER_KV_BUDGET": "512", "SPECINFER_KV_TOKENS": "1024"}).max_kv_tokens == 512
+    s = _speculator([], {"SPECINFER_SPECULATOR_PORT": "6001", "SPECINFER_SSM_KV_TOKENS": "4096"})
+    assert (s.port, s.max_kv_tokens) == (6001, 4096)
+    from services.speculator.config import parse_config
+
+    assert parse_config([], {"SPECINFER_SSM_DIRS": "/a,/b"}).ssm_dirs == (Path("/a"), Path("/b"))
+
+
+@pytest.mark.parametrize("name,value", [
+    ("SPECINFER_VERIFIER_PORT", "abc"), ("SPECINFER_MAX_BATCH", "1.5"), ("SPECINFER_TREE_WIDTH", "1,x"),
+    ("SPECINFER_MAX_TREE_NODES", "many"), ("SPECINFER_DEFAULT_DEADLINE_S", "soon"), ("SPECINFER_LOAD_AWARE", "maybe"),
+    ("SPECINFER_KV_BUDGET", "lots"), ("SPECINFER_DTYPE", "int8"), ("SPECINFER_THREADS", "four"),
+])
+def test_config_verifier_bad_env_value_names_the_variable(name, value):
+    with pytest.raises(UserError, match=f"environment variable {name}={value!r}"):
+        _verifier([], {name: value})
+
+
+@pytest.mark.parametrize("name,value", [
+    ("SPECINFER_SPECULATOR_PORT", "abc"), ("SPECINFER_SSM_KV_TOKENS", "64k"), ("SPECINFER_GRACE_S", "ten"),
+    ("SPECINFER_METRICS_PORT", "x"), ("SPECINFER_LOG_LEVEL", "loud"),
+])
+def test_config_speculator_bad_env_value_names_the_variable(name, value):
+    with pytest.raises(UserError, match=f"environment variable {name}={value!r}"):
+        _speculator([], {name: value})
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--max-tree-nodes", "0"], "--max-tree-nodes"), (["--port", "70000"], "--port"),
+    (["--max-batch", "0"], "--max-batch"), (["--default-deadline-s", "0"], "--default-deadline-s"),
+])
+def test_config_out_of_range_values_are_user_errors(argv, match):
+    with pytest.raises(UserError, match=match):
+        _verifier(argv)
+
+
+def test_config_required_models_are_user_errors():
+    from services.speculator.config import parse_config as speculator_config
+    from services.verifier.config import parse_config as verifier_config
+
+    with pytest.raises(UserError, match="SPECINFER_MODEL_DIR"):
+        verifier_config([], {})
+    with pytest.raises(UserError, match="SPECINFER_SSM_DIRS"):
+        speculator_config([], {})
+
+
+def test_config_error_in_main_is_one_line_and_exit_code_2(monkeypatch, capsys):
+    from services.speculator.server import main
+
+    monkeypatch.setenv("SPECINFER_SSM_DIRS", "/models/ssm")
+    monkeypatch.setenv("SPECINFER_SSM_KV_TOKENS", "abc")
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err == "specinfer-speculator: error: environment variable SPECINFER_SSM_KV_TOKENS='abc' is not a valid int\n"
+
+
+def test_config_load_error_in_main_is_one_log_line_and_exit_code_2(monkeypatch, caplog):
+    from specinfer.serving import logs
+
+    monkeypatch.setattr(logs, "setup_logging", lambda service, level: None)  # keep pytest's log capture
+
+    class Cfg:
+        log_level, num_threads = "info", 0
+
+    def build(cfg, is_worker_threaded):
+        raise UserError("no config.json in /models/llm")
+
+    assert grpc_server.model_service_main("verifier", [], lambda argv: Cfg(), build) == 2
+    (record,) = _error_records(caplog)
+    assert "no config.json" in record.getMessage() and record.exc_info is None
+
+
+def test_config_paper_width_is_written_once():
+    listed = subprocess.run(["git", "grep", "-l", "-E", r"1, ?1, ?3, ?1, ?1, ?1, ?1, ?1", "--", "specinfer", "services"],
+                            cwd=ROOT, capture_output=True, text=True).stdout.split()
+    assert listed == ["specinfer/limits.py"]
+
+
+def test_config_serving_imports_neither_the_cli_nor_torch_for_the_cpu_runtime():
+    for path in (ROOT / "specinfer" / "serving").glob("*.py"):
+        assert "specinfer.cli" not in path.read_text(), path
+    code = ("import sys; import specinfer.engine.runtime, specinfer.serving.grpc_server, specinfer.serving.settings; "
+            "assert 'torch' not in sys.modules and 'specinfer.cli' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_signal_stops_a_model_service_whose_worker_loop_runs_on_the_main_thread(monkeypatch):
+    """`model_service_main`: the worker loop runs on the calling thread until SIGTERM has
+    drained the server and stopped the loop; then `main` returns 0."""
+    from specinfer.engine import runtime
+    from specinfer.serving import logs
+
+    monkeypatch.setattr(logs, "setup_logging", lambda service, level: None)
+    monkeypatch.setattr(runtime, "configure_cpu_runtime", lambda: None)
+
+    class Loop:
+        def __init__(self):
+            self.stopped, self.ran_on = threading.Event(), None
+
+        def run(self):
+            self.ran_on = threading.current_thread()
+            os.kill(os.getpid(), signal.SIGTERM)  # the handlers are installed by now
+            assert self.stopped.wait(30)
+
+        def stop(self):
+            self.stopped.set()
+
+    class Cfg:
+        host, port, grace_s, metrics_port, otlp_endpoint, log_level, num_threads = LOCAL, 0, 0, 0, None, "info", 0
+
+    loop = Loop()
+
+    def build(cfg, is_worker_threaded):
+        assert not is_worker_threaded
+        return grpc_server.start_model_service(
+            "test", cfg, None, lambda tracer, registry: ("servicer", loop), lambda servicer, s: None, SERVICE)
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert grpc_server.model_service_main("test", [], lambda argv: Cfg(), build) == 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    assert loop.ran_on is threading.main_thread() and loop.stopped.is_set()
