@@ -185,3 +185,15 @@ def test_requests_joining_and_leaving_mid_flight_keep_greedy_outputs(tiny_pair, 
         together = [executor.submit(client, i) for i in range(len(jobs))]
         assert [f.result(timeout=120) for f in together] == alone
         assert max(batch_sizes) >= 3, batch_sizes  # they really overlapped
+
+
+def test_stopping_an_unthreaded_worker_ends_its_run_loop():
+    """A service runs its worker loop on the main thread; SIGTERM stops it from another thread."""
+    from specinfer.engine.workers import BatchWorker
+
+    worker = BatchWorker("test", lambda jobs: None, is_threaded=False)
+    loop = threading.Thread(target=worker.run, daemon=True)
+    loop.start()
+    worker.stop()
+    loop.join(timeout=5)
+    assert not loop.is_alive()

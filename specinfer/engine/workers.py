@@ -105,9 +105,11 @@ class BatchWorker:
             try:
                 job = self._queue.get_nowait()
             except queue.Empty:
-                return
+                break
             if job is not None and not job.future.done():
                 job.future.set_exception(UnavailableError("model worker is shutting down"))
+        if not self.is_threaded:
+            self._queue.put(None)  # the caller's `run()` may still be waiting for the end signal
 
     def run(self) -> None:
         """The worker loop, until `stop`. Call it on the thread that loaded the model when the
