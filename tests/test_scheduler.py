@@ -197,3 +197,28 @@ def test_stopping_an_unthreaded_worker_ends_its_run_loop():
     worker.stop()
     loop.join(timeout=5)
     assert not loop.is_alive()
+
+
+def test_model_passes_run_only_on_the_thread_that_runs_the_worker(tiny_pair, executor):
+    """A service runs the worker loop on its main thread (the one that loaded the model) while
+    request threads submit: no request thread may run a model pass itself."""
+    runner = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=4096, block_size=8)
+    pass_threads = set()
+    run = runner.run
+
+    def recording_run(works):
+        pass_threads.add(threading.current_thread().name)
+        return run(works)
+
+    runner.run = recording_run
+    scheduler = Scheduler(Verifier(runner), SchedulerConfig(), is_threaded=False)
+    loop = threading.Thread(target=scheduler.run, name="model-loop", daemon=True)
+    loop.start()
+    try:
+        outputs = [f.result(timeout=60) for f in [executor.submit(decode_greedy, scheduler, [5, 6, 7 + i], 12)
+                                                   for i in range(3)]]
+        assert all(len(o) == 12 for o in outputs)
+        assert pass_threads == {"model-loop"}
+    finally:
+        scheduler.stop()
+        loop.join(timeout=5)

@@ -141,7 +141,7 @@ class Engine:
         self.cfg = cfg
         self.verifier = Verifier(llm)
         self.source = source
-        self.scheduler = scheduler or Scheduler(self.verifier, cfg.scheduler, is_threaded=False)
+        self.scheduler = scheduler or Scheduler(self.verifier, cfg.scheduler, is_threaded=False, is_inline=True)
         self.max_context = max_context or llm.max_context
         self.policies: dict[tuple, LoadAwarePolicy] = {}  # per width bound, built on first load-aware use
         self.cost_model: CostModel | None = None
@@ -182,11 +182,12 @@ class Engine:
 
     def step(self, generations: list[Generation], should_stop: Callable[[], None] | None = None) -> list[list[int]]:
         """One speculate + verify iteration for every unfinished request; the tokens each kept.
-        While waiting for a threaded scheduler, `should_stop()` may raise to abandon the wait."""
+        While waiting for a scheduler that runs elsewhere, `should_stop()` may raise to abandon
+        the wait."""
         def verify(items: list[tuple[Generation, TokenTree]]) -> list[tuple[list[int], int]]:
             futures = [self.scheduler.verify(g.session, tree, g.params.sampling, g.verify_generator)
                        for g, tree in items]
-            if not self.scheduler.worker.is_threaded:
+            if self.scheduler.worker.is_inline:
                 self.scheduler.pump(futures)
             return [wait_result(f, should_stop) for f in futures]
 

@@ -56,12 +56,12 @@ class CachedSession:
 
 
 class Scheduler:
-    """Owns the LLM runner; every model call goes through its worker. Threaded in the verifier
-    service (request threads submit, one thread runs the passes); driven inline by the in-process
-    engine (`pump`)."""
+    """Owns the LLM runner; every model call goes through its worker. In the verifier service,
+    request threads submit and one thread runs the passes (its own, or the main thread calling
+    `run()`); the in-process engine drives it inline (`is_inline`, `pump`)."""
 
     def __init__(self, verifier: Verifier, cfg: SchedulerConfig = SchedulerConfig(),
-                 metrics: WorkerMetrics | None = None, is_threaded: bool = True):
+                 metrics: WorkerMetrics | None = None, is_threaded: bool = True, is_inline: bool = False):
         self.verifier = verifier
         self.runner = verifier.runner
         self.cfg = cfg
@@ -71,7 +71,7 @@ class Scheduler:
         self.cost_model = None  # a CostModel to keep current with measured passes (load-aware policy)
         if metrics is not None:
             self.runner.on_forward = metrics.iteration_tokens.observe
-        self.worker = BatchWorker("verifier-worker", self._process, cfg.max_batch, metrics, is_threaded)
+        self.worker = BatchWorker("verifier-worker", self._process, cfg.max_batch, metrics, is_threaded, is_inline)
 
     # ---- API for request handlers (any thread) ---------------------------------------------
 

@@ -58,7 +58,7 @@ class BatchWorker:
     """
 
     def __init__(self, name: str, process: Callable[[list[Job]], None], max_batch: int = 256,
-                 metrics: WorkerMetrics | None = None, is_threaded: bool = True):
+                 metrics: WorkerMetrics | None = None, is_threaded: bool = True, is_inline: bool = False):
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._process = process
         self._metrics = metrics
@@ -68,7 +68,11 @@ class BatchWorker:
         self._done = threading.Event()
         self._carried: list[Job] = []
         self._is_busy = False
+        # Who runs the iterations: a thread of its own (`is_threaded`), the thread that calls
+        # `run()` (a service's main thread, which loaded the model), or, `is_inline`, whoever
+        # waits for a result (`pump`: the in-process engine, on one thread).
         self.is_threaded = is_threaded
+        self.is_inline = is_inline and not is_threaded
         if is_threaded:
             threading.Thread(target=self.run, name=name, daemon=True).start()
 
@@ -83,12 +87,15 @@ class BatchWorker:
 
     def call(self, kind: str, *args, timeout: float | None = None) -> Any:
         future = self.submit(kind, *args)
-        if not self.is_threaded:
+        if self.is_inline:
             self.pump([future])
         return future.result(timeout=timeout)
 
     def pump(self, futures: list[Future]) -> None:
-        """Runs iterations on the calling thread until every future is done (unthreaded workers)."""
+        """Runs iterations on the calling thread until every future is done (inline workers only:
+        elsewhere, model passes belong to the worker's own thread)."""
+        if not self.is_inline:
+            raise RuntimeError("only an inline worker is pumped by its callers")
         while not all(f.done() for f in futures):
             if self._iterate(block=False) is None:
                 return
