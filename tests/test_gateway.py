@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from fake_verifier import FakeVerifier, cycle_successor, expected_tokens, start_fake_verifier
 from services.gateway.config import GatewayConfig, config_from_args
+from specinfer.errors import UserError
 from services.gateway.server import serve
 from services.gateway.stops import TextState, held_back_len
 from services.gateway.store import MemoryStore, RedisStore
@@ -703,6 +704,18 @@ def test_config_flags_and_env(tmp_path):
     cfg = config_from_args(["--port", "7000", "--max-concurrent-requests", "3"], env)
     assert cfg.port == 7000 and cfg.verifier_addr == "dns:///verifier:50052" and cfg.redis_url is None
     assert cfg.limits.max_new_tokens == 64 and cfg.limits.max_concurrent_requests == 3 and cfg.model_dir == tmp_path
+
+
+def test_config_rejects_bad_values_by_name(tmp_path):
+    env = {"SPECINFER_MODEL_DIR": str(tmp_path)}
+    with pytest.raises(UserError, match=r"SPECINFER_MAX_TOKENS='abc' is not a valid int"):
+        config_from_args([], {**env, "SPECINFER_MAX_TOKENS": "abc"})
+    with pytest.raises(UserError, match=r"--max-tokens .* must be > 0"):
+        config_from_args(["--max-tokens", "0"], env)
+    with pytest.raises(UserError, match="max_tree_depth must be <= 16"):
+        config_from_args(["--max-tree-depth", "17"], env)
+    with pytest.raises(UserError, match="--model-dir or SPECINFER_MODEL_DIR"):
+        config_from_args([], {})
 
 
 def test_client_library(gateway, fake):
