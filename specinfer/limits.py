@@ -22,6 +22,15 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
 MAX_TREE_NODES = 1024
 
+# ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
+DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
+DEFAULT_MAX_BATCH = 256  # requests in one forward pass
+DEFAULT_TOKEN_BUDGET = 512  # tokens per LLM pass: trees first, then prompt chunks
+DEFAULT_MAX_WAITING = 64  # requests queued for KV memory before RESOURCE_EXHAUSTED
+DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory
+DEFAULT_MAX_SESSIONS = 64  # idle sessions whose KV prefix the verifier keeps
+DEFAULT_DEADLINE_S = 300.0  # a request's deadline when its caller sets none
+
 # ---- requests --------------------------------------------------------------------------------
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say
 MAX_STOP_SEQUENCES = 8

@@ -40,7 +40,7 @@ from specinfer.serving.tracing import outgoing_metadata, setup_tracing
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
-from util import add_tokenizer
+from util import add_tokenizer, free_port
 
 VOCAB = 400
 CORPUS = ["the quick brown fox jumps over the lazy dog. ", "hello world, hello gateway. ",
@@ -48,12 +48,6 @@ CORPUS = ["the quick brown fox jumps over the lazy dog. ", "hello world, hello g
 SCRIPT_TEXT = " quick brown fox jumps over lazy dog."
 LIMITS = RequestLimits(max_prompt_tokens=64, max_new_tokens=256, default_max_new_tokens=16, max_concurrent_requests=8,
                        max_stop_sequences=4, max_tree_depth=8)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -6,19 +6,14 @@ import dataclasses
 
 import itertools
 
-import grpc
 import pytest
 
-from services.speculator.config import SpeculatorConfig
-from services.speculator.server import build as build_speculator
-from services.verifier.config import VerifierConfig
-from services.verifier.server import build as build_verifier
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.policy import AcceptanceStats, CostModel, LoadAwarePolicy, expected_accepted, num_nodes
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.tree import TokenTree
 from specinfer.v1 import specinfer_pb2 as pb
-from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from util import start_stack
 
 # An LLM pass that is memory-bound up to 16 tokens, then grows linearly (as measured on CPUs).
 BANDWIDTH_BOUND = CostModel([(1, 0.010), (16, 0.011), (64, 0.030), (256, 0.110)])
@@ -91,11 +86,10 @@ class AlternatingPolicy(LoadAwarePolicy):
 @pytest.mark.parametrize("first", [(2, 1, 1), ()])
 @pytest.mark.parametrize("sampling", [None, pb.SamplingParams(temperature=0.8, seed=7)])
 def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
-    spec, _ = build_speculator(SpeculatorConfig((tiny_pair.ssms[0],), port=0, device="cpu", grace_s=0))
-    verifier, servicer = build_verifier(VerifierConfig(tiny_pair.llm, (f"127.0.0.1:{spec.port}",), port=0,
-                                                       device="cpu", is_load_aware=False, grace_s=0))
+    stack = start_stack(tiny_pair.llm, [tiny_pair.ssms[0]], is_load_aware=False)
+    servicer = stack.verifier_servicer
     try:
-        stub = pb_grpc.VerifierStub(grpc.insecure_channel(f"127.0.0.1:{verifier.port}"))
+        stub = stack.verifier_stub
         prompt = [9, 8, 7, 6, 5]
         kwargs = dict(prompt_ids=prompt, max_new_tokens=60, speculate=True, ignore_eos=True)
         if sampling is not None:
@@ -113,8 +107,7 @@ def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
             plain = mode_params("incremental", 60, is_ignore_eos=True)
             assert runs[0] == engine.generate(prompt, plain).output_ids
     finally:
-        verifier.stop(0)
-        spec.stop(0)
+        stack.stop()
 
 
 def test_speculation_cost_fit_separates_fixed_and_per_level_time():

@@ -265,9 +265,14 @@ def test_config_defaults_are_the_product_constants():
     assert v.tree_width == limits.PAPER_TREE_WIDTH == VerifierConfig(Path("m")).tree_width
     assert v.max_tree_nodes == limits.DEFAULT_MAX_TREE_NODES
     assert (v.port, s.port) == (settings.VERIFIER_PORT, settings.SPECULATOR_PORT)
-    assert v.max_kv_tokens == s.max_kv_tokens == settings.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
-    assert v.max_batch == s.max_batch == settings.DEFAULT_MAX_BATCH
+    assert v.max_kv_tokens == s.max_kv_tokens == limits.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
+    assert v.max_batch == s.max_batch == limits.DEFAULT_MAX_BATCH
     assert v.host == s.host == settings.LOCAL_HOST
+    from specinfer.engine.scheduler import SchedulerConfig
+
+    sc = SchedulerConfig()  # the verifier's scheduler flags default to the scheduler's own defaults
+    assert (v.max_batch, v.token_budget, v.max_waiting, v.admission_timeout_s, v.max_sessions) == (
+        sc.max_batch, sc.token_budget, sc.max_waiting, sc.admission_timeout_s, sc.max_sessions)
     assert v.is_load_aware and v.speculators == () and v.otlp_endpoint is None
     assert v == VerifierConfig(Path("/models/llm"))
     assert s == SpeculatorConfig((Path("/models/ssm"),))

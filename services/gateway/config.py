@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from specinfer.errors import UserError
-from specinfer.limits import RequestLimits
+from specinfer.limits import DEFAULT_DEADLINE_S, RequestLimits
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, GATEWAY_PORT, LOCAL_HOST, LOG_LEVELS, VERIFIER_PORT, Flag, add_flag, one_of, port_flag,
     read_flags,
@@ -29,7 +29,7 @@ class GatewayConfig:
     redis_url: str | None = None  # None = embedded in-memory store
     model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
-    default_deadline_s: float = 300.0  # when the client sets no deadline
+    default_deadline_s: float = DEFAULT_DEADLINE_S  # when the client sets no deadline
     request_ttl_s: int = 24 * 3600
     session_ttl_s: int = 24 * 3600
     stale_after_s: float = 30.0  # a "running" request with no progress for this long is taken over

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Mapping
 
 from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DTYPES, LOCAL_HOST, LOG_LEVELS, SPECULATOR_PORT, Flag,
+    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, LOG_LEVELS, SPECULATOR_PORT, Flag,
     add_flag, one_of, port_flag, read_flags,
 )
 

@@ -13,9 +13,13 @@ from pathlib import Path
 from typing import Mapping
 
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_MAX_TREE_NODES, MAX_TREE_NODES, PAPER_TREE_WIDTH, parse_tree_width
+from specinfer.limits import (
+    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_SESSIONS,
+    DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
+    parse_tree_width,
+)
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DTYPES, LOCAL_HOST, LOG_LEVELS, VERIFIER_PORT, Flag,
+    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, LOG_LEVELS, VERIFIER_PORT, Flag,
     add_flag, one_of, parse_bool, pick, port_flag, read_flags,
 )
 
@@ -33,12 +37,12 @@ class VerifierConfig:
     max_batch: int = DEFAULT_MAX_BATCH
     tree_width: tuple[int, ...] = PAPER_TREE_WIDTH
     max_tree_nodes: int = DEFAULT_MAX_TREE_NODES
-    default_deadline_s: float = 300.0
+    default_deadline_s: float = DEFAULT_DEADLINE_S
     speculator_step_timeout_s: float = 5.0
-    max_sessions: int = 64
-    token_budget: int = 512
-    max_waiting: int = 64
-    admission_timeout_s: float = 30.0
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    max_waiting: int = DEFAULT_MAX_WAITING
+    admission_timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S
     is_load_aware: bool = True  # requests without an explicit tree shape get one per step from the policy
     otlp_endpoint: str | None = None
     metrics_port: int = 0

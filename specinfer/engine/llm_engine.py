@@ -1,10 +1,12 @@
-"""The in-process engine: LLM and SSMs in one process (SpecInfer Section 2, Figure 2).
+"""The engine: the LLM, its scheduler and a source of token trees (SpecInfer Section 2, Figure 2).
 
-It drives the same decode loop as the verifier service (`specinfer.engine.loop.run_step`) and
-verifies through the same scheduler (`specinfer.engine.scheduler.Scheduler`), run inline on the
-caller's thread. Trees come from local SSMs: every request that asked for a tree this step gets
-it from one batched SSM pass per level. Incremental decoding is the same loop with root-only
-trees: the baseline for every speedup, and the fallback when no SSM is available.
+One `Engine` serves both paths. In process (`Engine.from_runners`: `specinfer generate`,
+`specinfer bench`) the scheduler runs inline on the caller's thread and trees come from local
+SSMs, every request's tree of a step from one batched SSM pass per level (`LocalSpeculation`).
+In the verifier service the scheduler runs on the model's thread, trees stream from speculator
+services, and each request steps on its own RPC thread. Either way a step is
+`specinfer.engine.loop.run_step`. Incremental decoding is the same loop with root-only trees:
+the baseline for every speedup, and the fallback when no SSM is available.
 """
 
 from __future__ import annotations

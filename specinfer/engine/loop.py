@@ -164,6 +164,7 @@ class Generation:
         self.is_done = False
         self._has_asked = False
         self._measured = None  # (guard ticket, tokens, start) of the previous step
+        self._ticket = None  # the guard's ticket for this step's widths
         self._step_started = 0.0
         self._started = time.perf_counter()
 

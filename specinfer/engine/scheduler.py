@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specinfer import limits
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verifier import LLMState, Verifier
 from specinfer.engine.workers import BatchWorker, Job, WorkerMetrics
@@ -30,12 +31,12 @@ from specinfer.params import SamplingParams
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_batch: int = 256
-    token_budget: int = 512  # tokens per forward pass, trees first, then prompt chunks
+    max_batch: int = limits.DEFAULT_MAX_BATCH
+    token_budget: int = limits.DEFAULT_TOKEN_BUDGET  # tokens per forward pass, trees first, then prompt chunks
     min_prefill_chunk: int = 32  # a prompt always advances by at least this much
-    max_waiting: int = 64  # requests queued for KV memory before RESOURCE_EXHAUSTED
-    admission_timeout_s: float = 30.0
-    max_sessions: int = 64
+    max_waiting: int = limits.DEFAULT_MAX_WAITING  # requests queued for KV memory before RESOURCE_EXHAUSTED
+    admission_timeout_s: float = limits.DEFAULT_ADMISSION_TIMEOUT_S
+    max_sessions: int = limits.DEFAULT_MAX_SESSIONS
 
 
 @dataclass

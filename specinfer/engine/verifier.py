@@ -26,7 +26,7 @@ class LLMState:
     pending: list[int]  # verified tokens not yet in the LLM cache; the last one is the next root
 
 
-VerifyItem = tuple[LLMState, TokenTree, SamplingParams, "torch.Generator | None"]
+VerifyItem = tuple[LLMState, TokenTree, SamplingParams, torch.Generator | None]
 
 
 class Verifier:

@@ -22,6 +22,7 @@ from specinfer.engine.sampling import make_generator
 from specinfer.engine.speculator import SSMState, SSMTree, Speculator
 from specinfer.engine.tree import TokenTree
 from specinfer.errors import UnavailableError
+from specinfer.limits import DEFAULT_MAX_BATCH
 from specinfer.params import SamplingParams, TreeShape
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class BatchWorker:
     prompt read in chunks, or a request waiting for KV memory, stays in the worker's hands.
     """
 
-    def __init__(self, name: str, process: Callable[[list[Job]], None], max_batch: int = 256,
+    def __init__(self, name: str, process: Callable[[list[Job]], None], max_batch: int = DEFAULT_MAX_BATCH,
                  metrics: WorkerMetrics | None = None, is_threaded: bool = True, is_inline: bool = False):
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._process = process
@@ -189,7 +190,7 @@ class SpecSession:
 class SpeculatorWorker:
     """Builds token trees for many requests at once (one batched SSM pass per tree level)."""
 
-    def __init__(self, speculator: Speculator, max_batch: int = 256, metrics: WorkerMetrics | None = None,
+    def __init__(self, speculator: Speculator, max_batch: int = DEFAULT_MAX_BATCH, metrics: WorkerMetrics | None = None,
                  is_threaded: bool = True):
         self.speculator = speculator
         self.metrics = metrics
