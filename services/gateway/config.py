@@ -16,8 +16,7 @@ from typing import Mapping
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, RequestLimits
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, GATEWAY_PORT, LOCAL_HOST, LOG_LEVELS, VERIFIER_PORT, Flag, add_flag, one_of, port_flag,
-    read_flags,
+    DEFAULT_GRACE_S, GATEWAY_PORT, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, port_flag, read_flags,
 )
 
 
@@ -74,11 +73,7 @@ def _flags() -> list[Flag]:
         Flag("--request-ttl-s", "SPECINFER_REQUEST_TTL_S", int, d["request_ttl_s"], "request state TTL",
              is_positive=True),
         Flag("--session-ttl-s", "SPECINFER_SESSION_TTL_S", int, d["session_ttl_s"], "session TTL", is_positive=True),
-        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, d["otlp_endpoint"],
-             "OTLP/gRPC trace endpoint; unset = off"),
-        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", d["metrics_port"], "Prometheus /metrics port; 0 = off"),
-        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), d["log_level"], ", ".join(LOG_LEVELS)),
-        Flag("--grace-s", "SPECINFER_GRACE_S", float, d["grace_s"], "drain period on SIGTERM", low=0),
+        *common_flags(d, has_threads=False),
     ]
 
 

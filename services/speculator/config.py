@@ -15,8 +15,8 @@ from typing import Mapping
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, LOG_LEVELS, SPECULATOR_PORT, Flag,
-    add_flag, one_of, port_flag, read_flags,
+    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, common_flags, one_of, port_flag,
+    read_flags,
 )
 
 
@@ -49,13 +49,7 @@ def _flags() -> list[Flag]:
              is_positive=True),
         Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
              is_positive=True),
-        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, d["otlp_endpoint"],
-             "OTLP/gRPC trace endpoint; unset = off"),
-        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", d["metrics_port"], "Prometheus /metrics port; 0 = off"),
-        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), d["log_level"], ", ".join(LOG_LEVELS)),
-        Flag("--grace-s", "SPECINFER_GRACE_S", float, d["grace_s"], "drain period on SIGTERM", low=0),
-        Flag("--threads", "SPECINFER_THREADS", int, d["num_threads"], "torch intra-op threads (0 = torch's default)",
-             low=0),
+        *common_flags(d),
     ]
 
 

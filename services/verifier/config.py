@@ -19,8 +19,8 @@ from specinfer.limits import (
     parse_tree_width,
 )
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, LOG_LEVELS, VERIFIER_PORT, Flag,
-    add_flag, one_of, parse_bool, pick, port_flag, read_flags,
+    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, one_of, parse_bool, pick,
+    port_flag, read_flags,
 )
 
 
@@ -84,13 +84,7 @@ def _flags() -> list[Flag]:
              "requests that may queue for KV memory before RESOURCE_EXHAUSTED", low=0),
         Flag("--admission-timeout-s", "SPECINFER_ADMISSION_TIMEOUT_S", float, d["admission_timeout_s"],
              "longest wait for KV memory", is_positive=True),
-        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, d["otlp_endpoint"],
-             "OTLP/gRPC trace endpoint; unset = off"),
-        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", d["metrics_port"], "Prometheus /metrics port; 0 = off"),
-        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), d["log_level"], ", ".join(LOG_LEVELS)),
-        Flag("--grace-s", "SPECINFER_GRACE_S", float, d["grace_s"], "drain period on SIGTERM", low=0),
-        Flag("--threads", "SPECINFER_THREADS", int, d["num_threads"], "torch intra-op threads (0 = torch's default)",
-             low=0),
+        *common_flags(d),
     ]
 
 

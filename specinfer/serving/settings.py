@@ -170,3 +170,20 @@ def read_flags(p: argparse.ArgumentParser, flags: Sequence[Flag], argv: list[str
 
 def port_flag(name: str, env: str, default: int, help_text: str) -> Flag:
     return Flag(name, env, int, default, help_text, low=0, high=MAX_PORT)
+
+
+def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Flag]:
+    """The settings every service has: tracing, metrics, logs, draining (and torch threads for
+    the model services). `defaults` maps the config's field names to their defaults."""
+    flags = [
+        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, defaults["otlp_endpoint"],
+             "OTLP/gRPC trace endpoint; unset = off"),
+        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", defaults["metrics_port"],
+                  "Prometheus /metrics port; 0 = off"),
+        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), defaults["log_level"], ", ".join(LOG_LEVELS)),
+        Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"], "drain period on SIGTERM", low=0),
+    ]
+    if has_threads:
+        flags.append(Flag("--threads", "SPECINFER_THREADS", int, defaults["num_threads"],
+                          "torch intra-op threads (0 = torch's default)", low=0))
+    return flags
