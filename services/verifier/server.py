@@ -118,10 +118,10 @@ class StepSpans:
             self.metrics.fallbacks.inc()
             self.request_span.add_event("speculator_fallback", {"speculator": name})
 
-    def verified(self, step: int, tree: TokenTree, accepted: list[int], kept: list[int], started: float,
-                 ended: float) -> None:
+    def verified(self, step: int, tree: TokenTree, accepted: list[int], kept: list[int], batch_size: int,
+                 started: float, ended: float) -> None:
         self._span("verifier.verify_tree", started, ended, step=step, tree_nodes=len(tree),
-                   accepted_length=len(accepted))
+                   accepted_length=len(accepted), batch_size=batch_size)
         self.metrics.observe_step(len(tree), len(accepted), is_speculated=len(tree) > 1)
         self.metrics.output_tokens.inc(len(kept))
 

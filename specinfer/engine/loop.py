@@ -74,8 +74,8 @@ class StepObserver(Protocol):
 
     def speculated(self, step: int, draft: DraftTree, started: float, ended: float) -> None: ...
 
-    def verified(self, step: int, tree: TokenTree, accepted: list[int], kept: list[int], started: float,
-                 ended: float) -> None: ...
+    def verified(self, step: int, tree: TokenTree, accepted: list[int], kept: list[int], batch_size: int,
+                 started: float, ended: float) -> None: ...
 
 
 class WidthChoice:
@@ -217,7 +217,8 @@ class Generation:
         # The first step's time includes the prompt's prefill: not a speculation step.
         self._measured = (self._ticket, len(accepted) + 1, self._step_started) if self._ticket and step else None
         if self.observer is not None:
-            self.observer.verified(step, tree, accepted, kept, verify_started, time.perf_counter())
+            self.observer.verified(step, tree, accepted, kept, self.session.last_batch_size, verify_started,
+                                   time.perf_counter())
         if self.result.is_finished(self.params.max_new_tokens):
             self.is_done = True
             self.result.latency_s = time.perf_counter() - self._started
