@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specinfer.limits import PAPER_TREE_WIDTH
+
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_PROMPTS = REPO / "benchmarks" / "reference-prompts.jsonl"
 
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kl-weight", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--widths", default="1,1,3,1,1,1,1,1")
+    ap.add_argument("--widths", default=",".join(map(str, PAPER_TREE_WIDTH)))
     ap.add_argument("--bench-prompts", type=int, default=0, help="use only the first N benchmark prompts (0 = all)")
     ap.add_argument("--output", type=Path, help="write the JSON result here")
     args = ap.parse_args(argv)
