@@ -19,7 +19,9 @@ What gets built (every model directory is an ordinary Hugging Face checkpoint):
   stdlib files (listed in ``heldout_files.json``), for benchmarks;
 * ``manifest.json``: written last; a directory without a valid manifest is never used.
 
-Training is by step counts, with seeded data order, so a build does not depend on wall-clock time.
+Training is by step counts, with seeded data order, so a build does not depend on wall-clock time;
+only the CPU threads it runs on, which follow the machine's load, can change the last bits of the
+weights.
 
 This module is the entry point (`ensure_demo_models`); the parts live beside it: `demo_budget`
 (shapes and budgets), `demo_corpus` (stdlib split and prompts), `demo_training` (tokenizer,

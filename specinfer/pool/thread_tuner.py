@@ -2,7 +2,8 @@
 
 Building the demo models (`specinfer.pool.demo_models`) trains for minutes on whatever CPUs the
 machine has; other processes come and go meanwhile. `ThreadTuner` keeps torch on as many threads
-as there are CPUs left free; the thread count never changes the result.
+as there are CPUs left free. Parallel reductions split differently on another thread count, so
+the count can change the last bits of the trained weights (not how well they are trained).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class ThreadTuner:
 
     With one thread per core, a core shared with another busy process stalls every parallel
     region: on two cores a training step took 5x longer on 2 threads, 2x on 1. So the count is
-    re-checked every `every` steps from /proc/stat (all CPU time, less this process's own). The
-    thread count does not change the result: builds on 1 and 2 threads are bitwise identical.
+    re-checked every `every` steps from /proc/stat (all CPU time, less this process's own). A
+    build is bitwise reproducible for a given seed, budget and sequence of thread counts.
     """
 
     def __init__(self, every: int = 20):
