@@ -93,6 +93,8 @@ class GenerationParams:
 
     @classmethod
     def from_json(cls, d: dict) -> "GenerationParams":
+        if "tree" in d or "max_tokens" in d:
+            d = _from_earlier_json(d)
         shape = dict(d.get("shape") or {})
         return cls(
             max_new_tokens=int(d.get("max_new_tokens", 0)),
@@ -119,3 +121,19 @@ class GenerationParams:
             raise UserError(f"shape.max_nodes: at most {request_limits.max_tree_nodes}, got {self.shape.max_nodes}")
         max_new = self.max_new_tokens or min(request_limits.default_max_new_tokens, request_limits.max_new_tokens)
         return replace(self, max_new_tokens=max_new)
+
+
+def _from_earlier_json(d: dict) -> dict:
+    """A stored request written by an earlier gateway ("max_tokens", and a "tree" whose unset
+    fields were 0), so requests in flight during an upgrade still resume."""
+    tree = d.get("tree") or {}
+    shape = {}
+    if tree.get("widths"):
+        shape = {"widths": tree["widths"], "max_nodes": tree.get("max_nodes") or limits.DEFAULT_MAX_TREE_NODES,
+                 "is_sampled": bool(tree.get("is_sampled")),
+                 "proposal_top_k": tree.get("proposal_top_k") or limits.DEFAULT_PROPOSAL_TOP_K,
+                 "min_path_prob": float(tree.get("min_path_prob") or 0.0),
+                 "policy": {2: "mixed"}.get(tree.get("policy"), "merge")}
+    return {"max_new_tokens": d.get("max_tokens", 0), "sampling": d.get("sampling"), "shape": shape,
+            "is_speculative": d.get("is_speculative", True), "ssm_names": tree.get("ssm_names") or (),
+            "stop": d.get("stop") or (), "is_ignore_eos": d.get("is_ignore_eos", False)}

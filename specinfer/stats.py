@@ -78,5 +78,10 @@ class GenerationStats:
 
     @classmethod
     def from_json(cls, d: dict | None) -> "GenerationStats":
+        d = dict(d or {})
+        steps = d.get("llm_steps") or 0
+        for total, mean in (("num_accepted", "mean_accepted"), ("num_tree_nodes", "mean_tree_nodes")):
+            if total not in d and d.get(mean) is not None:  # stored by an earlier gateway, as means
+                d[total] = float(d[mean]) * steps
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+        return cls(**{k: v for k, v in d.items() if k in known})
