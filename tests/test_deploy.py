@@ -698,7 +698,7 @@ def test_spans_are_named_by_what_they_do_and_carry_the_numbers(live):
         for s in by_name[name]:
             assert s.attributes.get("request_id") == rid, f"{name} lacks request_id"
     required = {"verifier.speculate": {"tree_nodes"}, "verifier.verify_tree": {"tree_nodes", "accepted_length", "batch_size"},
-                "speculator.build_tree": {"tree_nodes"}, "verifier.generate": {"prompt_tokens"},
+                "speculator.build_tree": {"tree_nodes"}, "verifier.generate": {"prompt_tokens", "output_tokens", "llm_steps"},
                 "gateway.generate": {"output_tokens"}}
     for name, attrs in required.items():
         for s in by_name[name]:

@@ -69,6 +69,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                     (kept,) = self.engine.step([generation], should_stop)
                     yield self._response(generation, kept)
                 is_ok = True
+                span.set_attribute("output_tokens", len(generation.result.output_ids))
+                span.set_attribute("llm_steps", generation.result.num_llm_steps)
             finally:
                 if not is_ok and context.is_active() is False:
                     span.add_event("cancelled")
