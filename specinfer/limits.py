@@ -22,6 +22,11 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
 MAX_TREE_NODES = 1024
 
+# ---- sampling --------------------------------------------------------------------------------
+# Below this temperature decoding is greedy: the warped distribution is the argmax there anyway,
+# and dividing logits by a far smaller temperature overflows to inf/NaN probabilities.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
 # ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
 DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
 DEFAULT_MAX_BATCH = 256  # requests in one forward pass

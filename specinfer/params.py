@@ -17,7 +17,7 @@ from specinfer.errors import UserError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or below limits.MIN_SAMPLING_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
     seed: int | None = None
@@ -27,7 +27,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small (< MIN_SAMPLING_TEMPERATURE) that sampling is argmax."""
+        return self.temperature < limits.MIN_SAMPLING_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-from specinfer.engine.llm_engine import Engine, GenerationResult, Verifier, mode_params
+from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.loop import GenerationResult
+from specinfer.engine.verifier import Verifier
 from specinfer.errors import CapacityError
 from specinfer.engine.runner import ModelRunner
 from specinfer.params import SamplingParams
@@ -222,3 +224,67 @@ def test_model_passes_run_only_on_the_thread_that_runs_the_worker(tiny_pair, exe
     finally:
         scheduler.stop()
         loop.join(timeout=5)
+
+
+def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair):
+    """One pass verifies three requests' trees; the middle one's tree is poisoned (a sampled
+    draft whose proposal has the wrong size). It fails alone; the others decode on, exactly."""
+    import torch
+
+    from specinfer.engine.tree import Draft
+
+    engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
+    runner = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=1024, block_size=8)
+    scheduler = Scheduler(Verifier(runner), SchedulerConfig(), is_threaded=False, is_inline=True)  # one pass each
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    sessions = [scheduler.open(p, None, len(p) + 20) for p in prompts]
+    sampled = SamplingParams(temperature=1.0, seed=1)
+    try:
+        outputs = [[] for _ in prompts]
+        for step in range(8):
+            futures = []
+            for i, session in enumerate(sessions):
+                if session is None:
+                    futures.append(None)
+                    continue
+                root = session.state.pending[-1]
+                tree = TokenTree.with_root(root)
+                if i == 1 and step == 3:  # poison: a child drawn from a proposal of the wrong size
+                    tree.add_draft(0, 4, torch.full((3,), 1 / 3))
+                    futures.append(scheduler.verify(session, tree, sampled, torch.Generator().manual_seed(0)))
+                else:
+                    futures.append(scheduler.verify(session, tree, SamplingParams(), None))
+            scheduler.pump([f for f in futures if f is not None])  # all of them in one forward pass
+            for i, future in enumerate(futures):
+                if future is None:
+                    continue
+                if i == 1 and step == 3:
+                    with pytest.raises(IndexError):
+                        future.result(timeout=30)
+                    scheduler.close(sessions[1], None)
+                    sessions[1] = None
+                    continue
+                accepted, bonus = future.result(timeout=30)
+                outputs[i] += accepted + [bonus]
+        plain = mode_params("incremental", 8, is_ignore_eos=True)
+        for i in (0, 2):
+            assert outputs[i] == engine.generate(prompts[i], plain).output_ids
+        assert len(outputs[1]) == 3
+    finally:
+        for session in sessions:
+            if session is not None:
+                scheduler.close(session, None)
+
+
+def test_tiny_temperatures_decode_greedily_instead_of_overflowing(tiny_pair):
+    """temperature=1e-40 is positive, so it used to be sampled: its probabilities overflowed to
+    NaN and failed every request in the same pass. It is greedy now, and its neighbours are fine."""
+    from specinfer.params import GenerationParams
+
+    assert SamplingParams(temperature=1e-40).is_greedy and not SamplingParams(temperature=1e-4).is_greedy
+    engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
+    tiny = GenerationParams(12, SamplingParams(temperature=1e-40, seed=3), is_speculative=False, is_ignore_eos=True)
+    plain = GenerationParams(12, is_speculative=False, is_ignore_eos=True)
+    batch = [engine.start([5, 6, 7], tiny), engine.start([8, 9, 10], plain), engine.start([5, 6, 7], plain)]
+    results = engine.generate_batch(batch)
+    assert results[0].output_ids == results[2].output_ids and len(results[1].output_ids) == 12

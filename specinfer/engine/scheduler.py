@@ -198,7 +198,10 @@ class Scheduler:
             self.cost_model.observe(num_tokens, time.perf_counter() - started)
         for job, result in zip(ready, results):
             job.args[0].last_batch_size = len(ready)
-            job.future.set_result(result)
+            if isinstance(result, Exception):  # that request fails alone; its neighbours go on
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)
         return carried, True
 
     @staticmethod

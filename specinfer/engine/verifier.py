@@ -39,27 +39,39 @@ class Verifier:
     def release(self, state: LLMState) -> None:
         state.seq.free()
 
-    def step(self, items: list[VerifyItem], prefills: list[tuple[LLMState, int]]) -> list[tuple[list[int], int]]:
+    def step(self, items: list[VerifyItem], prefills: list[tuple[LLMState, int]]
+             ) -> list[tuple[list[int], int] | Exception]:
         """One LLM forward pass: every item's pending tokens plus its tree, and `prefills`
         (state, n): the next n pending tokens of requests whose prompt is still being read in
-        chunks. Returns (accepted tokens, bonus) per item."""
+        chunks. Returns (accepted tokens, bonus) per item, or the exception that failed that
+        item alone (invalid logits, probabilities or tree): the other items are not affected."""
         works = [chain_work(state.seq, state.pending[:n], "none") for state, n in prefills]
         works += [tree_work(state, tree) for state, tree, _, _ in items]
         all_logits = self.runner.run(works)  # one pass over every request's chunk or tree
         for state, n in prefills:
             state.seq.num_committed += n
             state.pending = state.pending[n:]
-        results = []
-        for (state, tree, params, gen), logits in zip(items, all_logits[len(prefills):]):
-            if params.is_greedy:
-                path, bonus = verify_greedy(tree, logits.argmax(dim=-1).tolist())
-            else:
-                path, bonus = verify_stochastic(tree, target_probs(logits, params), gen)
-            num_chain = len(state.pending) - 1
-            self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
-            state.pending = [bonus]
-            results.append(([tree.tokens[n] for n in path[1:]], bonus))
+        results: list[tuple[list[int], int] | Exception] = []
+        for item, logits in zip(items, all_logits[len(prefills):]):
+            try:
+                results.append(self._accept(*item, logits))
+            except Exception as exc:  # noqa: BLE001 - it belongs to this item's request only
+                results.append(exc)
         return results
+
+    def _accept(self, state: LLMState, tree: TokenTree, params: SamplingParams, generator, logits: torch.Tensor
+                ) -> tuple[list[int], int]:
+        """Verifies one tree against its logits and commits the accepted path's KV."""
+        if not bool(torch.isfinite(logits).all()):
+            raise ArithmeticError("the LLM produced non-finite logits for this request")
+        if params.is_greedy:
+            path, bonus = verify_greedy(tree, logits.argmax(dim=-1).tolist())
+        else:
+            path, bonus = verify_stochastic(tree, target_probs(logits, params), generator)
+        num_chain = len(state.pending) - 1
+        self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
+        state.pending = [bonus]
+        return [tree.tokens[n] for n in path[1:]], bonus
 
 
 def tree_work(state: LLMState, tree: TokenTree) -> Work:
