@@ -67,10 +67,11 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             try:
                 while not generation.is_done:
                     (kept,) = self.engine.step([generation], should_stop)
+                    if generation.is_done:  # before the last message: the caller may close the stream on it
+                        is_ok = True
+                        span.set_attribute("output_tokens", len(generation.result.output_ids))
+                        span.set_attribute("llm_steps", generation.result.num_llm_steps)
                     yield self._response(generation, kept)
-                is_ok = True
-                span.set_attribute("output_tokens", len(generation.result.output_ids))
-                span.set_attribute("llm_steps", generation.result.num_llm_steps)
             finally:
                 if not is_ok and context.is_active() is False:
                     span.add_event("cancelled")
