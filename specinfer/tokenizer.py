@@ -41,7 +41,9 @@ class TextTokenizer:
         return self.tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tok.encode(text).ids
+        # encode_batch releases the GIL while it works (encode does not): a long text tokenizing
+        # on one server thread does not stall every other thread of the process.
+        ids = self.tok.encode_batch([text])[0].ids
         if self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids

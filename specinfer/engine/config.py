@@ -65,6 +65,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        if raw.get("auto_map"):  # its model is defined by code shipped with it, not by this module
+            classes = raw["auto_map"]
+            named = ", ".join(sorted(map(str, classes.values()))) if isinstance(classes, dict) else str(classes)
+            raise UserError(f"config.json has auto_map ({named}): the checkpoint needs its own (remote) model code, "
+                            "which is never run here; only standard Llama and Mistral checkpoints are supported")
         architectures = raw.get("architectures") or []
         arch = architectures[0] if architectures else None
         if arch is None and raw.get("model_type") in ("llama", "mistral"):
