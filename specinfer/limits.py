@@ -17,6 +17,7 @@ from specinfer.errors import UserError
 PAPER_TREE_WIDTH = (1, 1, 3, 1, 1, 1, 1, 1)  # the paper's expansion config <k1, ..., km>
 DEFAULT_MAX_TREE_NODES = 64
 DEFAULT_PROPOSAL_TOP_K = 32  # sampled children come from the SSM's q truncated to this many tokens
+MAX_PROPOSAL_TOP_K = 128  # bounds a sampled tree on the wire (see DEFAULT_MAX_MESSAGE_BYTES)
 TREE_POLICIES = ("merge", "mixed")
 MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
@@ -35,6 +36,22 @@ DEFAULT_MAX_WAITING = 64  # requests queued for KV memory before RESOURCE_EXHAUS
 DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory
 DEFAULT_MAX_SESSIONS = 64  # idle sessions whose KV prefix the verifier keeps
 DEFAULT_DEADLINE_S = 300.0  # a request's deadline when its caller sets none
+
+# ---- messages on the wire: every server and every channel a service opens ------------------
+# The largest legitimate message is a sampled token tree (Speculator -> Verifier). It has at most
+# MAX_TREE_NODES nodes, hence at most MAX_TREE_NODES - 1 draft attempts per SSM, and each
+# distinct proposal q goes once, sparsely: <= MAX_PROPOSAL_TOP_K (token id, prob) pairs, a
+# token id <= 3 bytes (vocabularies < 2**21), a prob 4 bytes, plus framing: <= 910 bytes. One
+# SSM's worst tree (1023 proposals, with tokens, parents and draft arrays) is 0.94 MB; four SSMs'
+# drafts in one tree 3.73 MB, under 4 MiB (4.19 MB); at the default top-k (32) one SSM's is
+# 0.25 MB. A tree over the bound fails only that speculator's stream (the request goes on
+# without it). Prompts are far smaller: 2048 prompt tokens are ~6 KB of ids (Verifier.Generate,
+# Speculate's start) and tens of KB of text (Gateway.Generate).
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default too
+MIN_MESSAGE_BYTES = 64 << 10  # a floor that still fits default-shaped trees and long prompts
+MAX_MESSAGE_BYTES = (2 << 30) - 1  # gRPC's channel arguments are 32-bit ints
+MAX_METADATA_BYTES = 16 << 10  # request and response headers (trace context, status details)
+MAX_STATUS_DETAILS_CHARS = 1024  # an error's message is cut to this, so its trailer always fits
 
 # ---- requests --------------------------------------------------------------------------------
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say
@@ -98,8 +115,8 @@ def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, mi
         raise UserError(f"shape.widths: tree deeper than {MAX_TREE_DEPTH} levels ({len(widths)})")
     if not 1 <= max_nodes <= MAX_TREE_NODES:
         raise UserError(f"shape.max_nodes: must be in [1, {MAX_TREE_NODES}], got {max_nodes}")
-    if proposal_top_k < 1:
-        raise UserError(f"shape.proposal_top_k: must be >= 1, got {proposal_top_k}")
+    if not 1 <= proposal_top_k <= MAX_PROPOSAL_TOP_K:
+        raise UserError(f"shape.proposal_top_k: must be in [1, {MAX_PROPOSAL_TOP_K}], got {proposal_top_k}")
     if not 0.0 <= min_path_prob < 1.0:
         raise UserError(f"shape.min_path_prob: must be in [0, 1), got {min_path_prob}")
     if policy not in TREE_POLICIES:
@@ -155,3 +172,52 @@ def check_prompt_length(num_prompt_tokens: int, num_history_tokens: int, limits:
     if total > limits.max_prompt_tokens:
         where = f" ({num_history_tokens} of them session history)" if num_history_tokens else ""
         raise UserError(f"prompt: {total} tokens{where}, more than max_prompt_tokens={limits.max_prompt_tokens}")
+
+
+# ---- sizes checked before any work: text before it is tokenized, names before they are looked up
+# A text's length bounds its token count from below: every token of a byte-level BPE or a
+# byte-fallback SentencePiece vocabulary covers at least one byte, and a character is at least
+# one byte, so a text of n tokens averaging at most B bytes each has at most n * B characters.
+# Real text averages 3-5 bytes per token (English ~4, CJK ~2-3, indented code ~4-6); a text whose
+# tokens average over 32 bytes is made almost only of a vocabulary's longest pieces (long runs of
+# one repeated character). So max_prompt_tokens * 32 characters refuses no real prompt that fits
+# max_prompt_tokens, and refuses a 20 MB paste in O(1), before the tokenizer spends seconds and
+# gigabytes on it.
+MAX_BYTES_PER_TOKEN = 32
+MAX_SSM_NAMES = 16  # SSMs named by one request
+MAX_NAME_CHARS = 128  # one SSM name
+
+
+def max_prompt_chars(request_limits: RequestLimits) -> int:
+    """The most characters a text within `max_prompt_tokens` tokens can have."""
+    return request_limits.max_prompt_tokens * MAX_BYTES_PER_TOKEN
+
+
+def check_text_size(text: str, name: str, request_limits: RequestLimits) -> None:
+    """A prompt or session prefix, by length alone (O(1)): before it is tokenized."""
+    bound = max_prompt_chars(request_limits)
+    if len(text) > bound:
+        raise UserError(f"{name}: {len(text)} characters, more than any text of max_prompt_tokens="
+                        f"{request_limits.max_prompt_tokens} tokens can have ({bound})")
+
+
+def check_ssm_names(ssm_names: tuple[str, ...]) -> None:
+    if len(ssm_names) > MAX_SSM_NAMES:
+        raise UserError(f"ssm_names: at most {MAX_SSM_NAMES} names, got {len(ssm_names)}")
+    for i, name in enumerate(ssm_names):
+        if not name or len(name) > MAX_NAME_CHARS:
+            raise UserError(f"ssm_names[{i}]: must be 1-{MAX_NAME_CHARS} characters, got {len(name)}")
+
+
+def check_verifier_request(num_prompt_tokens: int, max_new_tokens: int, ssm_names: tuple[str, ...],
+                           request_limits: RequestLimits) -> None:
+    """The sizes of a Verifier.Generate request, whoever sends it. A continued request carries the
+    tokens generated so far in its prompt (and asks for that many fewer), so its prompt may reach
+    max_prompt_tokens + max_new_tokens, but prompt plus new tokens never more."""
+    if max_new_tokens > request_limits.max_new_tokens:
+        raise UserError(f"max_new_tokens: at most {request_limits.max_new_tokens}, got {max_new_tokens}")
+    total = request_limits.max_prompt_tokens + request_limits.max_new_tokens
+    if num_prompt_tokens + max_new_tokens > total:
+        raise UserError(f"prompt_ids: {num_prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceed "
+                        f"max_prompt_tokens + max_new_tokens = {total}")
+    check_ssm_names(ssm_names)

@@ -195,6 +195,34 @@ def test_retry_with_same_request_id_is_idempotent(stub, fake):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.details()
 
 
+def test_request_id_reused_with_different_parameters_is_refused(stub, fake):
+    rid = f"params-{uuid.uuid4().hex[:8]}"
+    fake.reset(delay_s=0.05)
+    running = stub.GenerateStream(gen_request("hello", max_tokens=100, request_id=rid,
+                                              sampling=pb.SamplingParams(temperature=0.5, seed=7)), timeout=10)
+    next(running)
+    changed = [dict(max_tokens=101, sampling=pb.SamplingParams(temperature=0.5, seed=7)),
+               dict(max_tokens=100, sampling=pb.SamplingParams(temperature=0.6, seed=7)),
+               dict(max_tokens=100, sampling=pb.SamplingParams(temperature=0.5, seed=8)),
+               dict(max_tokens=100, sampling=pb.SamplingParams(temperature=0.5, seed=7), stop=["x"])]
+    for fields in changed:  # while it runs, and once it has finished
+        err = status_of(lambda: stub.Generate(gen_request("hello", request_id=rid, **fields), timeout=10))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+        assert err.details().startswith("request_id:") and "different parameters" in err.details()
+    same = stub.Generate(gen_request("hello", max_tokens=100, request_id=rid,
+                                     sampling=pb.SamplingParams(temperature=0.5, seed=7)), timeout=10)
+    ids, _, _ = collect(running)
+    assert list(same.token_ids) == ids and len(ids) == 100 and len(fake.calls) == 1
+    err = status_of(lambda: stub.Generate(gen_request("hello", max_tokens=99, request_id=rid,
+                                                      sampling=pb.SamplingParams(temperature=0.5, seed=7)),
+                                          timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "different parameters" in err.details()
+    unseeded = f"params-{uuid.uuid4().hex[:8]}"  # a retry naming no seed matches the seed the gateway drew
+    first = stub.Generate(gen_request("hello", max_tokens=4, request_id=unseeded), timeout=10)
+    assert list(stub.Generate(gen_request("hello", max_tokens=4, request_id=unseeded),
+                              timeout=10).token_ids) == list(first.token_ids)
+
+
 # -- validation ------------------------------------------------------------------------------
 INVALID = [
     ("empty prompt", dict(prompt=""), "prompt"),

@@ -231,8 +231,6 @@ def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair)
     draft whose proposal has the wrong size). It fails alone; the others decode on, exactly."""
     import torch
 
-    from specinfer.engine.tree import Draft
-
     engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
     runner = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=1024, block_size=8)
     scheduler = Scheduler(Verifier(runner), SchedulerConfig(), is_threaded=False, is_inline=True)  # one pass each

@@ -5,7 +5,9 @@ client requests, schedules them, and streams results back. Here that is: validat
 admit (at most N concurrent requests, no queue), start a `RequestRun`, and let the client's RPC
 observe it. A request can be observed again later by id (resume): from this gateway's live run,
 from the store's record, or, for an interrupted request, by starting a new verifier call that
-continues from the tokens generated so far.
+continues from the tokens generated so far. Sizes come before contents: a text is measured
+before it is tokenized, and tokenizing runs on the request's own RPC thread, holding nothing
+(not even the GIL) that other requests wait on.
 """
 
 from __future__ import annotations
@@ -26,13 +28,16 @@ from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest, validate_request
 from services.gateway.verifier_client import VerifierClient, VerifierSummary
 from specinfer.errors import NotFoundError, UnavailableError, UserError
-from specinfer.limits import check_id, check_prompt_length
+from specinfer.limits import check_id, check_prompt_length, check_text_size
 from specinfer.params import GenerationParams
 from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 
+INFO_TTL_S = 60.0  # how long the verifier's Info answer is trusted
+INFO_RETRY_S = 5.0  # how soon a verifier that did not answer Info is asked again
+INFO_REFRESH_S = 1.0  # an unknown SSM name re-asks Info once the answer is this old (a speculator joined)
 POLL_S = 0.25  # how often an observer re-checks that its client is still there
 FOLLOW_POLL_S = 0.05  # how often a request running on another gateway is re-read from the store
 
@@ -57,6 +62,22 @@ class CallContext:
     metadata: tuple[tuple[str, str], ...] = ()
     on_event: Events = lambda name, attrs: None
     started_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class VerifierFacts:
+    """What the gateway checks against from Verifier.Info; None = unknown, checked by the verifier."""
+
+    max_context: int | None = None
+    ssm_names: tuple[str, ...] | None = None  # the SSMs a request may name (None: any)
+
+
+def same_params(stored: GenerationParams, asked: GenerationParams) -> bool:
+    """Whether a retry asks for what the stored request does; a retry that names no seed matches
+    the seed the gateway drew for the original."""
+    if asked.sampling.seed is None:
+        stored = replace(stored, sampling=replace(stored.sampling, seed=None))
+    return stored == asked
 
 
 class _Attachment:
@@ -104,9 +125,10 @@ class GatewayCore:
         self.metrics = metrics
         self.registry = RunRegistry(cfg.limits.max_concurrent_requests)
         self.deps = RunDeps(tokenizer, store, verifier, metrics, self.registry.remove)
-        self._context_lock = threading.Lock()
-        self._max_context: int | None = None
-        self._max_context_expires = 0.0
+        self._facts_lock = threading.Lock()
+        self._facts = VerifierFacts()
+        self._facts_asked_at = 0.0
+        self._facts_expire = 0.0
 
     # -- generate ----------------------------------------------------------------------------
     def generate(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
@@ -117,6 +139,7 @@ class GatewayCore:
             if existing is not None:
                 yield from self._retry(req, existing, call)
                 return
+        self._check_ssm_names(req.params.ssm_names)
         session = self._session(req.session_id) if req.session_id else None
         history = session.history_ids if session else ()
         turn_ids = encode_turn(self.tokenizer, req.prompt, bool(history))
@@ -129,8 +152,11 @@ class GatewayCore:
         record = RequestRecord(request_id, RUNNING, req.prompt, req.session_id, params.to_json(), history + turn_ids,
                                owner=self.cfg.gateway_id, session_base_len=len(history))
         run = RequestRun(self._plan(record, call), self.deps)
-        is_new = self.registry.add(run) is None  # else the same id arrived concurrently: a retry
-        if is_new:
+        concurrent = self.registry.add(run)  # not None: the same id arrived concurrently, a retry
+        is_new = concurrent is None
+        if concurrent is not None:
+            self._check_retry(req, concurrent.plan.prompt, concurrent.plan.session_id, concurrent.plan.params)
+        else:
             try:
                 is_new = self.store.create_request(record)
             except BaseException:
@@ -138,6 +164,9 @@ class GatewayCore:
                 raise
             if not is_new:
                 self.registry.remove(run)
+                stored = self.store.get_request(request_id)
+                if stored is not None:
+                    self._check_retry(req, stored.prompt, stored.session_id, GenerationParams.from_json(stored.params))
         attachment = _Attachment.hold(run, call.link) if is_new else None
         if is_new:
             run.start()
@@ -149,31 +178,56 @@ class GatewayCore:
                 attachment.close()
 
     def _retry(self, req: NewRequest, existing: RequestRecord, call: CallContext) -> Iterator[Chunk]:
-        if existing.prompt != req.prompt or existing.session_id != req.session_id:
-            raise UserError(f"request_id: {req.request_id!r} is already used by a different request")
+        self._check_retry(req, existing.prompt, existing.session_id, GenerationParams.from_json(existing.params))
         call.on_event("retry", {"request_id": req.request_id})
         yield Chunk(req.request_id, (), 0, "", 0, 0)
         yield from self._stream(req.request_id, 0, call)
 
+    @staticmethod
+    def _check_retry(req: NewRequest, prompt: str, session_id: str, params: GenerationParams) -> None:
+        """A request id already in use may only be reused by the same request (a retry)."""
+        if prompt != req.prompt or session_id != req.session_id:
+            raise UserError(f"request_id: {req.request_id!r} is already used by a different request")
+        if not same_params(params, req.params):
+            raise UserError(f"request_id: {req.request_id!r} is already used with different parameters")
+
+    def _check_ssm_names(self, ssm_names: tuple[str, ...]) -> None:
+        """Named SSMs must be hosted (from Verifier.Info); unknown while the verifier cannot say."""
+        if not ssm_names:
+            return
+        hosted = self._verifier_facts().ssm_names
+        if hosted is not None and not set(ssm_names) <= set(hosted):
+            hosted = self._verifier_facts(max_age_s=INFO_REFRESH_S).ssm_names
+        unknown = [name for name in ssm_names if hosted is not None and name not in hosted]
+        if unknown:
+            raise UserError(f"ssm_names: no SSM named {', '.join(unknown)} (the verifier has {', '.join(hosted)})")
+
     def _check_context(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
         """Prompt plus max_new_tokens must fit the LLM's context (from Verifier.Info, cached for a minute)."""
-        max_context = self._verifier_max_context()
+        max_context = self._verifier_facts().max_context
         if max_context and num_prompt_tokens + max_new_tokens > max_context:
             raise UserError(f"max_tokens: the prompt's {num_prompt_tokens} tokens plus max_tokens={max_new_tokens} "
                             f"exceed the model's context of {max_context} tokens")
 
-    def _verifier_max_context(self) -> int | None:
+    def _verifier_facts(self, max_age_s: float | None = None) -> VerifierFacts:
+        """Verifier.Info's answer, cached for INFO_TTL_S (or asked again when older than `max_age_s`)."""
         now = time.monotonic()
-        with self._context_lock:
-            if now < self._max_context_expires:
-                return self._max_context
+        with self._facts_lock:
+            is_fresh = max_age_s is None or now - self._facts_asked_at < max_age_s
+            if now < self._facts_expire and is_fresh:
+                return self._facts
         try:
-            value, ttl_s = self.verifier.info(0.5, []).max_context or None, 60.0
+            info = self.verifier.info(0.5, [])
         except Exception:  # noqa: BLE001 - unknown for now; the verifier checks it itself
-            value, ttl_s = None, 5.0
-        with self._context_lock:
-            self._max_context, self._max_context_expires = value, now + ttl_s
-        return value
+            facts, ttl_s = VerifierFacts(), INFO_RETRY_S
+        else:
+            # A verifier without speculators ignores SSM names; one whose speculators are all
+            # unreachable lists none: then any name may go on, and the verifier decides.
+            names = tuple(info.ssm_names) if info.num_speculators and info.ssm_names else None
+            facts, ttl_s = VerifierFacts(info.max_context or None, names), INFO_TTL_S
+        with self._facts_lock:
+            self._facts, self._facts_asked_at, self._facts_expire = facts, now, now + ttl_s
+        return facts
 
     def _session(self, session_id: str) -> SessionRecord:
         session = self.store.get_session(session_id)
@@ -353,6 +407,7 @@ class GatewayCore:
         return rec
 
     def create_session(self, prefix: str) -> str:
+        check_text_size(prefix, "prefix", self.limits)  # before the tokenizer sees it
         history = encode_turn(self.tokenizer, prefix, False) if prefix else ()
         if len(history) > self.limits.max_prompt_tokens:
             raise UserError(f"prefix: {len(history)} tokens, more than "

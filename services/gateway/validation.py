@@ -2,8 +2,9 @@
 
 The parameters are `specinfer.params.GenerationParams` (converted from protobuf at the edge,
 services/gateway/server.py), which validate themselves; `validate_request` adds what only the
-gateway knows: ids, a non-empty prompt, and the deployment's `RequestLimits`. A bad field
-raises `UserError` (gRPC INVALID_ARGUMENT) whose message starts with the field's name.
+gateway knows: ids, a non-empty prompt of a size the tokenizer may be given, and the
+deployment's `RequestLimits`. A bad field raises `UserError` (gRPC INVALID_ARGUMENT) whose
+message starts with the field's name. Every check here is cheap: sizes come before contents.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from specinfer.errors import UserError
-from specinfer.limits import RequestLimits, check_id
+from specinfer.limits import RequestLimits, check_id, check_ssm_names, check_text_size
 from specinfer.params import GenerationParams
 
 
@@ -33,4 +34,6 @@ def validate_request(req: NewRequest, limits: RequestLimits) -> NewRequest:
         check_id(req.session_id, "session_id")
     if not req.prompt:
         raise UserError("prompt: must be non-empty")
+    check_text_size(req.prompt, "prompt", limits)  # before the tokenizer sees it
+    check_ssm_names(req.params.ssm_names)
     return replace(req, params=req.params.checked(limits))

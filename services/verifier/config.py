@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
 from specinfer.errors import UserError
 from specinfer.limits import (
-    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_SESSIONS,
+    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
-    parse_tree_width,
+    RequestLimits, parse_tree_width,
 )
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, one_of, parse_bool, pick,
@@ -49,12 +50,15 @@ class VerifierConfig:
     log_level: str = "info"
     grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    limits: RequestLimits = field(default_factory=RequestLimits)  # checked on every request, whoever sends it
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's and the speculator channels' bound
 
 
 def _flags() -> list[Flag]:
     from specinfer.engine.load import parse_kv_budget
 
     d = {f.name: f.default for f in fields(VerifierConfig)}
+    dl = RequestLimits()
     return [
         Flag("--model", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (required)"),
         Flag("--speculator", "SPECINFER_SPECULATORS", str, d["speculators"],
@@ -84,6 +88,10 @@ def _flags() -> list[Flag]:
              "requests that may queue for KV memory before RESOURCE_EXHAUSTED", low=0),
         Flag("--admission-timeout-s", "SPECINFER_ADMISSION_TIMEOUT_S", float, d["admission_timeout_s"],
              "longest wait for KV memory", is_positive=True),
+        Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
+             "prompt tokens per request, session history included (as at the gateway)", is_positive=True),
+        Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens,
+             "generated tokens per request (as at the gateway)", is_positive=True),
         *common_flags(d),
     ]
 
@@ -105,9 +113,11 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     return VerifierConfig(
         model_dir=a["model"], speculators=a["speculator"], host=a["host"], port=a["port"], dtype=a["dtype"],
         device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,
+        limits=RequestLimits(max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"]),
         max_batch=a["max_batch"], tree_width=a["tree_width"], max_tree_nodes=a["max_tree_nodes"],
         default_deadline_s=a["default_deadline_s"], speculator_step_timeout_s=a["speculator_step_timeout_s"],
         max_sessions=a["max_sessions"], token_budget=a["token_budget"], max_waiting=a["max_waiting"],
         admission_timeout_s=a["admission_timeout_s"], is_load_aware=is_load_aware, otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
+        max_message_bytes=a["max_message_bytes"],
     )

@@ -23,6 +23,7 @@ from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.loop import DraftTree
 from specinfer.engine.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.tree import TokenTree
+from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
 from specinfer.serving.convert import params_from_verifier_request, shape_to_proto, stats_to_proto
 from specinfer.serving.grpc_server import RunningServer, model_service_main, remaining_timeout, start_model_service
@@ -56,6 +57,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
     def Generate(self, request, context):
         prompt_ids, params = list(request.prompt_ids), params_from_verifier_request(request)
+        params.checked(self.cfg.limits)  # the deployment's limits, whoever calls: before admission
+        check_verifier_request(len(prompt_ids), params.max_new_tokens, params.ssm_names, self.cfg.limits)
         timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
         should_stop = _abandon_when(context, time.monotonic() + timeout_s)
         with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
@@ -141,7 +144,8 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, ModelConfig.from_dir(cfg.model_dir), cfg.dtype)
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
                                   max_kv_tokens=kv_tokens)
-    speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s)
+    speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
+                                     cfg.max_message_bytes)
                    if cfg.speculators else None)
     engine_cfg = EngineConfig(default_shape=TreeShape(cfg.tree_width, cfg.max_tree_nodes),
                               is_load_aware=cfg.is_load_aware, is_guarded=True,
