@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
@@ -37,6 +38,8 @@ def _fail(kind: str, context):
         raise KeyError("slot 3")
     if kind == "user":
         raise UserError("prompt is empty")
+    if kind == "long":
+        raise UserError("request_id: got " + "x" * 5000)
     if kind == "abort":
         context.abort(grpc.StatusCode.NOT_FOUND, "no such session")
     if kind == "downstream":
@@ -65,6 +68,18 @@ class _Servicer:
                 _fail("internal", context)
         _fail(kind, context)
 
+    def parsed(self, request: health_pb2.HealthCheckRequest, context):
+        if request.service != "ok":
+            _fail(request.service, context)
+        return b"parsed " + request.service.encode()
+
+    def chat(self, requests, context):
+        for request in requests:
+            yield b"heard " + request.service.encode()
+
+    def sized(self, request: bytes, context):
+        return b"x" * int(request.decode())
+
     def stream(self, request: bytes, context):
         kind, _, when = request.decode().partition("@")
         if when == "mid":
@@ -79,18 +94,27 @@ class _Servicer:
         _fail(kind, context)
 
 
+def _start(cfg: ServerConfig, exporter=None) -> tuple[grpc_server.RunningServer, object]:
+    servicer = _Servicer(setup_tracing("test", None, exporter))
+    parse = health_pb2.HealthCheckRequest.FromString
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
+        "Stream": grpc.unary_stream_rpc_method_handler(servicer.stream),
+        "Parsed": grpc.unary_unary_rpc_method_handler(servicer.parsed, request_deserializer=parse),
+        "Chat": grpc.stream_stream_rpc_method_handler(servicer.chat, request_deserializer=parse),
+        "Sized": grpc.unary_unary_rpc_method_handler(servicer.sized),
+    })
+    registry = new_registry()
+    running = start_server(cfg, [lambda s: s.add_generic_rpc_handlers((handler,))],
+                           [SERVICE], rpc_metrics=RpcMetrics.create(registry, "test"))
+    return running, registry
+
+
 @pytest.fixture
 def server():
     """(channel, registry, exporter): a server whose servicer traces into `exporter`."""
     exporter = InMemorySpanExporter()
-    servicer = _Servicer(setup_tracing("test", None, exporter))
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
-        "Stream": grpc.unary_stream_rpc_method_handler(servicer.stream),
-    })
-    registry = new_registry()
-    running = start_server(ServerConfig(port=0, grace_s=0), [lambda s: s.add_generic_rpc_handlers((handler,))],
-                           [SERVICE], rpc_metrics=RpcMetrics.create(registry, "test"))
+    running, registry = _start(ServerConfig(port=0, grace_s=0), exporter)
     channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
     try:
         yield channel, registry, exporter
@@ -227,6 +251,175 @@ def test_interceptor_reports_the_callers_trace_without_a_server_span(server, cap
     assert _assert_internal(err.value, caplog) == caller_trace
 
 
+# ---- malformed and oversize messages ---------------------------------------------------------
+MALFORMED = b"\x0a\xff\xff\xff\xff\x0f"  # field 1, length-delimited, longer than the message
+
+
+def _parsed(channel, data: bytes) -> bytes:
+    return channel.unary_unary(f"/{SERVICE}/Parsed")(data, timeout=10)
+
+
+def test_interceptor_malformed_request_is_invalid_argument(server, caplog):
+    channel, registry, _ = server
+    assert _parsed(channel, health_pb2.HealthCheckRequest(service="ok").SerializeToString()) == b"parsed ok"
+    with pytest.raises(grpc.RpcError) as err:
+        _parsed(channel, MALFORMED)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("malformed request: Error parsing message")
+    assert not _error_records(caplog)
+    assert _count(registry, "Parsed", "INVALID_ARGUMENT") == 1
+
+
+def test_interceptor_parseable_request_still_reaches_the_servicer(server, caplog):
+    """Bytes that parse (unknown fields included) are the servicer's to validate."""
+    unknown_field = b"\x78\x01"  # field 15, varint 1: not in the message, kept as unknown
+    with pytest.raises(grpc.RpcError) as err:
+        _parsed(server[0], health_pb2.HealthCheckRequest(service="user").SerializeToString() + unknown_field)
+    assert (err.value.code(), err.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+
+
+def test_interceptor_malformed_message_mid_stream_is_invalid_argument(server, caplog):
+    channel, registry, _ = server
+    sent = [health_pb2.HealthCheckRequest(service="a").SerializeToString(), MALFORMED,
+            health_pb2.HealthCheckRequest(service="b").SerializeToString()]
+    received = []
+    with pytest.raises(grpc.RpcError) as err:
+        for reply in channel.stream_stream(f"/{SERVICE}/Chat")(iter(sent), timeout=10):
+            received.append(reply)
+    assert received == [b"heard a"]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("malformed request: ")
+    assert not _error_records(caplog)
+    assert _count(registry, "Chat", "INVALID_ARGUMENT") == 1
+
+
+def test_interceptor_cuts_long_details(server):
+    from specinfer.limits import MAX_STATUS_DETAILS_CHARS
+
+    with pytest.raises(grpc.RpcError) as err:
+        _unary(server[0], "long")
+    details = err.value.details()
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(details) == MAX_STATUS_DETAILS_CHARS and details.startswith("request_id: got xxx")
+    assert details.endswith("...")
+
+
+def test_server_bounds_message_size_and_stays_healthy():
+    from specinfer.limits import MIN_MESSAGE_BYTES
+
+    running, registry = _start(ServerConfig(port=0, grace_s=0, max_message_bytes=MIN_MESSAGE_BYTES))
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        sized = channel.unary_unary(f"/{SERVICE}/Sized")
+        assert len(sized(b"1000" + b" " * (MIN_MESSAGE_BYTES - 10), timeout=10)) == 1000  # just under: fine
+        with pytest.raises(grpc.RpcError) as err:  # a request over the bound
+            sized(b"1" + b" " * MIN_MESSAGE_BYTES, timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.RpcError) as err:  # a reply over the bound
+            sized(str(MIN_MESSAGE_BYTES + 1).encode(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for _ in range(5):  # headers under the metadata bound (gRPC's default refuses some of these)
+            assert sized(b"1", metadata=[("x-big", "y" * 14_000)], timeout=10) == b"x"
+        with pytest.raises(grpc.RpcError) as err:  # headers over it
+            sized(b"1", metadata=[("x-big", "y" * 32_000)], timeout=10)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        reply = channel.unary_unary("/grpc.health.v1.Health/Check")(
+            health_pb2.HealthCheckRequest().SerializeToString(), timeout=5)
+        assert health_pb2.HealthCheckResponse.FromString(reply).status == health_pb2.HealthCheckResponse.SERVING
+        assert sized(b"10", timeout=10) == b"x" * 10
+    finally:
+        channel.close()
+        running.stop(0)
+
+
+def _info_server(num_bytes: int):
+    """A server answering every Info method with a reply of about `num_bytes`."""
+    from specinfer.v1 import specinfer_pb2 as pb
+
+    name = "m" * num_bytes
+    replies = {"specinfer.v1.Gateway": pb.GatewayInfo(model=name), "specinfer.v1.Verifier": pb.VerifierInfo(model=name),
+               "specinfer.v1.Speculator": pb.SpeculatorInfo(ssm_names=[name])}
+    handlers = [grpc.method_handlers_generic_handler(service, {"Info": grpc.unary_unary_rpc_method_handler(
+        lambda request, context, reply=reply: reply.SerializeToString())}) for service, reply in replies.items()]
+    return start_server(ServerConfig(port=0, grace_s=0, max_message_bytes=4 * num_bytes),
+                        [lambda s: s.add_generic_rpc_handlers(tuple(handlers))], list(replies))
+
+
+@pytest.mark.parametrize("client", ["gateway_client", "verifier_client", "speculator_stub"])
+def test_the_channels_a_service_opens_are_bounded(client):
+    """GatewayClient, the gateway's verifier channel and the verifier's speculator channels take
+    the message bound: a reply over it is RESOURCE_EXHAUSTED, one under it arrives."""
+    from services.gateway.verifier_client import VerifierClient
+    from services.verifier.speculators import speculator_stub
+    from specinfer.cli.client import GatewayClient, GatewayError
+    from specinfer.limits import MIN_MESSAGE_BYTES
+    from specinfer.v1 import specinfer_pb2 as pb
+
+    running = _info_server(MIN_MESSAGE_BYTES + 100)
+    target = f"127.0.0.1:{running.port}"
+
+    def info(max_message_bytes: int):
+        if client == "gateway_client":
+            with GatewayClient(target, timeout_s=10, max_message_bytes=max_message_bytes) as c:
+                return c.info()["model"]
+        if client == "verifier_client":
+            c = VerifierClient(target, max_message_bytes)
+            try:
+                return c.info(10, []).model
+            finally:
+                c.close()
+        return speculator_stub(target, max_message_bytes).Info(pb.InfoRequest(), timeout=10).ssm_names[0]
+
+    try:
+        assert len(info(2 * MIN_MESSAGE_BYTES)) == MIN_MESSAGE_BYTES + 100
+        with pytest.raises((grpc.RpcError, GatewayError, CapacityError)) as err:
+            info(MIN_MESSAGE_BYTES)
+        if isinstance(err.value, GatewayError):
+            assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        elif isinstance(err.value, grpc.RpcError):
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # else the verifier client's CapacityError: RESOURCE_EXHAUSTED in the domain's words
+    finally:
+        running.stop(0)
+
+
+def _worst_tree(num_ssms: int, top_k: int):
+    """A tree of MAX_TREE_NODES nodes in which every draft attempt of every SSM has its own
+    proposal of `top_k` entries, with the largest token ids a 2**21 vocabulary has."""
+    from specinfer.limits import MAX_TREE_NODES
+    from specinfer.v1 import specinfer_pb2 as pb
+
+    top = (1 << 21) - 1
+    tree = pb.TokenTree(tokens=[top - i for i in range(MAX_TREE_NODES)],
+                        parents=[-1] + list(range(MAX_TREE_NODES - 1)))
+    proposal = pb.Proposal(token_ids=[top - j for j in range(top_k)], probs=[1 / 3] * top_k)
+    for _ in range(num_ssms):
+        for node in range(MAX_TREE_NODES - 1):
+            tree.draft_nodes.append(node)
+            tree.draft_children.append(node + 1)
+            tree.draft_proposals.append(len(tree.proposals))
+            tree.proposals.append(proposal)
+    return pb.SpeculateResponse(tree=tree, step=(1 << 32) - 1, speculate_s=1.0)
+
+
+def test_the_default_message_bound_fits_the_largest_sampled_tree():
+    from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K
+
+    assert _worst_tree(1, DEFAULT_PROPOSAL_TOP_K).ByteSize() < 0.26e6
+    assert _worst_tree(1, MAX_PROPOSAL_TOP_K).ByteSize() < 0.95e6
+    assert _worst_tree(4, MAX_PROPOSAL_TOP_K).ByteSize() < DEFAULT_MAX_MESSAGE_BYTES
+
+
+def test_proposal_top_k_is_bounded():
+    from specinfer.limits import MAX_PROPOSAL_TOP_K
+    from specinfer.params import TreeShape
+
+    assert TreeShape((2, 2), proposal_top_k=MAX_PROPOSAL_TOP_K).proposal_top_k == MAX_PROPOSAL_TOP_K
+    message = f"shape.proposal_top_k: must be in \\[1, {MAX_PROPOSAL_TOP_K}\\], got {MAX_PROPOSAL_TOP_K + 1}"
+    with pytest.raises(UserError, match=message):
+        TreeShape((2, 2), proposal_top_k=MAX_PROPOSAL_TOP_K + 1)
+
+
 @pytest.mark.parametrize("exc,code", [
     (UserError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
     (ValueError("double free of KV block 1"), grpc.StatusCode.INTERNAL),
@@ -323,6 +516,51 @@ def test_config_out_of_range_values_are_user_errors(argv, match):
         _verifier(argv)
 
 
+def _gateway(argv=(), env=None):
+    from services.gateway.config import config_from_args
+
+    return config_from_args(["--model-dir", "/models/llm", *argv], env or {})
+
+
+@pytest.mark.parametrize("parse", [_gateway, _verifier, _speculator])
+def test_config_max_message_bytes_of_every_service(parse):
+    from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+
+    assert parse().max_message_bytes == DEFAULT_MAX_MESSAGE_BYTES == 4 << 20
+    env = {"SPECINFER_MAX_MESSAGE_BYTES": "8MiB"}
+    assert parse([], env).max_message_bytes == 8 << 20
+    assert parse(["--max-message-bytes", "524288"], env).max_message_bytes == 512 << 10
+    with pytest.raises(UserError, match="environment variable SPECINFER_MAX_MESSAGE_BYTES='lots'"):
+        parse([], {"SPECINFER_MAX_MESSAGE_BYTES": "lots"})
+    with pytest.raises(UserError, match=r"--max-message-bytes \(SPECINFER_MAX_MESSAGE_BYTES\) must be >= 65536"):
+        parse(["--max-message-bytes", "1KiB"])
+    with pytest.raises(UserError, match="must be <= 2147483647"):
+        parse([], {"SPECINFER_MAX_MESSAGE_BYTES": "2GiB"})
+
+
+@pytest.mark.parametrize("text,value", [("4194304", 4 << 20), ("4MiB", 4 << 20), ("512 KiB", 512 << 10),
+                                        ("4MB", 4_000_000), ("1gib", 1 << 30), ("100b", 100)])
+def test_config_sizes_parse(text, value):
+    from specinfer.serving.settings import format_bytes, parse_bytes
+
+    assert parse_bytes(text) == value
+    assert parse_bytes(format_bytes(value)) == value
+
+
+@pytest.mark.parametrize("text", ["", "4 MiBs", "-1", "1.5MiB", "MiB"])
+def test_config_bad_sizes_are_user_errors(text):
+    from specinfer.serving.settings import parse_bytes
+
+    with pytest.raises(UserError, match="expected a size in bytes"):
+        parse_bytes(text)
+
+
+def test_config_help_shows_the_message_bound():
+    from services.gateway.config import build_parser
+
+    assert "SPECINFER_MAX_MESSAGE_BYTES, default 4MiB" in " ".join(build_parser().format_help().split())
+
+
 def test_config_required_models_are_user_errors():
     from services.speculator.config import parse_config as speculator_config
     from services.verifier.config import parse_config as verifier_config
@@ -396,6 +634,7 @@ def test_signal_stops_a_model_service_whose_worker_loop_runs_on_the_main_thread(
 
     class Cfg:
         host, port, grace_s, metrics_port, otlp_endpoint, log_level, num_threads = LOCAL, 0, 0, 0, None, "info", 0
+        max_message_bytes = 1 << 20
 
     loop = Loop()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_DEADLINE_S, RequestLimits
+from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, GATEWAY_PORT, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, port_flag, read_flags,
 )
@@ -36,6 +36,7 @@ class GatewayConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     log_level: str = "info"
     grace_s: float = DEFAULT_GRACE_S
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's and the verifier channel's bound
     key_prefix: str = "specinfer:"
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
@@ -100,4 +101,5 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         model_dir=a["model_dir"], limits=limits, default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"],
+        max_message_bytes=a["max_message_bytes"],
     )

@@ -17,7 +17,8 @@ import grpc
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
 from specinfer.params import GenerationParams
 from specinfer.serving import convert
-from specinfer.serving.grpc_server import CHANNEL_OPTIONS
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.serving.settings import message_options
 from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
@@ -72,8 +73,8 @@ def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
     return RuntimeError(f"{details} ({code.name})")
 
 
-def channel_options(target: str) -> list[tuple[str, object]]:
-    options = list(CHANNEL_OPTIONS) + _RECONNECT_OPTIONS
+def channel_options(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
+    options = message_options(max_message_bytes) + _RECONNECT_OPTIONS
     if target.startswith("dns:"):
         options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
     return options
@@ -95,9 +96,9 @@ class VerifierStream:
 
 
 class VerifierClient:
-    def __init__(self, target: str):
+    def __init__(self, target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=channel_options(target))
+        self.channel = grpc.insecure_channel(target, options=channel_options(target, max_message_bytes))
         self.stub = pb_grpc.VerifierStub(self.channel)
 
     def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:

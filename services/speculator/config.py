@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Mapping
 
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH
+from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, common_flags, one_of, port_flag,
     read_flags,
@@ -34,6 +34,7 @@ class SpeculatorConfig:
     log_level: str = "info"
     grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's bound
 
 
 def _flags() -> list[Flag]:
@@ -67,4 +68,5 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         ssm_dirs=a["ssm"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
+        max_message_bytes=a["max_message_bytes"],
     )

@@ -21,7 +21,8 @@ from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeShape
 from specinfer.serving.convert import sampling_to_proto, shape_to_proto
-from specinfer.serving.grpc_server import CHANNEL_OPTIONS
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.serving.settings import message_options
 from specinfer.serving.tracing import outgoing_metadata
 from specinfer.serving.trees import tree_from_proto
 from specinfer.v1 import specinfer_pb2 as pb
@@ -31,8 +32,8 @@ log = logging.getLogger(__name__)
 _CLOSED = object()
 
 
-def speculator_stub(target: str) -> pb_grpc.SpeculatorStub:
-    options = list(CHANNEL_OPTIONS)
+def speculator_stub(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> pb_grpc.SpeculatorStub:
+    options: list[tuple[str, object]] = list(message_options(max_message_bytes))
     if target.startswith("dns:"):  # several replicas behind one DNS name: spread requests
         options.append(("grpc.lb_policy_name", "round_robin"))
     return pb_grpc.SpeculatorStub(grpc.insecure_channel(target, options=options))
@@ -130,8 +131,9 @@ def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_
 class RemoteSpeculation:
     """The speculator services a verifier streams trees from (a `DraftSource` of the engine)."""
 
-    def __init__(self, targets: tuple[str, ...], vocab_size: int, step_timeout_s: float):
-        self.speculators = [(target, speculator_stub(target)) for target in targets]
+    def __init__(self, targets: tuple[str, ...], vocab_size: int, step_timeout_s: float,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.speculators = [(target, speculator_stub(target, max_message_bytes)) for target in targets]
         self.vocab_size = vocab_size
         self.step_timeout_s = step_timeout_s
         self._hosted: dict[str, tuple[str, ...]] = {}

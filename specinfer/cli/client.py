@@ -20,6 +20,8 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.serving.settings import message_options
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -106,10 +108,11 @@ def _stream(call) -> Iterator[Delta]:
 
 
 class GatewayClient:
-    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = 300.0):
+    def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = 300.0,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.target = target
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(target)
+        self.channel = grpc.insecure_channel(target, options=message_options(max_message_bytes))
         self.stub = pb_grpc.GatewayStub(self.channel)
 
     def __enter__(self) -> "GatewayClient":

@@ -1,7 +1,8 @@
 """gRPC plumbing shared by the gateway, verifier and speculator services.
 
-One interceptor maps exceptions to status codes; every server gets grpc.health.v1 and server
-reflection; SIGTERM flips health to NOT_SERVING and drains in-flight RPCs within a grace period.
+One interceptor maps exceptions to status codes (a request that does not parse is
+INVALID_ARGUMENT); every server gets grpc.health.v1 and server reflection and bounds its message
+sizes; SIGTERM flips health to NOT_SERVING and drains in-flight RPCs within a grace period.
 """
 
 from __future__ import annotations
@@ -13,25 +14,20 @@ import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
 from specinfer.serving.metrics import RpcMetrics, new_registry
-from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST
+from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, message_options
 from specinfer.serving.tracing import error_trace_id, setup_tracing
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 
 def status_for(exc: BaseException, trace_id: str | None = None) -> tuple[grpc.StatusCode, str]:
@@ -72,6 +68,8 @@ class _Outcome:
             self.metrics.requests.labels(service, self.method, code.name).inc()
             self.metrics.latency.labels(service, self.method).observe(time.monotonic() - self.start)
         if details is not None:
+            if len(details) > MAX_STATUS_DETAILS_CHARS:  # e.g. a long bad value quoted back
+                details = details[:MAX_STATUS_DETAILS_CHARS - 3] + "..."
             self.context.abort(code, details)  # raises, in place of the servicer's exception
         return False
 
@@ -95,9 +93,42 @@ class _Outcome:
         return code, details
 
 
+@dataclass(frozen=True)
+class _Malformed:
+    """What a request deserializer gives for bytes that do not parse: the handler wrapper turns
+    it into INVALID_ARGUMENT (gRPC itself would answer INTERNAL)."""
+
+    reason: str
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # whatever the parser raises, the bytes are the caller's
+            return _Malformed(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _parsed(request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        raise UserError(f"malformed request: {request.reason}")
+    return request
+
+
+def _parsed_stream(requests: Iterator[Any]) -> Iterator[Any]:
+    for request in requests:
+        yield _parsed(request)
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Turns exceptions raised by servicers (also mid-stream) into proper gRPC statuses, and
-    counts every RPC's outcome when given metrics."""
+    counts every RPC's outcome when given metrics. A request message that does not parse (first
+    or mid-stream) is INVALID_ARGUMENT and never reaches the servicer."""
 
     def __init__(self, metrics: RpcMetrics | None = None):
         self.metrics = metrics
@@ -107,21 +138,23 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1]
+        check = _parsed_stream if handler.request_streaming else _parsed
 
         def unary(fn):
             def wrapped(request, context):
                 with _Outcome(self.metrics, method, context):
-                    return fn(request, context)
+                    return fn(check(request), context)
 
             return wrapped
 
         def stream(fn):
             def wrapped(request, context):
                 with _Outcome(self.metrics, method, context):
-                    yield from fn(request, context)
+                    yield from fn(check(request), context)
 
             return wrapped
 
+        handler = handler._replace(request_deserializer=_tolerant(handler.request_deserializer))
         if handler.unary_unary:
             return handler._replace(unary_unary=unary(handler.unary_unary))
         if handler.stream_unary:
@@ -140,6 +173,7 @@ class ServerConfig:
     max_workers: int = 64
     grace_s: float = DEFAULT_GRACE_S
     max_connection_age_s: int = 300
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
 
 class RunningServer:
@@ -198,8 +232,9 @@ def start_server(
         interceptors=[ErrorInterceptor(rpc_metrics)],
         # Clients re-resolve DNS only when a connection closes: cycling connections lets them
         # find replicas added by scaling; open streams get the grace period to finish.
-        options=CHANNEL_OPTIONS + [("grpc.max_connection_age_ms", cfg.max_connection_age_s * 1000),
-                                   ("grpc.max_connection_age_grace_ms", int(cfg.grace_s * 1000) + 600_000)],
+        options=message_options(cfg.max_message_bytes) + [
+            ("grpc.max_connection_age_ms", cfg.max_connection_age_s * 1000),
+            ("grpc.max_connection_age_grace_ms", int(cfg.grace_s * 1000) + 600_000)],
         maximum_concurrent_rpcs=None,
     )
     for add in add_servicers:
@@ -237,7 +272,8 @@ class WorkerLoop(Protocol):
 
 def start_model_server(service: str, host: str, port: int, grace_s: float, metrics_port: int,
                        registry, add_servicer: Callable[[grpc.Server], None], full_name: str,
-                       stop_worker: Callable[[], None]) -> RunningServer:
+                       stop_worker: Callable[[], None],
+                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RunningServer:
     """Starts a model-hosting service (verifier, speculator): its gRPC server with RPC metrics,
     and its /metrics endpoint when a port is set; stopping drains RPCs, then the model worker."""
     from specinfer.serving.metrics import MetricsServer
@@ -249,8 +285,8 @@ def start_model_server(service: str, host: str, port: int, grace_s: float, metri
         if metrics:
             metrics.stop()
 
-    return start_server(ServerConfig(host, port, grace_s=grace_s), [add_servicer], [full_name], on_stop,
-                        RpcMetrics.create(registry, service))
+    return start_server(ServerConfig(host, port, grace_s=grace_s, max_message_bytes=max_message_bytes),
+                        [add_servicer], [full_name], on_stop, RpcMetrics.create(registry, service))
 
 
 def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any], tuple[S, WorkerLoop]],
@@ -258,14 +294,14 @@ def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any]
     """The shared start of a model service once its models are loaded: its tracer and metrics
     registry, `create(tracer, registry)` -> (servicer, worker loop), then `start_model_server`.
 
-    `cfg` has host, port, grace_s, metrics_port and otlp_endpoint. `exporter` is for tests.
-    Stopping the server drains RPCs, then stops the worker loop; an unthreaded loop is run by the
-    caller with `server.run_worker()`."""
+    `cfg` has host, port, grace_s, metrics_port, otlp_endpoint and max_message_bytes; `exporter`
+    is for tests. Stopping the server drains RPCs, then stops the worker loop; an unthreaded loop
+    is run by the caller with `server.run_worker()`."""
     tracer = setup_tracing(f"specinfer-{service}", cfg.otlp_endpoint, exporter)
     registry = new_registry()
     servicer, loop = create(tracer, registry)
     server = start_model_server(service, cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
-                                lambda s: add_servicer(servicer, s), full_name, loop.stop)
+                                lambda s: add_servicer(servicer, s), full_name, loop.stop, cfg.max_message_bytes)
     server.run_worker = loop.run
     return server, servicer
 

@@ -21,12 +21,14 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specinfer.serving.settings import message_options
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
     """Asks `target` (host:port or any gRPC target) for `service`'s health: (is_serving, what)."""
-    with grpc.insecure_channel(target) as channel:
+    with grpc.insecure_channel(target, options=message_options()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)

@@ -9,10 +9,12 @@ Plain Python: the gateway imports this too.
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, MIN_MESSAGE_BYTES
 
 T = TypeVar("T")
 
@@ -30,6 +32,16 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def message_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """gRPC options bounding a server or a channel: messages either way, and received metadata.
+    An oversize message fails its RPC with RESOURCE_EXHAUSTED before any handler sees it."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ]
+
+
 # ---- value parsers: a plain ValueError, or a UserError with its own message ------------------
 def parse_bool(text: str) -> bool:
     """1/true/yes/on or 0/false/no/off, in any case."""
@@ -39,6 +51,31 @@ def parse_bool(text: str) -> bool:
     if value in _FALSE:
         return False
     raise UserError(f"expected one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1 << 10, "mb": 1000 ** 2, "mib": 1 << 20, "gb": 1000 ** 3,
+               "gib": 1 << 30}
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$")
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: 4194304, 4MiB, 512KiB, 4MB (1000-based), ..."""
+    match = _SIZE.match(text.lower())
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise UserError("expected a size in bytes such as 4194304, 4MiB or 512KiB")
+    return int(match.group(1)) * _SIZE_UNITS[match.group(2)]
+
+
+parse_bytes.__name__ = "size"
+
+
+def format_bytes(num_bytes: int) -> str:
+    """4194304 -> '4MiB' (the largest binary unit that divides it)."""
+    for unit in ("GiB", "MiB", "KiB"):
+        size = _SIZE_UNITS[unit.lower()]
+        if num_bytes and num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)
 
 
 def comma_list(text: str) -> list[str]:
@@ -173,8 +210,9 @@ def port_flag(name: str, env: str, default: int, help_text: str) -> Flag:
 
 
 def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Flag]:
-    """The settings every service has: tracing, metrics, logs, draining (and torch threads for
-    the model services). `defaults` maps the config's field names to their defaults."""
+    """The settings every service has: tracing, metrics, logs, draining, the message size bound
+    (and torch threads for the model services). `defaults` maps the config's field names to
+    their defaults."""
     flags = [
         Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, defaults["otlp_endpoint"],
              "OTLP/gRPC trace endpoint; unset = off"),
@@ -182,6 +220,9 @@ def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Fla
                   "Prometheus /metrics port; 0 = off"),
         Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), defaults["log_level"], ", ".join(LOG_LEVELS)),
         Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"], "drain period on SIGTERM", low=0),
+        Flag("--max-message-bytes", "SPECINFER_MAX_MESSAGE_BYTES", parse_bytes, defaults["max_message_bytes"],
+             "largest gRPC message received or sent, by this server and the channels it opens (4MiB, 512KiB)",
+             low=MIN_MESSAGE_BYTES, high=MAX_MESSAGE_BYTES, shown_default=format_bytes(defaults["max_message_bytes"])),
     ]
     if has_threads:
         flags.append(Flag("--threads", "SPECINFER_THREADS", int, defaults["num_threads"],
