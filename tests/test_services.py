@@ -147,6 +147,24 @@ def test_speculator_rejects_bad_streams(stack):
     assert "is hosted here" in err.value.details()
 
 
+def test_speculator_keeps_trees_inside_its_context(stack):
+    """The speculator enforces its own context whoever calls it: an over-long context is refused,
+    and near the end of the context the trees it builds shrink instead of overflowing it."""
+    stub = stack.speculator_stub(0)
+    max_context = stub.Info(pb.InfoRequest(), timeout=5).max_context
+    too_long = pb.SpeculateRequest(start=pb.SpeculateStart(context_ids=[5] * max_context, max_depth=2))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Speculate(iter([too_long]), timeout=5))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "start.context_ids" in err.value.details()
+    near_end = pb.SpeculateStart(context_ids=[5] * (max_context - 3), max_depth=6,
+                                 shape=pb.TreeShape(widths=[1] * 6, max_nodes=16))
+    (reply,) = list(stub.Speculate(iter([pb.SpeculateRequest(start=near_end)]), timeout=10))
+    depths, parents = [], list(reply.tree.parents)
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    assert max(depths) == 2  # room for a 2-deep tree and its bonus token, no more
+
+
 def test_health_and_graceful_drain(tiny_pair, executor):
     with start_services(tiny_pair) as stack:
         verifier = stack.verifier

@@ -22,7 +22,7 @@ from specinfer.serving.tracing import server_span
 from specinfer.engine.workers import SpeculatorWorker
 from specinfer.engine.speculator import Speculator
 from specinfer.params import TreeShape
-from specinfer.limits import PAPER_TREE_WIDTH
+from specinfer.limits import MAX_TREE_DEPTH, PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -50,6 +50,9 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
         context_ids = self._tokens(start.context_ids, "start.context_ids")
         if not context_ids:
             raise UserError("start.context_ids is empty")
+        if len(context_ids) >= self.max_context:
+            raise UserError(f"start.context_ids: {len(context_ids)} tokens; the SSMs' context holds "
+                            f"{self.max_context - 1} before a tree")
         params = sampling_from_proto(start.sampling)
         shape = shape_from_proto(start.shape)
         shape = DEFAULT_SHAPE if shape.is_default else shape
@@ -60,9 +63,11 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
             try:
                 step = 0
                 feedback, max_depth, shape_override = None, int(start.max_depth), None
+                num_tokens = len(context_ids)  # verified tokens so far: a tree may not outgrow the context
                 while True:
+                    depth = max(0, min(max_depth, MAX_TREE_DEPTH, self.max_context - num_tokens - 1))
                     with self.tracer.start_as_current_span("speculator.build_tree") as step_span:
-                        tree, seconds = self.worker.step(session, feedback, max_depth, shape_override)
+                        tree, seconds = self.worker.step(session, feedback, depth, shape_override)
                         step_span.set_attribute("tree_nodes", len(tree))
                         step_span.set_attribute("tree_depth", tree.max_depth)
                         step_span.set_attribute("step", step)
@@ -78,6 +83,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                         break
                     fb = msg.feedback
                     feedback = (self._tokens(fb.accepted, "feedback.accepted"), self._tokens([fb.bonus], "feedback.bonus")[0])
+                    num_tokens += len(feedback[0]) + 1
                     max_depth = int(fb.max_depth)
                     shape_override = shape_from_proto(fb.shape) if fb.HasField("shape") and fb.shape.widths else None
                 span.set_attribute("steps", step)
