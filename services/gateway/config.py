@@ -17,6 +17,11 @@ from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, GATEWAY_PORT, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, port_flag, read_flags,
+    security_flags,
+)
+from specinfer.serving.security import (
+    GATEWAY_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, ServerSecurity, channel_security, resolve_token,
+    server_security,
 )
 
 
@@ -38,6 +43,8 @@ class GatewayConfig:
     grace_s: float = DEFAULT_GRACE_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's and the verifier channel's bound
     key_prefix: str = "specinfer:"
+    server_security: ServerSecurity = field(default_factory=ServerSecurity)  # the public token, TLS
+    verifier_security: ChannelSecurity = field(default_factory=ChannelSecurity)  # the internal token, TLS
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -75,6 +82,7 @@ def _flags() -> list[Flag]:
              is_positive=True),
         Flag("--session-ttl-s", "SPECINFER_SESSION_TTL_S", int, d["session_ttl_s"], "session TTL", is_positive=True),
         *common_flags(d, has_threads=False),
+        *security_flags(*GATEWAY_TOKEN_ENV, outbound_token=("--internal-token-file", INTERNAL_TOKEN_ENV[0])),
     ]
 
 
@@ -101,5 +109,7 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         model_dir=a["model_dir"], limits=limits, default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"],
-        max_message_bytes=a["max_message_bytes"],
+        max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env, GATEWAY_TOKEN_ENV),
+        verifier_security=channel_security(a, env, resolve_token(a["internal_token_file"], env, INTERNAL_TOKEN_ENV,
+                                                                        "--internal-token-file")),
     )

@@ -217,7 +217,7 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
         store.ping()
     except UnavailableError as exc:
         log.warning("request store not reachable at startup (requests fail with UNAVAILABLE until it is): %s", exc)
-    verifier = VerifierClient(cfg.verifier_addr, cfg.max_message_bytes)
+    verifier = VerifierClient(cfg.verifier_addr, cfg.max_message_bytes, cfg.verifier_security)
     metrics = GatewayMetrics.create(registry)
     core = GatewayCore(cfg, tokenizer, store, verifier, metrics)
     servicer = GatewayServicer(core, tracer, metrics)
@@ -232,7 +232,7 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
 
     running = start_server(
         ServerConfig(host=cfg.host, port=cfg.port, max_workers=cfg.num_server_workers, grace_s=cfg.grace_s,
-                     max_message_bytes=cfg.max_message_bytes),
+                     max_message_bytes=cfg.max_message_bytes, security=cfg.server_security),
         [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop)
     log.info("gateway %s: verifier %s, store %s", cfg.gateway_id, cfg.verifier_addr,
              "redis" if cfg.redis_url else "in-memory")

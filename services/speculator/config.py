@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
@@ -16,8 +16,9 @@ from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, common_flags, one_of, port_flag,
-    read_flags,
+    read_flags, security_flags,
 )
+from specinfer.serving.security import ServerSecurity, server_security
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class SpeculatorConfig:
     grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's bound
+    server_security: ServerSecurity = field(default_factory=ServerSecurity)  # the internal token, TLS
 
 
 def _flags() -> list[Flag]:
@@ -51,6 +53,7 @@ def _flags() -> list[Flag]:
         Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
              is_positive=True),
         *common_flags(d),
+        *security_flags(has_channels=False),
     ]
 
 
@@ -68,5 +71,5 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         ssm_dirs=a["ssm"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
-        max_message_bytes=a["max_message_bytes"],
+        max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env),
     )

@@ -21,8 +21,9 @@ from specinfer.limits import (
 )
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, one_of, parse_bool, pick,
-    port_flag, read_flags,
+    port_flag, read_flags, security_flags,
 )
+from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_security, server_security
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class VerifierConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked on every request, whoever sends it
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's and the speculator channels' bound
+    server_security: ServerSecurity = field(default_factory=ServerSecurity)  # the internal token, TLS
+    speculator_security: ChannelSecurity = field(default_factory=ChannelSecurity)  # sends the same token
 
 
 def _flags() -> list[Flag]:
@@ -93,6 +96,7 @@ def _flags() -> list[Flag]:
         Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens,
              "generated tokens per request (as at the gateway)", is_positive=True),
         *common_flags(d),
+        *security_flags(),
     ]
 
 
@@ -109,6 +113,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     if a["model"] is None:
         raise UserError("the verifier needs the LLM's directory: --model or SPECINFER_MODEL_DIR")
     kv_tokens, kv_bytes = a["kv_budget"]
+    security = server_security(a, env)
     is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)
     return VerifierConfig(
         model_dir=a["model"], speculators=a["speculator"], host=a["host"], port=a["port"], dtype=a["dtype"],
@@ -119,5 +124,6 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         max_sessions=a["max_sessions"], token_budget=a["token_budget"], max_waiting=a["max_waiting"],
         admission_timeout_s=a["admission_timeout_s"], is_load_aware=is_load_aware, otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
-        max_message_bytes=a["max_message_bytes"],
+        max_message_bytes=a["max_message_bytes"], server_security=security,
+        speculator_security=channel_security(a, env, security.token),
     )

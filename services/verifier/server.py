@@ -145,7 +145,7 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
                                   max_kv_tokens=kv_tokens)
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
-                                     cfg.max_message_bytes)
+                                     cfg.max_message_bytes, cfg.speculator_security)
                    if cfg.speculators else None)
     engine_cfg = EngineConfig(default_shape=TreeShape(cfg.tree_width, cfg.max_tree_nodes),
                               is_load_aware=cfg.is_load_aware, is_guarded=True,

@@ -6,7 +6,8 @@
             print(delta.text_delta, end="", flush=True)
 
 Every call has a deadline (`timeout_s`). Results are plain dataclasses and dicts; gRPC errors
-are raised as `GatewayError(code, details)`.
+are raised as `GatewayError(code, details)`. `token=` sends the gateway's bearer token and
+`security=` (a `ChannelSecurity`) sets TLS.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Iterator, Sequence
 
 import grpc
 
+from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.serving.security import CLIENT_TOKEN_ENV, ChannelSecurity, client_security_from_env, open_channel
 from specinfer.serving.settings import message_options
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
@@ -109,10 +112,15 @@ def _stream(call) -> Iterator[Delta]:
 
 class GatewayClient:
     def __init__(self, target: str = DEFAULT_TARGET, timeout_s: float = 300.0,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, token: str | None = None,
+                 security: ChannelSecurity | None = None):
         self.target = target
         self.timeout_s = timeout_s
-        self.channel = grpc.insecure_channel(target, options=message_options(max_message_bytes))
+        if token is not None:
+            from dataclasses import replace
+
+            security = replace(security or ChannelSecurity(), token=token)
+        self.channel = open_channel(target, security, message_options(max_message_bytes))
         self.stub = pb_grpc.GatewayStub(self.channel)
 
     def __enter__(self) -> "GatewayClient":
@@ -199,6 +207,8 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--target", help=f"gateway host:port (env SPECINFER_GATEWAY_TARGET, default {DEFAULT_TARGET})")
         p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default 300)")
+        p.add_argument("--token", help=f"the gateway's bearer token (env {CLIENT_TOKEN_ENV}); TLS: env "
+                                       "SPECINFER_TLS_CA (and SPECINFER_TLS_CLIENT_CERT/_KEY for mTLS)")
 
     g = sub.add_parser("generate", help="generate from a prompt; prints JSON (JSON lines with --stream)")
     common(g)
@@ -231,8 +241,14 @@ def _print(obj) -> None:
 def run_client(args: argparse.Namespace) -> int:
     """Runs a `client` subcommand; gRPC errors print one line and return 2 (caller's fault) or 1."""
     target = args.target or os.environ.get("SPECINFER_GATEWAY_TARGET") or DEFAULT_TARGET
+    token = args.token or os.environ.get(CLIENT_TOKEN_ENV) or None
     try:
-        with GatewayClient(target, timeout_s=args.timeout) as client:
+        security = client_security_from_env(os.environ, token)
+    except UserError as exc:
+        print(f"specinfer: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with GatewayClient(target, timeout_s=args.timeout, security=security) as client:
             if args.client_command == "info":
                 _print(client.info())
             elif args.client_command == "get":

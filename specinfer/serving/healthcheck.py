@@ -16,19 +16,28 @@ and imports no model code, so a probe costs a fraction of a second.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specinfer.errors import UserError
+from specinfer.serving.security import client_security_from_env, open_channel
 from specinfer.serving.settings import message_options
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool, str]:
-    """Asks `target` (host:port or any gRPC target) for `service`'s health: (is_serving, what)."""
-    with grpc.insecure_channel(target, options=message_options()) as channel:
+    """Asks `target` (host:port or any gRPC target) for `service`'s health: (is_serving, what).
+    Over TLS when SPECINFER_TLS_CA is set (with SPECINFER_TLS_CLIENT_CERT/_KEY for mTLS); health
+    needs no token."""
+    try:
+        security = client_security_from_env(os.environ)
+    except UserError as exc:
+        return False, f"bad TLS settings: {exc}"
+    with open_channel(target, security, message_options()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
