@@ -53,6 +53,14 @@ MAX_MESSAGE_BYTES = (2 << 30) - 1  # gRPC's channel arguments are 32-bit ints
 MAX_METADATA_BYTES = 16 << 10  # request and response headers (trace context, status details)
 MAX_STATUS_DETAILS_CHARS = 1024  # an error's message is cut to this, so its trailer always fits
 
+# ---- reconnecting to a peer that restarted: every channel a service opens ---------------------
+# gRPC's own backoff grows to 120 s, so a peer back after a long outage went unused for minutes.
+# gRPC adds +-20% jitter: with a 500 ms cap a peer serving again is found within ~0.6 s.
+INITIAL_RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 500
+MIN_CONNECT_TIMEOUT_MS = 1000  # one connection attempt (gRPC's `min_reconnect_backoff_ms`)
+SPECULATOR_INFO_RETRY_S = 1.0  # a speculator that could not say which SSMs it hosts is asked again after this
+
 # ---- requests --------------------------------------------------------------------------------
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say
 MAX_STOP_SEQUENCES = 8
