@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import sys
+import time
 from pathlib import Path
 
 from specinfer.cli import launcher
@@ -33,3 +36,43 @@ def test_stack_spawns_each_service_with_its_threads(monkeypatch):
     Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"),), speculator_threads=3)).start()
     speculator_args = dict(spawned)["speculator-0"]
     assert speculator_args[speculator_args.index("--threads") + 1] == "3"  # an explicit count wins
+
+
+def _supervise_until(stack: Stack, predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "the supervisor did not get there in time"
+        stack.supervise()
+        time.sleep(0.01)
+
+
+def test_a_child_that_exits_is_restarted_with_growing_backoff_while_the_others_keep_running(capfd):
+    cfg = StackConfig(llm=Path("/m/llm"), ssms=(), restart_backoff_s=0.05, max_restart_backoff_s=0.2,
+                      stable_after_s=60)
+    stack = Stack(cfg)
+    try:
+        steady = stack.add("verifier", [sys.executable, "-c", "import time; time.sleep(60)"], 0, {})
+        flaky = stack.add("speculator-0", [sys.executable, "-c", "import sys; sys.exit(3)"], 0, {})
+        steady_pid = steady.proc.pid
+        _supervise_until(stack, lambda: flaky.num_restarts >= 4)
+        lines = [line for line in capfd.readouterr().err.splitlines() if "speculator-0 exited" in line]
+        assert all("with code 3" in line for line in lines)
+        delays = [float(re.search(r"restarting it in ([0-9.]+)s", line).group(1)) for line in lines]
+        assert delays[:5] == [0.05, 0.1, 0.2, 0.2, 0.2][:len(delays)] and len(delays) >= 4  # doubles, capped
+        assert steady.proc.poll() is None and steady.proc.pid == steady_pid and steady.num_restarts == 0
+    finally:
+        stack.stop(grace_s=5)
+    assert steady.proc.poll() is not None  # stopping the stack stops every child
+
+
+def test_backoff_resets_once_a_child_stayed_up_a_while(capfd):
+    cfg = StackConfig(llm=Path("/m/llm"), ssms=(), restart_backoff_s=0.05, max_restart_backoff_s=5,
+                      stable_after_s=0.1)
+    stack = Stack(cfg)
+    try:
+        child = stack.add("gateway", [sys.executable, "-c", "import time; time.sleep(0.4)"], 0, {})
+        _supervise_until(stack, lambda: child.num_restarts >= 2)
+    finally:
+        stack.stop(grace_s=5)
+    delays = re.findall(r"gateway exited with code 0; restarting it in ([0-9.]+)s", capfd.readouterr().err)
+    assert delays[:2] == ["0.05", "0.05"]  # each run lasted past stable_after_s: no growth

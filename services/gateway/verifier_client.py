@@ -1,8 +1,9 @@
 """The gateway's client for the Verifier service: one outbound Generate stream per request.
 
 Calls never use wait_for_ready, so a verifier that is down fails the call at once (UNAVAILABLE),
-and reconnect backoff is capped at 1 s so a restarted verifier is found again quickly. A
-`dns:///host:port` target spreads requests over all resolved verifiers (round robin).
+and reconnect backoff is capped (`reconnect_options`) so a restarted verifier is found again
+within about a second. A `dns:///host:port` target spreads requests over all resolved verifiers
+(round robin).
 gRPC errors are turned into the project's domain errors here, at the edge.
 """
 
@@ -18,17 +19,11 @@ from specinfer.errors import CapacityError, NotFoundError, UnavailableError, Use
 from specinfer.params import GenerationParams
 from specinfer.serving import convert
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
-from specinfer.serving.settings import message_options
+from specinfer.serving.security import ChannelSecurity, open_channel
+from specinfer.serving.settings import message_options, reconnect_options
 from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
-
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 1000),  # also bounds one connection attempt to ~1 s
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
 
 @dataclass(frozen=True)
 class VerifierCall:
@@ -74,7 +69,7 @@ def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
 
 
 def channel_options(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
-    options = message_options(max_message_bytes) + _RECONNECT_OPTIONS
+    options = message_options(max_message_bytes) + reconnect_options()
     if target.startswith("dns:"):
         options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
     return options
@@ -96,9 +91,10 @@ class VerifierStream:
 
 
 class VerifierClient:
-    def __init__(self, target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 security: ChannelSecurity | None = None):
         self.target = target
-        self.channel = grpc.insecure_channel(target, options=channel_options(target, max_message_bytes))
+        self.channel = open_channel(target, security, channel_options(target, max_message_bytes))
         self.stub = pb_grpc.VerifierStub(self.channel)
 
     def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:

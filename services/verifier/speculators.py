@@ -13,6 +13,8 @@ import queue
 import threading
 import time
 from dataclasses import replace
+from functools import partial
+from typing import Callable
 
 import grpc
 
@@ -21,8 +23,9 @@ from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeShape
 from specinfer.serving.convert import sampling_to_proto, shape_to_proto
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
-from specinfer.serving.settings import message_options
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, SPECULATOR_INFO_RETRY_S
+from specinfer.serving.security import ChannelSecurity, open_channel
+from specinfer.serving.settings import message_options, reconnect_options
 from specinfer.serving.tracing import outgoing_metadata
 from specinfer.serving.trees import tree_from_proto
 from specinfer.v1 import specinfer_pb2 as pb
@@ -32,19 +35,23 @@ log = logging.getLogger(__name__)
 _CLOSED = object()
 
 
-def speculator_stub(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> pb_grpc.SpeculatorStub:
-    options: list[tuple[str, object]] = list(message_options(max_message_bytes))
+def speculator_stub(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                    security: ChannelSecurity | None = None) -> pb_grpc.SpeculatorStub:
+    """A stub on its own channel: TLS and the internal token as `security` says."""
+    options: list[tuple[str, object]] = message_options(max_message_bytes) + reconnect_options()
     if target.startswith("dns:"):  # several replicas behind one DNS name: spread requests
         options.append(("grpc.lb_policy_name", "round_robin"))
-    return pb_grpc.SpeculatorStub(grpc.insecure_channel(target, options=options))
+    return pb_grpc.SpeculatorStub(open_channel(target, security, options))
 
 
 class SpeculatorLink:
     """One request's stream to one speculator."""
 
-    def __init__(self, name: str, stub: pb_grpc.SpeculatorStub, timeout_s: float):
+    def __init__(self, name: str, stub: pb_grpc.SpeculatorStub, timeout_s: float,
+                 on_fail: Callable[[], None] | None = None):
         self.name = name
         self.is_alive = True
+        self._on_fail = on_fail  # told once, when the link is dropped
         self._stub = stub
         self._timeout_s = timeout_s
         self._outbox: queue.Queue = queue.Queue()
@@ -91,6 +98,8 @@ class SpeculatorLink:
     def fail(self, reason: str) -> None:
         if self.is_alive:
             log.warning("dropping speculator %s for this request: %s", self.name, reason)
+            if self._on_fail is not None:
+                self._on_fail()
         self.is_alive = False
         if self._call is not None:
             self._call.cancel()
@@ -132,20 +141,34 @@ class RemoteSpeculation:
     """The speculator services a verifier streams trees from (a `DraftSource` of the engine)."""
 
     def __init__(self, targets: tuple[str, ...], vocab_size: int, step_timeout_s: float,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
-        self.speculators = [(target, speculator_stub(target, max_message_bytes)) for target in targets]
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, security: ChannelSecurity | None = None):
+        self.speculators = [(target, speculator_stub(target, max_message_bytes, security)) for target in targets]
         self.vocab_size = vocab_size
         self.step_timeout_s = step_timeout_s
-        self._hosted: dict[str, tuple[str, ...]] = {}
+        # target -> (the SSMs it hosts, or None: it could not be asked; when it was asked)
+        self._hosted: dict[str, tuple[tuple[str, ...] | None, float]] = {}
+        self._lock = threading.Lock()
 
     def hosted_names(self, target: str, stub) -> tuple[str, ...] | None:
-        """The SSMs a speculator hosts (asked once, then cached); None while it cannot be asked."""
-        if target not in self._hosted:
-            try:
-                self._hosted[target] = tuple(stub.Info(pb.InfoRequest(), timeout=1.0).ssm_names)
-            except grpc.RpcError:
-                return None
-        return self._hosted[target]
+        """The SSMs a speculator hosts; None while it cannot be asked. An answer is kept until a
+        stream to that speculator fails (it may come back with other SSMs); a failure to answer
+        only for SPECULATOR_INFO_RETRY_S, so a speculator that was down is found again."""
+        with self._lock:
+            known = self._hosted.get(target)
+        if known is not None and (known[0] is not None or time.monotonic() - known[1] < SPECULATOR_INFO_RETRY_S):
+            return known[0]
+        try:
+            names: tuple[str, ...] | None = tuple(stub.Info(pb.InfoRequest(), timeout=1.0).ssm_names)
+        except grpc.RpcError:
+            names = None
+        with self._lock:
+            self._hosted[target] = (names, time.monotonic())
+        return names
+
+    def forget(self, target: str) -> None:
+        """Drops what a speculator was known to host: it is asked again next time."""
+        with self._lock:
+            self._hosted.pop(target, None)
 
     def all_names(self) -> list[str]:
         names = []
@@ -181,7 +204,8 @@ class RemoteSpeculation:
             start.request_id = request_id
             start.sampling.CopyFrom(sampling)
             start.ssm_names.extend(params.ssm_names)
-            links = [SpeculatorLink(target, stub, timeout_s) for target, stub in speculators]
+            links = [SpeculatorLink(target, stub, timeout_s, partial(self.forget, target))
+                     for target, stub in speculators]
             for link in links:
                 link.open(start, metadata)
             return links

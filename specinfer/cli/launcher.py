@@ -1,7 +1,10 @@
 """`specinfer up`: the whole stack on one machine, as separate processes on localhost.
 
 Speculators (SSMs), the verifier (LLM) and the gateway (public API) start as child processes,
-exactly as the docker-compose stack runs them, and stop together on Ctrl-C / SIGTERM.
+exactly as the docker-compose stack runs them, and stop together on Ctrl-C / SIGTERM. A child
+that exits on its own is restarted with backoff while the others keep serving. The
+internal hops (gateway -> verifier -> speculators) require a random token made for this stack,
+handed to the children in their environment; the gateway's public API stays open on localhost.
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from specinfer.errors import UserError
 from specinfer.limits import PAPER_TREE_WIDTH
+from specinfer.serving.settings import reconnect_options
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,11 @@ class StackConfig:
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
+    # a child that exits is restarted after restart_backoff_s, doubling up to max_restart_backoff_s,
+    # back to restart_backoff_s once a run of it lasted stable_after_s
+    restart_backoff_s: float = 1.0
+    max_restart_backoff_s: float = 30.0
+    stable_after_s: float = 60.0
 
 
 def default_speculator_threads(num_speculators: int) -> int:
@@ -48,21 +58,58 @@ def default_speculator_threads(num_speculators: int) -> int:
     return max(1, (os.cpu_count() or 1) // (8 * max(1, num_speculators)))
 
 
+class Child:
+    """One supervised child process: its command, and when it is to be restarted."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], backoff_s: float):
+        self.name, self.cmd, self.port, self.env = name, cmd, port, env
+        self.backoff_s = backoff_s  # the wait before its next restart
+        self.num_restarts = 0
+        self.restart_at: float | None = None  # set while it is down
+        self.proc = self._launch()
+        self.started_at = time.monotonic()
+
+    def _launch(self) -> subprocess.Popen:
+        return subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=sys.stderr, stderr=sys.stderr)
+
+    def supervise(self, now: float, cfg: StackConfig) -> None:
+        """Restarts it when it has exited and its backoff has passed; logs one line per exit."""
+        if self.restart_at is None:
+            if self.proc.poll() is None:
+                if now - self.started_at >= cfg.stable_after_s:
+                    self.backoff_s = cfg.restart_backoff_s
+                return
+            self.restart_at = now + self.backoff_s
+            print(f"specinfer: {self.name} exited with code {self.proc.returncode}; "
+                  f"restarting it in {self.backoff_s:g}s", file=sys.stderr, flush=True)
+            self.backoff_s = min(2 * self.backoff_s, cfg.max_restart_backoff_s)
+        elif now >= self.restart_at:
+            self.proc = self._launch()
+            self.started_at, self.restart_at = now, None
+            self.num_restarts += 1
+
+
 class Stack:
     """Child processes of one local stack."""
 
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
-        self.procs: list[tuple[str, subprocess.Popen, int]] = []
+        self.children: list[Child] = []
+
+    def add(self, name: str, cmd: list[str], port: int, env: dict[str, str]) -> Child:
+        """Starts a child; `supervise` keeps it running."""
+        child = Child(name, cmd, port, env, self.cfg.restart_backoff_s)
+        self.children.append(child)
+        return child
 
     def _spawn(self, name: str, module: str, args: list[str], port: int, env: dict[str, str]) -> None:
-        cmd = [sys.executable, "-m", module, *args]
-        proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=sys.stderr, stderr=sys.stderr)
-        self.procs.append((name, proc, port))
+        self.add(name, [sys.executable, "-m", module, *args], port, env)
 
     def start(self) -> None:
         cfg = self.cfg
-        common_env = {"SPECINFER_LOG_LEVEL": "warning"}
+        # the internal token: in the environment, never on a command line (visible to `ps`)
+        common_env = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": secrets.token_urlsafe(32),
+                      "SPECINFER_AUTH_TOKEN_FILE": ""}
         if cfg.omp_wait_policy:
             common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:
@@ -99,8 +146,10 @@ class Stack:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        for name, proc, port in self.procs:
-            stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"{self.cfg.host}:{port}"))
+        for child in self.children:
+            channel = grpc.insecure_channel(f"{self.cfg.host}:{child.port}", options=reconnect_options())
+            stub = health_pb2_grpc.HealthStub(channel)
+            name, proc = child.name, child.proc
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
@@ -115,21 +164,23 @@ class Stack:
                 time.sleep(0.3)
 
     def stop(self, grace_s: float = 15.0) -> None:
-        for _, proc, _ in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
         end = time.monotonic() + grace_s
-        for _, proc, _ in self.procs:
+        for child in self.children:
             try:
-                proc.wait(timeout=max(0.1, end - time.monotonic()))
+                child.proc.wait(timeout=max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
+                child.proc.kill()
 
-    def any_exited(self) -> str | None:
-        for name, proc, _ in self.procs:
-            if proc.poll() is not None:
-                return f"{name} exited with code {proc.returncode}"
-        return None
+    def supervise(self) -> None:
+        """Restarts, with backoff, every child that exited; the others keep serving (the verifier
+        decodes without speculation while a speculator is down, the gateway answers UNAVAILABLE
+        while the verifier is)."""
+        now = time.monotonic()
+        for child in self.children:
+            child.supervise(now, self.cfg)
 
 
 def _split(items: tuple[Path, ...], num_groups: int) -> list[tuple[Path, ...]]:
@@ -194,11 +245,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
             if args.once:
                 return 0
         while not stopping:
-            problem = stack.any_exited()
-            if problem:
-                print(f"specinfer: error: {problem}", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
+            stack.supervise()
+            time.sleep(0.2)
         return 0
     except KeyboardInterrupt:
         return 0

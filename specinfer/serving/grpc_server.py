@@ -3,6 +3,7 @@
 One interceptor maps exceptions to status codes (a request that does not parse is
 INVALID_ARGUMENT); every server gets grpc.health.v1 and server reflection and bounds its message
 sizes; SIGTERM flips health to NOT_SERVING and drains in-flight RPCs within a grace period.
+A server may require a bearer token and serve TLS (`specinfer.serving.security`).
 """
 
 from __future__ import annotations
@@ -13,16 +14,20 @@ import sys
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha
+from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_grpc
 
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
 from specinfer.serving.metrics import RpcMetrics, new_registry
+from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
 from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, message_options
 from specinfer.serving.tracing import error_trace_id, setup_tracing
 
@@ -166,6 +171,48 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         return handler
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection_v1_descriptor() -> None:
+    """Puts grpc.reflection.v1's file in the default descriptor pool, so that the service is
+    described like any other. grpcio-reflection ships only v1alpha; v1 is the same file (same
+    messages, same field numbers) under another package."""
+    name = "grpc/reflection/v1/reflection.proto"
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_v1alpha.DESCRIPTOR.CopyToProto(proto)
+    old, new = f".{proto.package}.", ".grpc.reflection.v1."
+    proto.name, proto.package = name, "grpc.reflection.v1"
+    for message in proto.message_type:
+        for f in message.field:
+            if f.type_name:
+                f.type_name = f.type_name.replace(old, new, 1)
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(old, new, 1)
+        method.output_type = method.output_type.replace(old, new, 1)
+    pool.AddSerializedFile(proto.SerializeToString())
+
+
+def enable_reflection(service_names: list[str], server: grpc.Server) -> None:
+    """Server reflection, both grpc.reflection.v1 (what current clients ask first) and v1alpha.
+    One servicer answers both: their messages are the same on the wire."""
+    _add_reflection_v1_descriptor()
+    servicer = reflection.ReflectionServicer([*service_names, reflection.SERVICE_NAME, REFLECTION_V1])
+    reflection_v1alpha_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1, {
+        "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_v1alpha.ServerReflectionRequest.FromString,
+            response_serializer=reflection_v1alpha.ServerReflectionResponse.SerializeToString),
+    }),))
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = LOCAL_HOST  # internal services are not exposed by default
@@ -174,6 +221,7 @@ class ServerConfig:
     grace_s: float = DEFAULT_GRACE_S
     max_connection_age_s: int = 300
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # token, TLS; default: open plaintext
 
 
 class RunningServer:
@@ -226,10 +274,15 @@ def start_server(
     on_stop: Callable[[], None] | None = None,
     rpc_metrics: RpcMetrics | None = None,
 ) -> RunningServer:
-    """Builds, starts and returns a server with the error interceptor, health and reflection."""
+    """Builds, starts and returns a server with the error interceptor, health and reflection;
+    with a token configured every call but health checks must carry it, with a certificate the
+    port serves TLS."""
+    interceptors: list[grpc.ServerInterceptor] = [ErrorInterceptor(rpc_metrics)]
+    if cfg.security.token is not None:  # inside the error interceptor: refusals are counted
+        interceptors.append(AuthInterceptor(cfg.security.token))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.max_workers),
-        interceptors=[ErrorInterceptor(rpc_metrics)],
+        interceptors=interceptors,
         # Clients re-resolve DNS only when a connection closes: cycling connections lets them
         # find replicas added by scaling; open streams get the grace period to finish.
         options=message_options(cfg.max_message_bytes) + [
@@ -241,16 +294,18 @@ def start_server(
         add(server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = list(service_names) + [health.SERVICE_NAME, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    enable_reflection(list(service_names) + [health.SERVICE_NAME], server)
     address = f"{cfg.host}:{cfg.port}"
-    port = server.add_insecure_port(address)
+    credentials = server_credentials(cfg.security)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     server.start()
     running = RunningServer(server, port, health_servicer, service_names, cfg.grace_s, on_stop)
     running.set_serving(True)
-    log.info("serving %s on %s:%d", ", ".join(service_names), cfg.host, port)
+    log.info("serving %s on %s:%d (%s, %s)", ", ".join(service_names), cfg.host, port,
+             "mTLS" if cfg.security.tls_client_ca else "TLS" if cfg.security.is_tls else "plaintext",
+             "token required" if cfg.security.token else "no token")
     return running
 
 
@@ -273,7 +328,8 @@ class WorkerLoop(Protocol):
 def start_model_server(service: str, host: str, port: int, grace_s: float, metrics_port: int,
                        registry, add_servicer: Callable[[grpc.Server], None], full_name: str,
                        stop_worker: Callable[[], None],
-                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> RunningServer:
+                       max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                       security: ServerSecurity | None = None) -> RunningServer:
     """Starts a model-hosting service (verifier, speculator): its gRPC server with RPC metrics,
     and its /metrics endpoint when a port is set; stopping drains RPCs, then the model worker."""
     from specinfer.serving.metrics import MetricsServer
@@ -285,7 +341,8 @@ def start_model_server(service: str, host: str, port: int, grace_s: float, metri
         if metrics:
             metrics.stop()
 
-    return start_server(ServerConfig(host, port, grace_s=grace_s, max_message_bytes=max_message_bytes),
+    return start_server(ServerConfig(host, port, grace_s=grace_s, max_message_bytes=max_message_bytes,
+                                     security=security or ServerSecurity()),
                         [add_servicer], [full_name], on_stop, RpcMetrics.create(registry, service))
 
 
@@ -294,14 +351,16 @@ def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any]
     """The shared start of a model service once its models are loaded: its tracer and metrics
     registry, `create(tracer, registry)` -> (servicer, worker loop), then `start_model_server`.
 
-    `cfg` has host, port, grace_s, metrics_port, otlp_endpoint and max_message_bytes; `exporter`
+    `cfg` has host, port, grace_s, metrics_port, otlp_endpoint, max_message_bytes and maybe
+    server_security (a `ServerSecurity`); `exporter`
     is for tests. Stopping the server drains RPCs, then stops the worker loop; an unthreaded loop
     is run by the caller with `server.run_worker()`."""
     tracer = setup_tracing(f"specinfer-{service}", cfg.otlp_endpoint, exporter)
     registry = new_registry()
     servicer, loop = create(tracer, registry)
     server = start_model_server(service, cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
-                                lambda s: add_servicer(servicer, s), full_name, loop.stop, cfg.max_message_bytes)
+                                lambda s: add_servicer(servicer, s), full_name, loop.stop, cfg.max_message_bytes,
+                                getattr(cfg, "server_security", None))
     server.run_worker = loop.run
     return server, servicer
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, MIN_MESSAGE_BYTES
+from specinfer.limits import INITIAL_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS, MIN_CONNECT_TIMEOUT_MS
 
 T = TypeVar("T")
 
@@ -39,6 +41,16 @@ def message_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+    ]
+
+
+def reconnect_options() -> list[tuple[str, int]]:
+    """gRPC options of every channel a service opens: a peer that restarts is connected to again
+    within about a second of serving (see MAX_RECONNECT_BACKOFF_MS), however long it was down."""
+    return [
+        ("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+        ("grpc.min_reconnect_backoff_ms", MIN_CONNECT_TIMEOUT_MS),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
@@ -227,4 +239,33 @@ def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Fla
     if has_threads:
         flags.append(Flag("--threads", "SPECINFER_THREADS", int, defaults["num_threads"],
                           "torch intra-op threads (0 = torch's default)", low=0))
+    return flags
+
+
+def security_flags(token_file_env: str = "SPECINFER_AUTH_TOKEN_FILE", token_env: str = "SPECINFER_AUTH_TOKEN",
+                   outbound_token: tuple[str, str] | None = None, has_channels: bool = True) -> list[Flag]:
+    """A service's authentication and TLS settings (read by `specinfer.serving.security`): the
+    bearer token callers must send, its TLS certificate (and client CA for mTLS), and, for a
+    service that calls another, the CA its channels trust and its client certificate.
+    `outbound_token` = (flag, file variable) when the token it sends is not the one it checks."""
+    flags = [
+        Flag("--auth-token-file", token_file_env, Path, None,
+             f"file holding the bearer token every call but health checks must send (or the token itself in "
+             f"{token_env}); unset = no authentication"),
+        Flag("--tls-cert", "SPECINFER_TLS_CERT", Path, None, "PEM server certificate: serve TLS"),
+        Flag("--tls-key", "SPECINFER_TLS_KEY", Path, None, "PEM private key of --tls-cert"),
+        Flag("--tls-client-ca", "SPECINFER_TLS_CLIENT_CA", Path, None,
+             "PEM CA: require client certificates signed by it (mTLS)"),
+    ]
+    if outbound_token is not None:
+        flags.append(Flag(outbound_token[0], outbound_token[1], Path, None,
+                          "file holding the internal bearer token sent downstream (or the token itself in "
+                          f"{outbound_token[1].removesuffix('_FILE')})"))
+    if has_channels:
+        flags += [
+            Flag("--tls-ca", "SPECINFER_TLS_CA", Path, None, "PEM CA that outbound channels trust: use TLS"),
+            Flag("--tls-client-cert", "SPECINFER_TLS_CLIENT_CERT", Path, None,
+                 "PEM client certificate outbound channels present (mTLS)"),
+            Flag("--tls-client-key", "SPECINFER_TLS_CLIENT_KEY", Path, None, "PEM private key of --tls-client-cert"),
+        ]
     return flags
