@@ -77,6 +77,7 @@ class LlamaModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.attention_backend = None  # callable like self.attention, e.g. kernels.TritonAttention
+        self.group = None  # a parallel.ShardGroup when these are one rank's shard of the weights
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -109,10 +110,16 @@ class LlamaModel:
                 k_cache.index_copy_(0, batch.write, k)
                 v_cache.index_copy_(0, batch.write, v)
             attn = (self.attention_backend or self.attention)(q, k_cache, v_cache, batch.seqs)  # (T, H * D)
-            h = h + F.linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
+            out = F.linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
+            if self.group is not None:  # row-parallel o: each rank's product is a partial sum
+                self.group.all_reduce(out)
+            h = h + out
             x = self.rms_norm(h, w[f"{i}.post_norm"])
             gate, up = F.linear(x, w[f"{i}.gate_up"], w.get(f"{i}.gate_up_bias")).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w[f"{i}.down"], w.get(f"{i}.down_bias"))
+            out = F.linear(F.silu(gate) * up, w[f"{i}.down"], w.get(f"{i}.down_bias"))
+            if self.group is not None:  # row-parallel down
+                self.group.all_reduce(out)
+            h = h + out
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
         h = self.rms_norm(h, w["norm"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -21,6 +21,9 @@ from specinfer.errors import UserError
 from specinfer.engine.loader import llama_weights, load_state_dict, parse_dtype
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.engine.tree import is_chain, visibility
+
+if TYPE_CHECKING:
+    from specinfer.engine.parallel import ParallelConfig
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -66,12 +69,27 @@ class ModelRunner:
     @classmethod
     def from_dir(
         cls, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_kv_tokens: int = 8192,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int = DEFAULT_BLOCK_SIZE, parallel: ParallelConfig | None = None,
     ) -> "ModelRunner":
+        """Loads a checkpoint; with a tensor-parallel `parallel`, this process is rank 0 of the
+        group (its other ranks spawned here unless a launcher started them)."""
         cfg = ModelConfig.from_dir(model_dir)
         torch_dtype = parse_dtype(dtype)
+        num_blocks = -(-max_kv_tokens // block_size)
+        if parallel is not None and parallel.is_parallel:
+            from specinfer.engine.parallel import ShardSpec, check_divisible, leader_runner
+
+            check_divisible(cfg, parallel.num_ranks)  # before any process starts
+            return leader_runner(ShardSpec(str(model_dir), dtype, device, num_blocks * block_size), parallel,
+                                 block_size)
         model = LlamaModel(cfg, llama_weights(cfg, load_state_dict(model_dir)), torch_dtype, device)
-        return cls(model, num_blocks=-(-max_kv_tokens // block_size), block_size=block_size)
+        return cls(model, num_blocks=num_blocks, block_size=block_size)
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel group; nothing for a one-process model."""
+        leader = getattr(self.model, "leader", None)
+        if leader is not None:
+            leader.close()
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(self.allocator)
