@@ -65,6 +65,9 @@ SPECULATOR_INFO_RETRY_S = 1.0  # a speculator that could not say which SSMs it h
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 16  # stop token ids per request (besides the model's EOS tokens)
+MAX_LOGPROBS = 20  # alternatives returned per generated token (OpenAI's top_logprobs bound)
+MAX_SAMPLES = 16  # samples (n) of one prompt in one request
 _ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 
 
@@ -155,6 +158,24 @@ def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:
             raise UserError(f"stop[{i}]: stop sequences must be non-empty")
         if len(s) > limits.max_stop_chars:
             raise UserError(f"stop[{i}]: longer than {limits.max_stop_chars} characters")
+
+
+def check_outputs(stop_token_ids: tuple[int, ...], num_logprobs: int | None, num_samples: int) -> None:
+    """What a request asks back: stop token ids, logprob alternatives (None = no logprobs), samples."""
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise UserError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
+    if any(t < 0 for t in stop_token_ids):
+        raise UserError(f"stop_token_ids: ids must be >= 0, got {list(stop_token_ids)}")
+    if num_logprobs is not None and not 0 <= num_logprobs <= MAX_LOGPROBS:
+        raise UserError(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {num_logprobs}")
+    if not 1 <= num_samples <= MAX_SAMPLES:
+        raise UserError(f"n: must be in [1, {MAX_SAMPLES}], got {num_samples}")
+
+
+def check_stop_token_ids(stop_token_ids: tuple[int, ...], vocab_size: int) -> None:
+    if any(t >= vocab_size for t in stop_token_ids):
+        raise UserError(f"stop_token_ids: ids must be inside the vocabulary [0, {vocab_size}), "
+                        f"got {list(stop_token_ids)}")
 
 
 def check_prompt_ids(prompt_ids: list[int] | tuple[int, ...], max_new_tokens: int, vocab_size: int,

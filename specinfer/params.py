@@ -74,20 +74,21 @@ class GenerationParams:
     is_speculative: bool = True  # False: plain incremental decoding
     ssm_names: tuple[str, ...] = ()  # the SSM pool to speculate with; empty = all
     stop: tuple[str, ...] = ()  # stop strings, applied to the text
-    stop_token_ids: tuple[int, ...] = ()  # empty = the model's end-of-sequence tokens
-    is_ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # end generation besides the model's end-of-sequence tokens
+    is_ignore_eos: bool = False  # EOS does not end generation (stop_token_ids still do)
+    num_logprobs: int | None = None  # return logprobs with this many alternatives; None = none
+    num_samples: int = 1  # n: independent samples of the prompt
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
             raise UserError(f"max_tokens: must be >= 0 (0 = server default), got {self.max_new_tokens}")
         if any(not name for name in self.ssm_names):
             raise UserError("ssm_names: names must be non-empty")
+        limits.check_outputs(self.stop_token_ids, self.num_logprobs, self.num_samples)
 
     def stop_tokens(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
-        """The token ids that end generation."""
-        if self.is_ignore_eos:
-            return frozenset()
-        return frozenset(self.stop_token_ids or eos_token_ids)
+        """The token ids that end generation: the request's, and EOS unless it is ignored."""
+        return frozenset(self.stop_token_ids) | frozenset(() if self.is_ignore_eos else eos_token_ids)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -106,6 +107,8 @@ class GenerationParams:
             stop=tuple(d.get("stop") or ()),
             stop_token_ids=tuple(d.get("stop_token_ids") or ()),
             is_ignore_eos=bool(d.get("is_ignore_eos", False)),
+            num_logprobs=d.get("num_logprobs"),
+            num_samples=int(d.get("num_samples", 1)),
         )
 
     def checked(self, request_limits: limits.RequestLimits) -> "GenerationParams":
@@ -138,3 +141,10 @@ def _from_earlier_json(d: dict) -> dict:
     return {"max_new_tokens": d.get("max_tokens", 0), "sampling": d.get("sampling"), "shape": shape,
             "is_speculative": d.get("is_speculative", True), "ssm_names": tree.get("ssm_names") or (),
             "stop": d.get("stop") or (), "is_ignore_eos": d.get("is_ignore_eos", False)}
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with n > 1 samples: sample 0 keeps the request's
+    seed (so n = 1 and sample 0 agree); sample i adds i times the 64-bit golden ratio, mod 2**63,
+    which spreads the samples' seeds over the whole seed space."""
+    return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)

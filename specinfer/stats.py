@@ -21,6 +21,7 @@ class GenerationStats:
     # Sums over the verified steps; None when not measured.
     num_accepted: float | None = None  # tree tokens the LLM accepted (the bonus token excluded)
     num_tree_nodes: float | None = None  # tree nodes verified, roots included
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV was reused (a session's prefix, a shared prompt)
 
     @classmethod
     def measured(cls, prompt_tokens: int, output_tokens: int, accepted_per_step: list[int],
@@ -68,10 +69,13 @@ class GenerationStats:
             fell_back=self.fell_back or later.fell_back,
             num_accepted=add(self.num_accepted, later.num_accepted, self.llm_steps, later.llm_steps),
             num_tree_nodes=add(self.num_tree_nodes, later.num_tree_nodes, self.llm_steps, later.llm_steps),
+            # the request's prompt is the first segment's; a continuation's prompt holds its output
+            cached_prompt_tokens=self.cached_prompt_tokens if self.llm_steps else later.cached_prompt_tokens,
         )
 
     def with_counts(self, prompt_tokens: int, output_tokens: int) -> "GenerationStats":
-        return replace(self, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+        return replace(self, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                       cached_prompt_tokens=min(self.cached_prompt_tokens, prompt_tokens))
 
     def to_json(self) -> dict:
         return asdict(self)

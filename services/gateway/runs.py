@@ -27,6 +27,7 @@ from services.gateway.store import CANCELLED, FAILED, FINISHED, INTERRUPTED, RUN
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.verifier_client import VerifierCall, VerifierClient, VerifierStep, domain_error
 from specinfer.errors import CapacityError, UnavailableError
+from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams
 from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
@@ -85,6 +86,12 @@ class Chunk:
     finish_reason: str = ""
     stats: GenerationStats | None = None
     error: Exception | None = None
+    # One entry per token of `token_ids` when the request asked for logprobs (and this gateway
+    # saw them arrive: a request replayed from the store carries none), under `logprob_space`
+    # ("raw" or "processed", specinfer.logprobs).
+    logprobs: tuple[TokenLogprob, ...] = ()
+    logprob_space: str = ""
+    index: int = 0  # the sample of an n > 1 request this chunk belongs to
 
 
 class RequestRun:

@@ -24,12 +24,14 @@ from prometheus_client import CollectorRegistry
 
 from services.gateway.config import GatewayConfig, config_from_args
 from services.gateway.core import CallContext, GatewayCore
+from services.gateway.http_api import HttpServer, start_http
 from services.gateway.runs import Chunk
 from services.gateway.store import RequestRecord, Store, make_store
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest
 from services.gateway.verifier_client import VerifierClient
 from specinfer.errors import UnavailableError, UserError
+from specinfer.limits import MAX_LOGPROBS, MAX_SAMPLES
 from specinfer.serving import convert
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server, status_for
 from specinfer.serving.logs import setup_logging
@@ -58,16 +60,20 @@ def stats_to_proto(stats: GenerationStats | None) -> pb.GenerationStats | None:
 
 
 def chunk_to_proto(chunk: Chunk) -> pb.GenerateStreamResponse:
+    finish_reason = chunk.finish_reason if chunk.is_done else ""
     return pb.GenerateStreamResponse(request_id=chunk.request_id, text_delta=chunk.text_delta,
                                      token_ids=list(chunk.token_ids), token_offset=chunk.token_offset,
-                                     finish_reason=chunk.finish_reason if chunk.is_done else "",
-                                     stats=stats_to_proto(chunk.stats))
+                                     finish_reason=finish_reason, stats=stats_to_proto(chunk.stats),
+                                     finish=convert.finish_to_proto(finish_reason),
+                                     logprobs=convert.logprobs_to_proto(chunk.logprobs),
+                                     logprob_space=convert.space_to_proto(chunk.logprob_space), index=chunk.index)
 
 
 def record_to_proto(rec: RequestRecord) -> pb.RequestState:
     return pb.RequestState(request_id=rec.request_id, status=rec.status, text=rec.text,
                            token_ids=list(rec.generated_ids), finish_reason=rec.finish_reason,
-                           stats=stats_to_proto(rec.stats), session_id=rec.session_id, error=rec.error)
+                           stats=stats_to_proto(rec.stats), session_id=rec.session_id, error=rec.error,
+                           finish=convert.finish_to_proto(rec.finish_reason))
 
 
 def _ended_code(context: grpc.ServicerContext) -> str:
@@ -81,6 +87,28 @@ def downstream_timeout(remaining_s: float) -> float:
     """The verifier's deadline: the caller's remaining time less a 1% margin for the reply (gRPC
     also rounds deadlines up on the wire), so the verifier never outlives the client's deadline."""
     return max(0.001, remaining_s * 0.99 - 0.002)
+
+
+class _Collected:
+    """One sample's chunks, gathered for a unary Generate."""
+
+    def __init__(self):
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.logprobs: list = []
+        self.last: Chunk | None = None
+
+    def add(self, chunk: Chunk) -> None:
+        self.text.append(chunk.text_delta)
+        self.ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.last = chunk
+
+    def to_sample(self, index: int) -> pb.Sample:
+        last = self.last
+        return pb.Sample(index=index, request_id=last.request_id, text="".join(self.text), token_ids=self.ids,
+                         finish_reason=last.finish_reason, finish=convert.finish_to_proto(last.finish_reason),
+                         stats=stats_to_proto(last.stats), logprobs=convert.logprobs_to_proto(self.logprobs))
 
 
 class GatewayServicer(pb_grpc.GatewayServicer):
@@ -141,17 +169,22 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     # -- RPCs --------------------------------------------------------------------------------
     def Generate(self, request, context):
         with self._rpc("Generate", context, "gateway.generate", session_id=request.session_id) as span:
-            text, ids, last = [], [], None
-            for last in self.core.generate(new_request_from_proto(request), self._call(context, span)):
-                self._annotate(span, last)
-                text.append(last.text_delta)
-                ids.extend(last.token_ids)
-            if last is None or not last.is_done:
+            samples: dict[int, _Collected] = {}
+            for chunk in self.core.generate(new_request_from_proto(request), self._call(context, span)):
+                self._annotate(span, chunk)
+                samples.setdefault(chunk.index, _Collected()).add(chunk)
+            if not samples or not all(s.last.is_done for s in samples.values()):
                 if not context.is_active():  # the client left; nobody reads this
                     return pb.GenerateResponse()
                 raise UnavailableError("the request ended without a result; resume it")
-            return pb.GenerateResponse(request_id=last.request_id, text="".join(text), token_ids=ids,
-                                       finish_reason=last.finish_reason, stats=stats_to_proto(last.stats))
+            first = samples[0].to_sample(0)
+            response = pb.GenerateResponse(request_id=first.request_id, text=first.text, token_ids=first.token_ids,
+                                           finish_reason=first.finish_reason, stats=first.stats, finish=first.finish,
+                                           logprobs=first.logprobs, logprob_space=convert.space_to_proto(samples[0].last.logprob_space))
+            if len(samples) > 1:  # sample ids are "<request id>.<index>"
+                response.request_id = first.request_id.rsplit(".", 1)[0]
+                response.samples.extend(samples[i].to_sample(i) for i in sorted(samples))
+            return response
 
     def GenerateStream(self, request, context):
         req = new_request_from_proto(request)
@@ -190,7 +223,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                 model=v.model, ssm_names=list(v.ssm_names), max_prompt_tokens=lim.max_prompt_tokens,
                 max_tokens=lim.max_new_tokens, max_concurrent_requests=lim.max_concurrent_requests,
                 default_shape=pb.TreeShape(widths=list(v.default_widths), max_nodes=v.default_max_nodes),
-                max_stop_sequences=lim.max_stop_sequences)
+                max_stop_sequences=lim.max_stop_sequences, max_logprobs=MAX_LOGPROBS, max_samples=MAX_SAMPLES)
 
 
 # -- assembling and running the service -----------------------------------------------------
@@ -199,10 +232,15 @@ class GatewayServer:
     running: RunningServer
     core: GatewayCore
     metrics_server: MetricsServer | None
+    http: HttpServer | None = None  # the OpenAI-compatible HTTP API
 
     @property
     def port(self) -> int:
         return self.running.port
+
+    @property
+    def http_port(self) -> int:
+        return self.http.port if self.http is not None else 0
 
     def stop(self, grace_s: float | None = None) -> None:
         self.running.stop(grace_s)
@@ -220,10 +258,14 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
     verifier = VerifierClient(cfg.verifier_addr, cfg.max_message_bytes, cfg.verifier_security)
     metrics = GatewayMetrics.create(registry)
     core = GatewayCore(cfg, tokenizer, store, verifier, metrics)
+    core.start()
     servicer = GatewayServicer(core, tracer, metrics)
     metrics_server = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
+    http = start_http(core, tracer, metrics, registry, cfg.http_port) if cfg.http_port else None
 
     def on_stop() -> None:
+        if http:
+            http.stop()
         core.shutdown()
         verifier.close()
         store.close()
@@ -236,7 +278,7 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
         [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop)
     log.info("gateway %s: verifier %s, store %s", cfg.gateway_id, cfg.verifier_addr,
              "redis" if cfg.redis_url else "in-memory")
-    return GatewayServer(running, core, metrics_server)
+    return GatewayServer(running, core, metrics_server, http)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,12 +9,45 @@ converts with these too. Token trees carry tensors and are converted in `specinf
 from __future__ import annotations
 
 from specinfer import limits
+from specinfer.logprobs import PROCESSED, RAW, TokenLogprob
 from specinfer.params import GenerationParams, SamplingParams, TreeShape
 from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 
 _POLICY_NAMES = {pb.TREE_POLICY_MERGE: "merge", pb.TREE_POLICY_MIXED: "mixed"}
 _POLICY_VALUES = {name: value for value, name in _POLICY_NAMES.items()}
+_FINISH_VALUES = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP,
+                  "cancelled": pb.FINISH_REASON_CANCELLED}
+_SPACE_VALUES = {RAW: pb.LOGPROB_SPACE_RAW, PROCESSED: pb.LOGPROB_SPACE_PROCESSED}
+_SPACE_NAMES = {value: name for name, value in _SPACE_VALUES.items()}
+
+
+def finish_to_proto(finish_reason: str) -> int:
+    """The FinishReason enum for a finish_reason string ("" while running: unspecified)."""
+    return _FINISH_VALUES.get(finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+
+
+def space_to_proto(space: str) -> int:
+    return _SPACE_VALUES.get(space, pb.LOGPROB_SPACE_UNSPECIFIED)
+
+
+def space_from_proto(value: int) -> str:
+    return _SPACE_NAMES.get(value, "")
+
+
+def logprobs_to_proto(logprobs) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                            top_logprobs=[v for _, v in lp.top]) for lp in logprobs]
+
+
+def logprobs_from_proto(msgs) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(int(m.token_id), float(m.logprob),
+                              tuple(zip((int(t) for t in m.top_token_ids), (float(v) for v in m.top_logprobs))))
+                 for m in msgs)
+
+
+def _optional_uint(msg, name: str) -> int | None:
+    return int(getattr(msg, name)) if msg.HasField(name) else None
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -60,17 +93,21 @@ def params_from_verifier_request(msg: pb.VerifierGenerateRequest) -> GenerationP
         max_new_tokens=int(msg.max_new_tokens), sampling=sampling_from_proto(msg.sampling),
         shape=shape_from_proto(msg.shape), is_speculative=bool(msg.speculate), ssm_names=tuple(msg.ssm_names),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), is_ignore_eos=bool(msg.ignore_eos),
+        num_logprobs=_optional_uint(msg, "logprobs"),
     )
 
 
 def verifier_request_to_proto(request_id: str, prompt_ids: tuple[int, ...] | list[int], params: GenerationParams,
-                              session_id: str = "") -> pb.VerifierGenerateRequest:
-    return pb.VerifierGenerateRequest(
+                              session_id: str = "", prefix_group: str = "") -> pb.VerifierGenerateRequest:
+    msg = pb.VerifierGenerateRequest(
         request_id=request_id, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
         sampling=sampling_to_proto(params.sampling), speculate=params.is_speculative,
         shape=shape_to_proto(params.shape), stop_token_ids=list(params.stop_token_ids), session_id=session_id,
-        ignore_eos=params.is_ignore_eos, ssm_names=list(params.ssm_names),
+        ignore_eos=params.is_ignore_eos, ssm_names=list(params.ssm_names), prefix_group=prefix_group,
     )
+    if params.num_logprobs is not None:
+        msg.logprobs = params.num_logprobs
+    return msg
 
 
 def params_from_generate_request(msg: pb.GenerateRequest) -> GenerationParams:
@@ -80,13 +117,16 @@ def params_from_generate_request(msg: pb.GenerateRequest) -> GenerationParams:
         sampling=sampling_from_proto(msg.sampling), shape=shape_from_proto(msg.shape),
         is_speculative=msg.speculate if msg.HasField("speculate") else True, ssm_names=tuple(msg.ssm_names),
         stop=tuple(msg.stop), is_ignore_eos=bool(msg.ignore_eos),
+        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), num_logprobs=_optional_uint(msg, "logprobs"),
+        num_samples=int(msg.n) if msg.HasField("n") else 1,
     )
 
 
 def stats_to_proto(stats: GenerationStats) -> pb.GenerationStats:
     msg = pb.GenerationStats(prompt_tokens=stats.prompt_tokens, output_tokens=stats.output_tokens,
                              llm_steps=stats.llm_steps, tokens_per_step=stats.tokens_per_step,
-                             latency_s=stats.latency_s, fell_back=stats.fell_back)
+                             latency_s=stats.latency_s, fell_back=stats.fell_back,
+                             cached_prompt_tokens=stats.cached_prompt_tokens)
     for name in ("mean_accepted", "mean_tree_nodes", "acceptance_rate"):
         value = getattr(stats, name)
         if value is not None:
@@ -101,4 +141,5 @@ def stats_from_proto(msg: pb.GenerationStats) -> GenerationStats:
         latency_s=float(msg.latency_s), fell_back=bool(msg.fell_back),
         num_accepted=msg.mean_accepted * steps if msg.HasField("mean_accepted") else None,
         num_tree_nodes=msg.mean_tree_nodes * steps if msg.HasField("mean_tree_nodes") else None,
+        cached_prompt_tokens=int(msg.cached_prompt_tokens),
     )
