@@ -10,7 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from specinfer.errors import UserError
 from specinfer.limits import (
@@ -55,6 +55,8 @@ class VerifierConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's and the speculator channels' bound
     server_security: ServerSecurity = field(default_factory=ServerSecurity)  # the internal token, TLS
     speculator_security: ChannelSecurity = field(default_factory=ChannelSecurity)  # sends the same token
+    tensor_parallel: int = 1  # ranks the LLM is sharded over (spawned here, or started by torchrun)
+    parallel: Any = None  # the parallel.ParallelConfig of this process (None: spawn a group if needed)
 
 
 def _flags() -> list[Flag]:
@@ -91,6 +93,8 @@ def _flags() -> list[Flag]:
              "requests that may queue for KV memory before RESOURCE_EXHAUSTED", low=0),
         Flag("--admission-timeout-s", "SPECINFER_ADMISSION_TIMEOUT_S", float, d["admission_timeout_s"],
              "longest wait for KV memory", is_positive=True),
+        Flag("--tensor-parallel", "SPECINFER_TENSOR_PARALLEL", int, d["tensor_parallel"],
+             "shard the LLM over this many ranks (GPUs); under torchrun, its WORLD_SIZE", is_positive=True),
         Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
              "prompt tokens per request, session history included (as at the gateway)", is_positive=True),
         Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens,
@@ -115,6 +119,9 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     kv_tokens, kv_bytes = a["kv_budget"]
     security = server_security(a, env)
     is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)
+    from specinfer.engine.parallel import ParallelConfig
+
+    parallel = ParallelConfig.from_env(a["tensor_parallel"], env)
     return VerifierConfig(
         model_dir=a["model"], speculators=a["speculator"], host=a["host"], port=a["port"], dtype=a["dtype"],
         device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,
@@ -126,4 +133,5 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=security,
         speculator_security=channel_security(a, env, security.token),
+        tensor_parallel=parallel.num_ranks, parallel=parallel,
     )

@@ -12,8 +12,11 @@ output; nothing hangs.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
+from dataclasses import replace
 
 from opentelemetry import trace
 
@@ -25,7 +28,11 @@ from specinfer.engine.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.tree import TokenTree
 from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
-from specinfer.serving.convert import params_from_verifier_request, shape_to_proto, stats_to_proto
+from specinfer.errors import UserError
+from specinfer.logprobs import space_for
+from specinfer.serving.convert import (
+    finish_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto, stats_to_proto,
+)
 from specinfer.serving.grpc_server import RunningServer, model_service_main, remaining_timeout, start_model_service
 from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics
 from specinfer.serving.tracing import server_span
@@ -59,12 +66,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         prompt_ids, params = list(request.prompt_ids), params_from_verifier_request(request)
         params.checked(self.cfg.limits)  # the deployment's limits, whoever calls: before admission
         check_verifier_request(len(prompt_ids), params.max_new_tokens, params.ssm_names, self.cfg.limits)
+        if request.prefix_group and request.session_id:  # a session's cache trims what a group shares
+            raise UserError("prefix_group: not with a session_id")
         timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
         should_stop = _abandon_when(context, time.monotonic() + timeout_s)
         with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
                          session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
             generation = self.engine.start(prompt_ids, params, request.request_id, request.session_id or None,
-                                           timeout_s, StepSpans(self.tracer, self.metrics, span))
+                                           timeout_s, StepSpans(self.tracer, self.metrics, span),
+                                           request.prefix_group or None)
             span.set_attribute("reused_prefix_tokens", generation.session.num_reused)
             is_ok = False
             try:
@@ -82,11 +92,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 self.engine.finish(generation, history)
 
     def _response(self, generation, kept: list[int]) -> pb.VerifierGenerateResponse:
-        response = pb.VerifierGenerateResponse(token_ids=kept)
+        result, num_cached = generation.result, generation.session.num_reused
+        response = pb.VerifierGenerateResponse(token_ids=kept, cached_prompt_tokens=num_cached)
+        if generation.params.num_logprobs is not None:
+            response.logprobs.extend(logprobs_to_proto(result.output_logprobs[len(result.output_ids) - len(kept):]))
+            response.logprob_space = space_to_proto(space_for(generation.params.sampling.is_greedy))
         if generation.is_done:
-            result = generation.result
             response.finish_reason = result.finish_reason
-            response.stats.CopyFrom(stats_to_proto(result.stats()))
+            response.finish = finish_to_proto(result.finish_reason)
+            response.stats.CopyFrom(stats_to_proto(replace(result.stats(), cached_prompt_tokens=num_cached)))
             self.metrics.time_per_output_token.observe(result.latency_s / max(1, len(result.output_ids)))
         return response
 
@@ -139,11 +153,37 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     from specinfer.engine.config import ModelConfig
     from specinfer.engine.load import kv_budget_tokens, resolve_device
     from specinfer.engine.runner import ModelRunner
+
+    from specinfer.engine.parallel import ParallelConfig, shard_config
+
+    parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
+    num_ranks = parallel.num_ranks if parallel else 1
+    # A byte budget is per device: each rank holds 1/N of the KV heads.
+    kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes,
+                                 shard_config(ModelConfig.from_dir(cfg.model_dir), num_ranks), cfg.dtype)
+    runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
+                                  max_kv_tokens=kv_tokens, parallel=parallel)
+    try:
+        server, servicer = _serve(cfg, runner, exporter, is_worker_threaded)
+    except BaseException:
+        runner.close()
+        raise
+    leader = getattr(runner.model, "leader", None)
+    if leader is not None:  # a rank that dies takes the whole service down
+        leader.on_broken(lambda reason: _take_down(server, reason))
+    return server, servicer
+
+
+def _take_down(server: RunningServer, reason: str) -> None:
+    """NOT_SERVING at once; drain and stop on another thread (this may be the model's own)."""
+    log.error("the LLM's tensor-parallel group is down (%s): stopping", reason)
+    server.set_serving(False)
+    threading.Thread(target=server.stop, name="tp-take-down", daemon=True).start()
+
+
+def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> tuple[RunningServer, VerifierServicer]:
     from specinfer.engine.verifier import Verifier
 
-    kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, ModelConfig.from_dir(cfg.model_dir), cfg.dtype)
-    runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                                  max_kv_tokens=kv_tokens)
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
                                      cfg.max_message_bytes, cfg.speculator_security)
                    if cfg.speculators else None)
@@ -168,4 +208,47 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
 
 
 def main(argv: list[str] | None = None) -> int:
-    return model_service_main("verifier", argv, parse_config, build)
+    """Serves the LLM. Under a launcher (torchrun), ranks > 0 of a tensor-parallel group run no
+    server: they load their shard and follow rank 0's steps until it stops."""
+    if int(os.environ.get("RANK", "0")) > 0:
+        return _serve_rank(argv)
+    built: list[VerifierServicer] = []
+
+    def build_kept(cfg: VerifierConfig, **kwargs) -> tuple[RunningServer, VerifierServicer]:
+        server, servicer = build(cfg, **kwargs)
+        built.append(servicer)
+        return server, servicer
+
+    code = model_service_main("verifier", argv, parse_config, build_kept)
+    if not built:
+        return code
+    runner = built[0].engine.verifier.runner
+    leader = getattr(runner.model, "leader", None)
+    runner.close()
+    return 1 if leader is not None and leader.broken else code
+
+
+def _serve_rank(argv: list[str] | None) -> int:
+    from specinfer.engine.load import kv_budget_tokens, resolve_device
+    from specinfer.engine.config import ModelConfig
+    from specinfer.engine.parallel import ShardSpec, serve_rank, shard_config
+    from specinfer.engine.runner import DEFAULT_BLOCK_SIZE
+    from specinfer.engine.runtime import configure_cpu_runtime
+    from specinfer.errors import UserError
+    from specinfer.serving.logs import setup_logging
+
+    configure_cpu_runtime()
+    try:
+        cfg = parse_config(argv)
+        setup_logging("verifier", cfg.log_level)
+        shard = shard_config(ModelConfig.from_dir(cfg.model_dir), cfg.parallel.num_ranks)
+        kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, shard, cfg.dtype)
+        num_slots = -(-kv_tokens // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+        serve_rank(ShardSpec(str(cfg.model_dir), cfg.dtype, resolve_device(cfg.device), num_slots), cfg.parallel)
+    except UserError as exc:
+        print(f"specinfer-verifier: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # rank 0 went away or a step failed here: the launcher takes the group down
+        log.error("tensor-parallel rank %s stops: %s: %s", os.environ.get("RANK"), type(exc).__name__, exc)
+        return 1
+    return 0

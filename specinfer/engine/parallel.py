@@ -165,6 +165,8 @@ class ShardGroup:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a tensor-parallel group; close that one first")
         timeout = timedelta(seconds=pc.timeout_s)
         dist.init_process_group(backend, init_method=pc.init_method, world_size=pc.num_ranks, rank=pc.rank,
                                 timeout=timeout)
