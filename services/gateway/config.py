@@ -16,8 +16,8 @@ from typing import Mapping
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, GATEWAY_PORT, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, port_flag, read_flags,
-    security_flags,
+    DEFAULT_GRACE_S, GATEWAY_PORT, HTTP_PORT, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, port_flag,
+    read_flags, security_flags,
 )
 from specinfer.serving.security import (
     GATEWAY_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, ServerSecurity, channel_security, resolve_token,
@@ -30,6 +30,7 @@ class GatewayConfig:
     host: str = LOCAL_HOST
     port: int = GATEWAY_PORT
     verifier_addr: str = f"{LOCAL_HOST}:{VERIFIER_PORT}"  # host:port, or a dns:///host:port target (round robin)
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off (the flag's default is HTTP_PORT)
     redis_url: str | None = None  # None = embedded in-memory store
     model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
@@ -63,6 +64,7 @@ def _flags() -> list[Flag]:
         Flag("--verifier-addr", "SPECINFER_VERIFIER_ADDR", str, d["verifier_addr"],
              "verifier host:port or dns:///host:port"),
         Flag("--redis-url", "SPECINFER_REDIS_URL", str, d["redis_url"], "redis://host:port/db; unset = in-memory store"),
+        port_flag("--http-port", "SPECINFER_HTTP_PORT", HTTP_PORT, "OpenAI-compatible HTTP API port; 0 = off"),
         Flag("--model-dir", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (for its tokenizer)"),
         Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
              "prompt tokens, session history included", is_positive=True),
@@ -87,7 +89,7 @@ def _flags() -> list[Flag]:
 
 
 def build_parser(flags: list[Flag] | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specinfer-gateway", description="The SpecInfer public gateway (gRPC).")
+    p = argparse.ArgumentParser(prog="specinfer-gateway", description="The SpecInfer public gateway (gRPC and HTTP).")
     for flag in flags or _flags():
         add_flag(p, flag)
     return p
@@ -106,7 +108,8 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
     )
     return GatewayConfig(
         host=a["host"], port=a["port"], verifier_addr=a["verifier_addr"], redis_url=a["redis_url"],
-        model_dir=a["model_dir"], limits=limits, default_deadline_s=a["default_deadline_s"],
+        http_port=a["http_port"], model_dir=a["model_dir"], limits=limits,
+        default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env, GATEWAY_TOKEN_ENV),

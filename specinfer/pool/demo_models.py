@@ -46,7 +46,8 @@ from specinfer.pool.demo_cache import (
 )
 from specinfer.pool.demo_corpus import Corpus, eval_texts, heldout_prompts, is_heldout, stdlib_corpus, write_prompts
 from specinfer.pool.demo_training import (
-    TrainResult, distill_ssms, encode_stream, evaluate, format_metrics, save_tokenizer, train_llm, train_tokenizer,
+    TrainResult, add_chat_template, distill_ssms, encode_stream, evaluate, format_metrics, save_tokenizer, train_llm,
+    train_tokenizer,
 )
 from specinfer.pool.thread_tuner import ThreadTuner, restore_threads
 from specinfer.util import quiet_transformers, write_json
@@ -73,6 +74,7 @@ def ensure_demo_models(
     if not force:
         found = load_demo_paths(root, budget, seed)
         if found is not None:
+            add_chat_template(found.llm)
             return found
     tmp = new_partial_dir(cache_dir, root.name)
     try:

@@ -9,6 +9,7 @@ depend on wall-clock time.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -65,6 +66,24 @@ def encode_stream(tokenizer, texts: Sequence[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+# The demo models know only Python source, so a chat is a transcript in Python comments; the
+# model continues after "# assistant:" (the HTTP API's /v1/chat/completions renders this).
+DEMO_CHAT_TEMPLATE = ("{% for message in messages %}# {{ message['role'] }}: {{ message['content'] }}\n"
+                      "{% endfor %}{% if add_generation_prompt %}# assistant:{% endif %}")
+
+
+def add_chat_template(model_dir: Path) -> None:
+    """Gives a demo model built before it had one the demo chat template (best effort: a
+    read-only cache keeps serving without it)."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text())
+        if "chat_template" not in config:
+            write_json(path, {**config, "chat_template": DEMO_CHAT_TEMPLATE})
+    except (OSError, ValueError):
+        pass
+
+
 def save_tokenizer(tokenizer, model_dir: Path) -> None:
     tokenizer.save(str(model_dir / "tokenizer.json"))
     config = {
@@ -74,6 +93,7 @@ def save_tokenizer(tokenizer, model_dir: Path) -> None:
         "unk_token": SPECIAL_TOKENS[2],
         "model_max_length": 1000000000000000019884624838656,
         "tokenizer_class": "TokenizersBackend",
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
     write_json(model_dir / "tokenizer_config.json", config)
 

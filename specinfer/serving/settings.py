@@ -23,6 +23,7 @@ T = TypeVar("T")
 # ---- the services' defaults ------------------------------------------------------------------
 LOCAL_HOST = "127.0.0.1"  # internal services are not exposed by default
 GATEWAY_PORT = 50051
+HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API
 VERIFIER_PORT = 50052
 SPECULATOR_PORT = 50053
 DEFAULT_GRACE_S = 10.0  # drain period on SIGTERM

@@ -1,0 +1,93 @@
+"""Chat templates: a checkpoint's `chat_template`, rendered in a Jinja sandbox.
+
+The template comes from the checkpoint's `tokenizer_config.json` (`chat_template`: a string, or
+a list of named templates of which "default" is used) or a `chat_template.jinja` file beside
+it, the way Hugging Face tokenizers ship them. It is rendered with Jinja's
+`ImmutableSandboxedEnvironment`: a template can format the messages but cannot call into Python,
+reach attributes outside the sandbox or mutate its inputs. It is never executed as code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from specinfer.errors import UserError
+
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _special_token(cfg: dict, name: str) -> str:
+    value = cfg.get(name) or ""
+    return value.get("content", "") if isinstance(value, dict) else str(value)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> "ChatTemplate | None":
+        """The checkpoint's template, or None when it has none; UserError if it is unreadable."""
+        model_dir = Path(model_dir)
+        cfg_path = model_dir / "tokenizer_config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise UserError(f"{cfg_path}: cannot read the tokenizer config: {exc}") from None
+        source = cfg.get("chat_template")
+        if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}]
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            source = named.get("default")
+        if not source and (model_dir / TEMPLATE_FILE).is_file():
+            source = (model_dir / TEMPLATE_FILE).read_text()
+        if not source or not isinstance(source, str):
+            return None
+        return cls(source, _special_token(cfg, "bos_token"), _special_token(cfg, "eos_token"))
+
+    def compile(self):
+        """The compiled template; UserError naming the problem when it does not compile."""
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = _raise_exception
+        try:
+            return env.from_string(self.source)
+        except TemplateError as exc:
+            raise UserError(f"the model's chat template does not compile: {exc}") from None
+
+
+class ChatRenderer:
+    """Renders message lists with one compiled template (compiled once, at start-up)."""
+
+    def __init__(self, template: ChatTemplate | None):
+        self.template = template
+        self._compiled, self._error = None, None
+        if template is not None:
+            try:
+                self._compiled = template.compile()
+            except UserError as exc:
+                self._error = str(exc)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages`; UserError when the model has no usable template or the
+        template refuses the conversation (its `raise_exception`)."""
+        if self.template is None:
+            raise UserError("messages: this model has no chat template (no chat_template in its "
+                            "tokenizer_config.json); use /v1/completions with a plain prompt")
+        if self._compiled is None:
+            raise UserError(f"messages: {self._error}")
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.template.bos_token, eos_token=self.template.eos_token)
+        except TemplateError as exc:
+            raise UserError(f"messages: the model's chat template refused them: {exc}") from None

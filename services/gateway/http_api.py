@@ -1,0 +1,537 @@
+"""The OpenAI-compatible HTTP API, served by the gateway process beside its gRPC API.
+
+One path: every handler calls the same `GatewayCore` as the gRPC servicer (validation, stops,
+sessions, admission and limits are the core's), so this module only converts HTTP to domain
+types and back. Starlette routes the requests and uvicorn serves them, on their own thread and
+event loop; a request's generation runs on a thread of its own (the core's calls block), and
+hands its chunks to the event loop. A client that disconnects closes its link exactly as a gRPC
+client leaving does: its observer detaches, and a run nobody observes any more is interrupted.
+
+Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as
+server-sent events), GET /health (always open) and GET /metrics (the gateway's Prometheus
+registry). With a client token configured, every other endpoint needs `Authorization: Bearer`.
+A body larger than the gateway's message bound is refused (413) before it is read whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Iterator
+
+import uvicorn
+from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.gateway.chat_template import ChatRenderer, ChatTemplate
+from services.gateway.core import CallContext, GatewayCore
+from services.gateway.openai_schema import (
+    ChatCompletionRequest, CompletionRequest, envelope, error_body, finish_reason, parse_body, speculation_metrics,
+    usage,
+)
+from services.gateway.runs import Chunk
+from services.gateway.telemetry import GatewayMetrics
+from services.gateway.validation import NewRequest
+from specinfer.errors import NotFoundError, UserError
+from specinfer.limits import MAX_METADATA_BYTES
+from specinfer.serving.grpc_server import status_for
+from specinfer.serving.security import ServerSecurity
+from specinfer.serving.tracing import outgoing_metadata
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health",)  # answer without a token
+# gRPC status (the one exception mapping, `status_for`) -> HTTP status and OpenAI error type
+HTTP_STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "NOT_FOUND": (404, "not_found_error"),
+               "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable"),
+               "DEADLINE_EXCEEDED": (504, "timeout_error"), "UNAUTHENTICATED": (401, "authentication_error"),
+               "CANCELLED": (499, "cancelled")}
+CLIENT_CLOSED = 499  # counted for a client that left before its response ended
+
+
+# ---- a request's link to its client, and its generation thread -------------------------------
+class HttpLink:
+    """What `GatewayCore` needs of a client (core.ClientLink): whether it is still there, and
+    callbacks to run when its request ends, normally or because it disconnected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+        self._is_active = True
+
+    def is_active(self) -> bool:
+        return self._is_active
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if not self._is_active:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._is_active:
+                return
+            self._is_active = False
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+
+_END = object()
+
+
+class _Pump:
+    """Runs a request's chunk iterator on its own thread and hands the chunks to the event loop.
+    The iterator ends on its own once the link is closed (the core polls it)."""
+
+    def __init__(self, make: Callable[[], Iterator[Chunk]]):
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        threading.Thread(target=self._run, args=(make,), name="http-request", daemon=True).start()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: the server is gone
+            pass
+
+    def _run(self, make: Callable[[], Iterator[Chunk]]) -> None:
+        try:
+            for chunk in make():
+                self._put(chunk)
+        except BaseException as exc:  # noqa: BLE001 - handed to the request's coroutine
+            self._put(exc)
+        else:
+            self._put(_END)
+
+    async def next(self) -> Chunk | None:
+        """The next chunk; None at the end; raises what the request raised."""
+        item = await self._queue.get()
+        if item is _END:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+async def _watch_disconnect(receive: Callable[[], Awaitable[dict]], link: HttpLink) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    link.close()
+
+
+# ---- errors ---------------------------------------------------------------------------------
+def error_response(exc: BaseException) -> JSONResponse:
+    """An OpenAI-shaped error with the HTTP status of the exception's gRPC status."""
+    if isinstance(exc, _HttpError):
+        return JSONResponse(error_body(exc.message, exc.error_type, exc.param, exc.code), exc.status)
+    code, message = status_for(exc)
+    status, error_type = HTTP_STATUS.get(code.name, (500, "server_error"))
+    if status == 500:
+        log.error("HTTP request failed: %s", message, exc_info=exc)
+    param = None
+    if isinstance(exc, (UserError, NotFoundError)):
+        head = message.split(":", 1)[0]
+        param = head if head and " " not in head else None
+    return JSONResponse(error_body(message, error_type, param, "model_not_found" if param == "model" else None),
+                        status)
+
+
+@dataclass
+class _HttpError(Exception):
+    status: int
+    message: str
+    error_type: str
+    param: str | None = None
+    code: str | None = None
+
+
+# ---- the ASGI guard: token and body size, before any route runs -------------------------------
+class _Guard:
+    """Checks the bearer token (all paths but /health) and bounds the request body: a declared
+    length over the bound is refused at once, a chunked body as soon as it passes the bound."""
+
+    def __init__(self, app, token: str | None, max_body_bytes: int):
+        self.app = app
+        self.expected = f"Bearer {token}".encode() if token else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self.expected):
+                message = "invalid bearer token" if given else "missing bearer token (Authorization header)"
+                return await self._refuse(scope, receive, send, 401, message, "authentication_error",
+                                          "invalid_api_key")
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            return await self._refuse(scope, receive, send, 413, self._too_large(), "invalid_request_error",
+                                      "body_too_large")
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_body_bytes:
+                return await self._refuse(scope, receive, send, 413, self._too_large(), "invalid_request_error",
+                                          "body_too_large")
+            if not message.get("more_body"):
+                break
+        body, is_replayed = b"".join(parts), False
+
+        async def replay():
+            nonlocal is_replayed
+            if is_replayed:
+                return await receive()
+            is_replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+    def _too_large(self) -> str:
+        return f"request body larger than {self.max_body_bytes} bytes"
+
+    @staticmethod
+    async def _refuse(scope, receive, send, status: int, message: str, error_type: str, code: str):
+        await JSONResponse(error_body(message, error_type, None, code), status)(scope, receive, send)
+
+
+# ---- the API ------------------------------------------------------------------------------------
+class _Exchange:
+    """One HTTP request's span and its outcome counted in the gateway's request metrics."""
+
+    def __init__(self, api: "OpenAIApi", request: Request, route: str):
+        self.api, self.route, self.started = api, route, time.monotonic()
+        carrier = {k: v for k, v in request.headers.items()}
+        self.span = api.tracer.start_span("gateway.generate", context=propagate.extract(carrier),
+                                          kind=trace.SpanKind.SERVER, attributes={"http.route": route})
+        with trace.use_span(self.span, end_on_exit=False):
+            self.metadata = tuple(outgoing_metadata())
+        self._is_done = False
+
+    def call(self, link: HttpLink) -> CallContext:
+        span = self.span
+        return CallContext(link, self.api.deadline_s, self.metadata, lambda name, attrs: span.add_event(name, attrs),
+                           self.started)
+
+    def finish(self, status: int, exc: BaseException | None = None) -> None:
+        if self._is_done:
+            return
+        self._is_done = True
+        if exc is not None:
+            self.span.record_exception(exc)
+            self.span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+        self.span.set_attribute("http.status_code", status)
+        self.span.end()
+        method = f"HTTP {self.route}"
+        self.api.metrics.requests.labels(method, str(status)).inc()
+        self.api.metrics.request_latency.labels(method).observe(time.monotonic() - self.started)
+
+
+class _Choice:
+    """One sample's output as it accumulates (non-streaming responses)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.finish_reason: str = ""
+        self.stats = None
+
+
+class OpenAIApi:
+    def __init__(self, core: GatewayCore, model_name: str, renderer: ChatRenderer, tracer: trace.Tracer,
+                 metrics: GatewayMetrics, registry: CollectorRegistry, deadline_s: float):
+        self.core, self.model_name, self.renderer = core, model_name, renderer
+        self.tracer, self.metrics, self.registry, self.deadline_s = tracer, metrics, registry, deadline_s
+        self.created = int(time.time())
+        self.is_draining = False
+
+    def app(self, token: str | None, max_body_bytes: int) -> Any:
+        routes = [
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+        ]
+        handlers = {404: self._not_found, 405: self._not_allowed}
+        return _Guard(Starlette(routes=routes, exception_handlers=handlers), token, max_body_bytes)
+
+    # -- plain endpoints ---------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specinfer"}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.is_draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @staticmethod
+    async def _not_found(request: Request, exc) -> Response:
+        return error_response(_HttpError(404, f"no route {request.url.path}", "not_found_error"))
+
+    @staticmethod
+    async def _not_allowed(request: Request, exc) -> Response:
+        return error_response(_HttpError(405, f"{request.method} is not allowed on {request.url.path}",
+                                         "invalid_request_error"))
+
+    # -- generation --------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/completions", self._completion_request, "text_completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "/v1/chat/completions", self._chat_request, "chat.completion")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise NotFoundError(f"model: the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (GET /v1/models)")
+
+    @staticmethod
+    def _check_supported(req) -> None:
+        if req.n != 1:
+            raise UserError("n: only n=1 is supported")
+        if req.num_top_logprobs is not None:
+            raise UserError("logprobs: not supported")
+
+    def _completion_request(self, body: bytes) -> tuple[Any, Callable[[], NewRequest]]:
+        req = parse_body(CompletionRequest, body)
+        self._check_model(req.model)
+        self._check_supported(req)
+        params = req.generation_params()
+        return req, lambda: NewRequest(req.prompt_text, params)
+
+    def _chat_request(self, body: bytes) -> tuple[Any, Callable[[], NewRequest]]:
+        req = parse_body(ChatCompletionRequest, body)
+        self._check_model(req.model)
+        self._check_supported(req)
+        params = req.chat_params()
+        messages = [m.as_template_input() for m in req.messages]
+        if self.renderer.template is None:
+            self.renderer.render(messages)  # raises the no-template error before any work
+        return req, lambda: NewRequest(self.renderer.render(messages), params)
+
+    async def _generate(self, request: Request, route: str, parse, kind: str) -> Response:
+        exchange = _Exchange(self, request, route)
+        link = HttpLink()
+        watcher = None
+        try:
+            req, new_request = parse(await request.body())
+            call = exchange.call(link)
+            pump = _Pump(lambda: self.core.generate(new_request(), call))
+            watcher = asyncio.ensure_future(_watch_disconnect(request.receive, link))
+            first = await self._first_output(pump)
+        except BaseException as exc:
+            link.close()
+            if watcher is not None:
+                watcher.cancel()
+            response = error_response(exc) if isinstance(exc, Exception) else Response(status_code=CLIENT_CLOSED)
+            exchange.finish(response.status_code, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return response
+        if req.stream:
+            events = self._events(pump, first, req, kind, link, watcher, exchange)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            response = await self._collect(pump, first, kind, link)
+        except Exception as exc:  # noqa: BLE001 - the request's own failure, as its HTTP status
+            response = error_response(exc)
+            exchange.finish(response.status_code, exc)
+        except BaseException:
+            exchange.finish(CLIENT_CLOSED)
+            raise
+        finally:
+            link.close()
+            watcher.cancel()
+        exchange.finish(response.status_code)
+        return response
+
+    @staticmethod
+    async def _first_output(pump: _Pump) -> list[Chunk]:
+        """The chunks up to the request's first output (or its end): an error before that is the
+        response's HTTP status; after it, the status (200) has been sent."""
+        chunks = []
+        while True:
+            chunk = await pump.next()
+            if chunk is None:
+                return chunks
+            chunks.append(chunk)
+            if chunk.token_ids or chunk.text_delta or chunk.is_done:
+                return chunks
+
+    async def _collect(self, pump: _Pump, first: list[Chunk], kind: str, link: HttpLink) -> Response:
+        choices: dict[int, _Choice] = {}
+        request_id = first[0].request_id if first else ""
+        chunk: Chunk | None
+        for chunk in first:
+            self._add(choices, chunk)
+        while (chunk := await pump.next()) is not None:
+            self._add(choices, chunk)
+        if not link.is_active():
+            return Response(status_code=CLIENT_CLOSED)
+        out = envelope(kind, request_id, self.model_name)
+        out["choices"] = [self._choice_json(kind, i, c) for i, c in sorted(choices.items())]
+        stats = [c.stats for _, c in sorted(choices.items())]
+        out["usage"] = usage(stats[0] if stats else None)
+        out["metrics"] = speculation_metrics(stats[0] if stats else None)
+        return JSONResponse(out)
+
+    @staticmethod
+    def _add(choices: dict[int, _Choice], chunk: Chunk) -> None:
+        choice = choices.setdefault(getattr(chunk, "index", 0), _Choice())
+        choice.text.append(chunk.text_delta)
+        if chunk.is_done:
+            choice.finish_reason, choice.stats = chunk.finish_reason, chunk.stats
+
+    @staticmethod
+    def _choice_json(kind: str, index: int, choice: _Choice) -> dict:
+        text = "".join(choice.text)
+        if kind == "chat.completion":
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                    "finish_reason": finish_reason(choice.finish_reason)}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(choice.finish_reason)}
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def _events(self, pump: _Pump, first: list[Chunk], req, kind: str, link: HttpLink,
+                      watcher: asyncio.Future, exchange: _Exchange):
+        """Server-sent events: one `data:` line per chunk of output, then `data: [DONE]`."""
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+        created = int(time.time())
+        request_id = first[0].request_id if first else ""
+        status, error = CLIENT_CLOSED, None
+        stats = None
+        try:
+            if chunk_kind == "chat.completion.chunk":
+                yield self._sse(self._chunk_json(chunk_kind, request_id, created, 0, "", None, role="assistant"))
+            chunks: list[Chunk] = list(first)
+            while True:
+                for chunk in chunks:
+                    if chunk.is_done:
+                        stats = chunk.stats
+                    if chunk.text_delta or chunk.is_done:
+                        reason = finish_reason(chunk.finish_reason) if chunk.is_done else None
+                        body = self._chunk_json(chunk_kind, request_id, created, getattr(chunk, "index", 0),
+                                                chunk.text_delta, reason)
+                        if chunk.is_done:
+                            body["metrics"] = speculation_metrics(chunk.stats)
+                        if req.include_usage:
+                            body["usage"] = None
+                        yield self._sse(body)
+                chunk = await pump.next()
+                if chunk is None:
+                    break
+                chunks = [chunk]
+            if req.include_usage:
+                body = envelope(chunk_kind, request_id, self.model_name, created)
+                body.update(choices=[], usage=usage(stats))
+                yield self._sse(body)
+            yield "data: [DONE]\n\n"
+            status = 200
+        except Exception as exc:  # noqa: BLE001 - after the headers: the error is the stream's last event
+            status, error = error_response(exc).status_code, exc
+            yield self._sse(json.loads(error_response(exc).body))
+            yield "data: [DONE]\n\n"
+        finally:
+            link.close()
+            watcher.cancel()
+            exchange.finish(status, error)
+
+    def _chunk_json(self, kind: str, request_id: str, created: int, index: int, text: str, reason: str | None,
+                    role: str | None = None) -> dict:
+        body = envelope(kind, request_id, self.model_name, created)
+        if kind == "chat.completion.chunk":
+            delta = {"role": role, "content": text} if role else {"content": text}
+            body["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        else:
+            body["choices"] = [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]
+        return body
+
+    @staticmethod
+    def _sse(body: dict) -> str:
+        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+# ---- the server ---------------------------------------------------------------------------------
+class HttpServer:
+    """uvicorn serving the API on its own thread and event loop, on a socket bound up front (so a
+    taken port fails start-up at once, and port 0 picks a free one)."""
+
+    def __init__(self, api: OpenAIApi, host: str, port: int, security: ServerSecurity, max_body_bytes: int,
+                 grace_s: float, max_connections: int):
+        self.api = api
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc.strerror or exc}") from None
+        self.port = self._sock.getsockname()[1]
+        tls = {}
+        if security.is_tls:
+            tls = {"ssl_certfile": str(security.tls_cert), "ssl_keyfile": str(security.tls_key)}
+            if security.tls_client_ca:
+                tls.update(ssl_ca_certs=str(security.tls_client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        config = uvicorn.Config(api.app(security.token, max_body_bytes), http="h11", lifespan="off",
+                                log_config=None, access_log=False, timeout_graceful_shutdown=max(0.5, grace_s),
+                                limit_concurrency=max_connections, h11_max_incomplete_event_size=MAX_METADATA_BYTES,
+                                **tls)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._serve, name="http-api", daemon=True)
+
+    def _serve(self) -> None:
+        asyncio.run(self._server.serve(sockets=[self._sock]))
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise OSError("the HTTP API did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        """Stops taking requests; streams in progress get the grace period to end."""
+        self.api.is_draining = True
+        self._server.should_exit = True
+        self._thread.join()
+        self._sock.close()
+
+
+def start_http(core: GatewayCore, tracer: trace.Tracer, metrics: GatewayMetrics, registry: CollectorRegistry,
+               port: int) -> HttpServer:
+    """Starts the HTTP API of a gateway on `port` (its host, security and limits are the gRPC API's)."""
+    cfg = core.cfg
+    renderer = ChatRenderer(ChatTemplate.from_dir(cfg.model_dir))
+    api = OpenAIApi(core, cfg.model_dir.name, renderer, tracer, metrics, registry, cfg.default_deadline_s)
+    server = HttpServer(api, cfg.host, port, cfg.server_security, cfg.max_message_bytes, cfg.grace_s,
+                        cfg.num_server_workers)
+    server.start()
+    log.info("serving the OpenAI-compatible HTTP API on %s:%d", cfg.host, server.port)
+    return server

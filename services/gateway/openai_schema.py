@@ -1,0 +1,220 @@
+"""The OpenAI-compatible HTTP API's messages: requests as strict pydantic models, responses as dicts.
+
+A request is parsed strictly (no coercion of "5" to 5; an unknown field is an error, so a typo
+never silently changes a request) and converted once to the domain types of `specinfer.params`,
+which validate themselves against `specinfer.limits`, exactly as a gRPC request is. Fields that
+OpenAI defines and this server does not implement are accepted only at their neutral value.
+Our own knobs (`top_k`, `speculate`, `tree_width`, `ssm_names`, `ignore_eos`, `stop_token_ids`)
+ride as extra body fields, the way vLLM takes them. Responses carry OpenAI's `usage` and our
+speculation statistics (SpecInfer Section 6's metrics) in an extra `metrics` object.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from specinfer import limits
+from specinfer.errors import UserError
+from specinfer.params import GenerationParams, SamplingParams, TreeShape
+from specinfer.stats import GenerationStats
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default when a request names none (sampling, not greedy)
+MAX_USER_CHARS = 256
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerateBody(_Strict):
+    """The fields completions and chat completions share."""
+
+    model: str = Field(max_length=limits.MAX_NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=1 << 63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)  # accepted for compatibility; not used
+    # OpenAI fields accepted only at their neutral value
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # extra body fields (vLLM-style)
+    top_k: int = Field(0, ge=-1)  # 0 or -1: no top-k filter
+    speculate: bool = True
+    tree_width: list[int] | str | None = None  # [1, 1, 3, 1] or "1,1,3,1"; unset: the server's shape
+    ssm_names: list[str] | None = Field(None, max_length=limits.MAX_SSM_NAMES)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _neutral(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported (only 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias: not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def generation_params(self, max_tokens: int | None = None) -> GenerationParams:
+        """The domain parameters; a bad value raises UserError naming the field."""
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if isinstance(self.tree_width, str):
+            widths = limits.parse_tree_width(self.tree_width)
+        else:
+            widths = tuple(self.tree_width or ())
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise UserError("stop_token_ids: token ids must be >= 0")
+        temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
+        return GenerationParams(
+            max_new_tokens=max_tokens or 0,
+            sampling=SamplingParams(temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
+                                    top_k=max(0, self.top_k), seed=self.seed),
+            shape=TreeShape(widths=widths) if widths else TreeShape(),
+            is_speculative=self.speculate, ssm_names=tuple(self.ssm_names or ()), stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()), is_ignore_eos=self.ignore_eos,
+        )
+
+
+class CompletionRequest(_GenerateBody):
+    prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_only(self):
+        if self.echo:
+            raise ValueError("echo: not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: not supported (only equal to n)")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise ValueError("prompt: one prompt per request (a list must hold exactly one string)")
+        return self
+
+    @property
+    def prompt_text(self) -> str:
+        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        return self.logprobs
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=limits.MAX_NAME_CHARS)
+
+    def as_template_input(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or ())
+        message = {"role": self.role, "content": content}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerateBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _chat_only(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs=true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("max_completion_tokens: give max_tokens or max_completion_tokens, not both")
+        return self
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def chat_params(self) -> GenerationParams:
+        return self.generation_params(self.max_tokens or self.max_completion_tokens)
+
+
+def parse_body(model: type[_GenerateBody], body: bytes) -> Any:
+    """A request body as `model`; malformed JSON or a bad field is a UserError naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise UserError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first error, as 'field: what is wrong' (union branches are not listed one by one)."""
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int", "float")))]
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        message = "unknown field"
+    if not loc or message.startswith(loc[0] + ":"):
+        return message
+    return f"{'.'.join(loc)}: {message}"
+
+
+# ---- responses --------------------------------------------------------------------------------
+FINISH_REASONS = {"stop": "stop", "length": "length"}  # ours -> OpenAI's; others pass through
+
+
+def finish_reason(reason: str) -> str | None:
+    return FINISH_REASONS.get(reason, reason) or None
+
+
+def usage(stats: GenerationStats | None) -> dict:
+    stats = stats or GenerationStats()
+    out = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.output_tokens,
+           "total_tokens": stats.prompt_tokens + stats.output_tokens}
+    cached = getattr(stats, "cached_prompt_tokens", None)
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
+
+
+def speculation_metrics(stats: GenerationStats | None) -> dict | None:
+    """Our per-request speculation statistics; a figure the verifier did not measure is null."""
+    if stats is None:
+        return None
+    return {"llm_steps": stats.llm_steps, "tokens_per_step": stats.tokens_per_step,
+            "mean_accepted": stats.mean_accepted, "mean_tree_nodes": stats.mean_tree_nodes,
+            "acceptance_rate": stats.acceptance_rate, "latency_s": stats.latency_s, "fell_back": stats.fell_back}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
+    """The fields every response and stream chunk starts with."""
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{request_id}", "object": kind, "created": created or int(time.time()), "model": model}
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
