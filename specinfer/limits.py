@@ -37,6 +37,18 @@ DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory
 DEFAULT_MAX_SESSIONS = 64  # idle sessions whose KV prefix the verifier keeps
 DEFAULT_DEADLINE_S = 300.0  # a request's deadline when its caller sets none
 
+# ---- gateway admission (services/gateway/admission.py) ----------------------------------------
+DEFAULT_MAX_CONCURRENT_REQUESTS = 64  # hard cap on requests running through one gateway
+DEFAULT_MIN_RUNNING = 4  # the measured limit never goes below this
+DEFAULT_INITIAL_RUNNING = 8  # the limit before anything is measured
+DEFAULT_ADMISSION_LATENCY_FACTOR = 3.0  # admit while a step takes <= this x the unloaded step
+DEFAULT_MAX_QUEUED_REQUESTS = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
+DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot
+ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses
+ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
+ADMISSION_MIN_LOAD_VARIANCE = 0.05  # the load must have varied this much for a fit
+ADMISSION_SAMPLES_PER_PROBE = 32  # new samples between two probing raises of the limit
+
 # ---- messages on the wire: every server and every channel a service opens ------------------
 # The largest legitimate message is a sampled token tree (Speculator -> Verifier). It has at most
 # MAX_TREE_NODES nodes, hence at most MAX_TREE_NODES - 1 draft attempts per SSM, and each
@@ -78,7 +90,7 @@ class RequestLimits:
     max_prompt_tokens: int = 2048  # session history included
     max_new_tokens: int = 512  # generated tokens per request
     default_max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS  # used when a request says 0
-    max_concurrent_requests: int = 64
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS
     max_stop_sequences: int = MAX_STOP_SEQUENCES
     max_stop_chars: int = MAX_STOP_CHARS
     max_tree_depth: int = MAX_TREE_DEPTH

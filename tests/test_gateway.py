@@ -17,6 +17,7 @@ import subprocess
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import grpc
@@ -28,6 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fake_verifier import FakeVerifier, cycle_successor, expected_tokens, start_fake_verifier
+from services.gateway.admission import AdmissionConfig
 from services.gateway.config import GatewayConfig, config_from_args
 from specinfer.errors import UserError
 from services.gateway.server import serve
@@ -40,7 +42,7 @@ from specinfer.serving.tracing import outgoing_metadata, setup_tracing
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
-from util import add_tokenizer, free_port
+from util import add_tokenizer, free_port, wait_until
 
 VOCAB = 400
 CORPUS = ["the quick brown fox jumps over the lazy dog. ", "hello world, hello gateway. ",
@@ -265,24 +267,47 @@ def test_not_found(stub, fake):
     assert fake.calls == []
 
 
-def test_resource_exhausted_over_the_limit(fake_server, tok_dir, tokenizer):
+def test_admission_queues_briefly_then_refuses(fake_server, tok_dir, tokenizer):
+    """Past the limit a request waits in a FIFO queue; it runs when a slot frees, and is refused
+    with RESOURCE_EXHAUSTED when its wait ends or the queue is full."""
     fake, server = fake_server
     fake.reset(delay_s=0.05)
-    gw = serve(gateway_config(server.port, model_dir=tok_dir, limits=replace(LIMITS, max_concurrent_requests=1)),
-               trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
+    admission = AdmissionConfig(latency_factor=0, max_queued=1, queue_timeout_s=0.6)
+    gw = serve(gateway_config(server.port, model_dir=tok_dir, limits=replace(LIMITS, max_concurrent_requests=1),
+                              admission=admission), trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
+    pool = ThreadPoolExecutor(2)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
             s = pb_grpc.GatewayStub(ch)
             first = s.GenerateStream(gen_request(max_tokens=200), timeout=10)
             next(first)
+
+            def timed_generate(max_tokens: int):
+                t0 = time.monotonic()
+                try:
+                    return s.Generate(gen_request(max_tokens=max_tokens), timeout=5), time.monotonic() - t0
+                except grpc.RpcError as exc:
+                    return exc, time.monotonic() - t0
+
+            queued = pool.submit(timed_generate, 5)
+            assert wait_until(lambda: gw.core.admission.num_queued == 1, 2.0)
             t0 = time.monotonic()
-            err = status_of(lambda: s.Generate(gen_request(max_tokens=5), timeout=5))
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() - t0 < 0.5
-            first.cancel()
-            fake.calls[0].wait_ended(1.0)
-            time.sleep(0.1)  # the worker leaves the registry after storing its final state
-            assert len(s.Generate(gen_request(max_tokens=3), timeout=5).token_ids) == 3
+            err = status_of(lambda: s.Generate(gen_request(max_tokens=5), timeout=5))  # the queue is full
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details()
+            assert time.monotonic() - t0 < 0.5
+            err, waited_s = queued.result(5)
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "after queueing" in err.details()
+            assert 0.5 < waited_s < 2.0
+
+            queued = pool.submit(timed_generate, 3)
+            assert wait_until(lambda: gw.core.admission.num_queued == 1, 2.0)
+            first.cancel()  # frees the slot: the queued request runs
+            resp, _ = queued.result(5)
+            assert not isinstance(resp, grpc.RpcError), resp
+            assert len(resp.token_ids) == 3
+            assert gw.core.admission.num_running == 0 and gw.core.admission.num_queued == 0
     finally:
+        pool.shutdown(wait=False)
         gw.stop(0)
 
 
@@ -469,6 +494,25 @@ def test_gateways_sharing_a_store_follow_and_take_over(fake, fake_server, tok_di
             ids, _, _ = collect(b.ResumeStream(pb.ResumeStreamRequest(request_id="orphan", token_offset=7),
                                                timeout=10))
             assert ids == want[7:]
+
+            # A gateway that keeps a lease and died: its fresh "running" record is taken over at
+            # once, not after stale_after_s; one whose owner's lease is live is followed instead.
+            fake.reset(delay_s=0.04)
+            gone = replace(orphan, request_id="gone", owner="gone", updated_at=time.time(), is_leased=True)
+            assert store.create_request(gone)
+            t0 = time.monotonic()
+            ids, _, _ = collect(b.ResumeStream(pb.ResumeStreamRequest(request_id="gone", token_offset=7),
+                                               timeout=10))
+            assert ids == want[7:] and time.monotonic() - t0 < cfg.stale_after_s / 4
+            store.renew_lease("alive", 60)
+            held = replace(orphan, request_id="held", owner="alive", updated_at=time.time(), is_leased=True)
+            assert store.create_request(held)
+            assert gw_b.core._is_running_elsewhere(store.get_request("held"))
+            store.drop_lease("alive")
+            assert not gw_b.core._is_running_elsewhere(store.get_request("held"))
+            assert store.has_lease("b") and not store.has_lease(cfg.gateway_id)  # a stopped gateway gave it up
+            gw_b.stop(0)
+            assert not store.has_lease("b")
     finally:
         gw_a.stop(0)
         gw_b.stop(0)

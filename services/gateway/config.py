@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
+from services.gateway.admission import AdmissionConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specinfer.serving.settings import (
@@ -38,6 +39,8 @@ class GatewayConfig:
     request_ttl_s: int = 24 * 3600
     session_ttl_s: int = 24 * 3600
     stale_after_s: float = 30.0  # a "running" request with no progress for this long is taken over
+    lease_ttl_s: float = 5.0  # a gateway silent this long is gone: its running requests are taken over
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # max_running: limits' cap
     otlp_endpoint: str | None = None
     metrics_port: int = 0  # 0 = no metrics endpoint
     log_level: str = "info"
@@ -50,14 +53,14 @@ class GatewayConfig:
 
     @property
     def num_server_workers(self) -> int:
-        """gRPC threads: one per streaming request plus headroom, so the limit check is reached
+        """gRPC threads: one per running or queued request plus headroom, so admission is reached
         instead of requests queueing silently inside the server's thread pool."""
-        return self.limits.max_concurrent_requests + 32
+        return self.limits.max_concurrent_requests + self.admission.max_queued + 32
 
 
 def _flags() -> list[Flag]:
-    d = {f.name: f.default for f in fields(GatewayConfig) if f.name not in ("limits", "gateway_id")}
-    dl = RequestLimits()
+    d = {f.name: f.default for f in fields(GatewayConfig) if f.name not in ("limits", "gateway_id", "admission")}
+    dl, da = RequestLimits(), AdmissionConfig()
     return [
         Flag("--host", "SPECINFER_GATEWAY_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_GATEWAY_PORT", d["port"], "gRPC port"),
@@ -73,7 +76,16 @@ def _flags() -> list[Flag]:
         Flag("--default-max-tokens", "SPECINFER_DEFAULT_MAX_TOKENS", int, dl.default_max_new_tokens,
              "when a request says 0", is_positive=True),
         Flag("--max-concurrent-requests", "SPECINFER_MAX_CONCURRENT_REQUESTS", int, dl.max_concurrent_requests,
-             "requests in flight; more are refused", is_positive=True),
+             "most requests running at once (the measured limit stays at or under it)", is_positive=True),
+        Flag("--min-running-requests", "SPECINFER_MIN_RUNNING_REQUESTS", int, da.min_running,
+             "the measured limit never goes below this", is_positive=True),
+        Flag("--admission-latency-factor", "SPECINFER_ADMISSION_LATENCY_FACTOR", float, da.latency_factor,
+             "admit while a verifier step takes at most this many times the unloaded step; "
+             "0 = a fixed limit of --max-concurrent-requests", low=0),
+        Flag("--max-queued-requests", "SPECINFER_MAX_QUEUED_REQUESTS", int, da.max_queued,
+             "requests that may wait for a slot before RESOURCE_EXHAUSTED", low=0),
+        Flag("--admission-queue-timeout-s", "SPECINFER_ADMISSION_QUEUE_TIMEOUT_S", float, da.queue_timeout_s,
+             "longest wait for a slot", low=0),
         Flag("--max-stop-sequences", "SPECINFER_MAX_STOP_SEQUENCES", int, dl.max_stop_sequences,
              "stop strings per request", low=0),
         Flag("--max-tree-depth", "SPECINFER_MAX_TREE_DEPTH", int, dl.max_tree_depth, "token-tree levels per request",
@@ -83,6 +95,12 @@ def _flags() -> list[Flag]:
         Flag("--request-ttl-s", "SPECINFER_REQUEST_TTL_S", int, d["request_ttl_s"], "request state TTL",
              is_positive=True),
         Flag("--session-ttl-s", "SPECINFER_SESSION_TTL_S", int, d["session_ttl_s"], "session TTL", is_positive=True),
+        Flag("--lease-ttl-s", "SPECINFER_LEASE_TTL_S", float, d["lease_ttl_s"],
+             "a gateway that has not renewed its lease for this long is gone; another takes over its requests",
+             is_positive=True),
+        Flag("--stale-after-s", "SPECINFER_STALE_AFTER_S", float, d["stale_after_s"],
+             "a running request with no progress for this long is taken over, even from a live gateway",
+             is_positive=True),
         *common_flags(d, has_threads=False),
         *security_flags(*GATEWAY_TOKEN_ENV, outbound_token=("--internal-token-file", INTERNAL_TOKEN_ENV[0])),
     ]
@@ -106,11 +124,18 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         default_max_new_tokens=a["default_max_tokens"], max_concurrent_requests=a["max_concurrent_requests"],
         max_stop_sequences=a["max_stop_sequences"], max_tree_depth=a["max_tree_depth"],
     )
+    admission = AdmissionConfig(
+        max_running=a["max_concurrent_requests"], min_running=min(a["min_running_requests"],
+                                                                  a["max_concurrent_requests"]),
+        latency_factor=a["admission_latency_factor"], max_queued=a["max_queued_requests"],
+        queue_timeout_s=a["admission_queue_timeout_s"],
+    )
     return GatewayConfig(
         host=a["host"], port=a["port"], verifier_addr=a["verifier_addr"], redis_url=a["redis_url"],
         http_port=a["http_port"], model_dir=a["model_dir"], limits=limits,
         default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],
+        lease_ttl_s=a["lease_ttl_s"], stale_after_s=a["stale_after_s"], admission=admission,
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env, GATEWAY_TOKEN_ENV),
         verifier_security=channel_security(a, env, resolve_token(a["internal_token_file"], env, INTERNAL_TOKEN_ENV,

@@ -2,7 +2,8 @@
 
 SpecInfer's serving system (Section 5) puts a request manager in front of the LLM: it receives
 client requests, schedules them, and streams results back. Here that is: validate, tokenize,
-admit (at most N concurrent requests, no queue), start a `RequestRun`, and let the client's RPC
+admit (`Admission`: a limit measured from the verifier's step times and its KV budget, with a
+brief queue), start a `RequestRun`, and let the client's RPC
 observe it. A request can be observed again later by id (resume): from this gateway's live run,
 from the store's record, or, for an interrupted request, by starting a new verifier call that
 continues from the tokens generated so far. Sizes come before contents: a text is measured
@@ -20,6 +21,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Protocol
 
+from services.gateway.admission import Admission
 from services.gateway.config import GatewayConfig
 from services.gateway.runs import Chunk, RequestRun, RunDeps, RunPlan, RunRegistry
 from services.gateway.stops import TextState
@@ -70,6 +72,7 @@ class VerifierFacts:
 
     max_context: int | None = None
     ssm_names: tuple[str, ...] | None = None  # the SSMs a request may name (None: any)
+    kv_capacity_tokens: int = 0  # 0 = unknown
 
 
 def same_params(stored: GenerationParams, asked: GenerationParams) -> bool:
@@ -123,12 +126,47 @@ class GatewayCore:
         self.store = store
         self.verifier = verifier
         self.metrics = metrics
-        self.registry = RunRegistry(cfg.limits.max_concurrent_requests)
-        self.deps = RunDeps(tokenizer, store, verifier, metrics, self.registry.remove)
+        self.admission = Admission(replace(cfg.admission, max_running=cfg.limits.max_concurrent_requests))
+        self.registry = RunRegistry(self.admission)
+        self.deps = RunDeps(tokenizer, store, verifier, metrics, self.registry.remove, self._observe_step)
         self._facts_lock = threading.Lock()
         self._facts = VerifierFacts()
         self._facts_asked_at = 0.0
         self._facts_expire = 0.0
+        self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
+
+    # -- liveness ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Starts renewing this gateway's liveness lease, so that if the process dies, other
+        gateways take its running requests over within `lease_ttl_s` (not `stale_after_s`)."""
+        self._renew_lease()
+        self._lease_thread = threading.Thread(target=self._keep_lease, name="gateway-lease", daemon=True)
+        self._lease_thread.start()
+
+    @property
+    def is_leasing(self) -> bool:
+        return self._lease_thread is not None and not self._lease_stop.is_set()
+
+    def _renew_lease(self) -> None:
+        try:
+            self.store.renew_lease(self.cfg.gateway_id, self.cfg.lease_ttl_s)
+        except UnavailableError as exc:
+            log.warning("could not renew this gateway's lease: %s", exc)
+
+    def _keep_lease(self) -> None:
+        while not self._lease_stop.wait(self.cfg.lease_ttl_s / 4):
+            self._renew_lease()
+
+    def _owner_is_gone(self, rec: RequestRecord) -> bool:
+        """Whether a running request's gateway is gone: its lease lapsed (gateways that keep one),
+        or the request made no progress for `stale_after_s`."""
+        if rec.updated_at < time.time() - self.cfg.stale_after_s:
+            return True
+        return rec.is_leased and rec.owner != self.cfg.gateway_id and not self.store.has_lease(rec.owner)
+
+    def _observe_step(self, step_s: float) -> None:
+        self.admission.observe_step(step_s, self.admission.num_running)
 
     # -- generate ----------------------------------------------------------------------------
     def generate(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
@@ -150,9 +188,10 @@ class GatewayCore:
         if params.sampling.seed is None:
             params = replace(params, sampling=replace(params.sampling, seed=secrets.randbits(63)))
         record = RequestRecord(request_id, RUNNING, req.prompt, req.session_id, params.to_json(), history + turn_ids,
-                               owner=self.cfg.gateway_id, session_base_len=len(history))
+                               owner=self.cfg.gateway_id, session_base_len=len(history), is_leased=self.is_leasing)
         run = RequestRun(self._plan(record, call), self.deps)
-        concurrent = self.registry.add(run)  # not None: the same id arrived concurrently, a retry
+        self.admission.set_kv_capacity(self._verifier_facts().kv_capacity_tokens)
+        concurrent = self.registry.add(run, call.deadline_s)  # not None: the same id arrived concurrently
         is_new = concurrent is None
         if concurrent is not None:
             self._check_retry(req, concurrent.plan.prompt, concurrent.plan.session_id, concurrent.plan.params)
@@ -224,7 +263,7 @@ class GatewayCore:
             # A verifier without speculators ignores SSM names; one whose speculators are all
             # unreachable lists none: then any name may go on, and the verifier decides.
             names = tuple(info.ssm_names) if info.num_speculators and info.ssm_names else None
-            facts, ttl_s = VerifierFacts(info.max_context or None, names), INFO_TTL_S
+            facts, ttl_s = VerifierFacts(info.max_context or None, names, info.kv_capacity_tokens), INFO_TTL_S
         with self._facts_lock:
             self._facts, self._facts_asked_at, self._facts_expire = facts, now, now + ttl_s
         return facts
@@ -300,21 +339,22 @@ class GatewayCore:
         raise UnavailableError(f"request {request_id} keeps changing hands; retry")
 
     def _is_running_elsewhere(self, rec: RequestRecord) -> bool:
-        return (rec.status == RUNNING and rec.owner != self.cfg.gateway_id
-                and rec.updated_at >= time.time() - self.cfg.stale_after_s)
+        return rec.status == RUNNING and rec.owner != self.cfg.gateway_id and not self._owner_is_gone(rec)
 
     def _continue(self, rec: RequestRecord, call: CallContext) -> _Attachment | None:
         """Takes over an interrupted (or orphaned) request and continues it with a new verifier call."""
         run = RequestRun(self._plan(rec, call), self.deps)
-        existing = self.registry.add(run)
+        existing = self.registry.add(run, call.deadline_s)
         if existing is not None:
             return _Attachment.hold(existing, call.link)
         me, stale_before = self.cfg.gateway_id, time.time() - self.cfg.stale_after_s
+        gone_owner = rec.owner if rec.status == RUNNING and self._owner_is_gone(rec) else None
+        leased = "1" if self.is_leasing else "0"
 
         def claim(r: RequestRecord) -> dict | None:
-            is_orphan = r.status == RUNNING and (r.owner == me or r.updated_at < stale_before)
+            is_orphan = r.status == RUNNING and (r.owner in (me, gone_owner) or r.updated_at < stale_before)
             if r.status == INTERRUPTED or is_orphan:
-                return {"status": RUNNING, "owner": me, "error": ""}
+                return {"status": RUNNING, "owner": me, "error": "", "leased": leased}
             return None
 
         try:
@@ -385,12 +425,16 @@ class GatewayCore:
             live.join(1.0)
             if is_cancelled:
                 return True
+        rec = self.store.get_request(request_id)
+        if rec is None:
+            raise NotFoundError(f"request_id: unknown request {request_id!r}")
         me, stale_before = self.cfg.gateway_id, time.time() - self.cfg.stale_after_s
+        gone_owner = rec.owner if rec.status == RUNNING and self._owner_is_gone(rec) else None
 
         def decide(r: RequestRecord) -> dict | None:
             if r.is_terminal:
                 return None
-            if r.status == RUNNING and r.owner != me and r.updated_at >= stale_before:
+            if r.status == RUNNING and r.owner not in (me, gone_owner) and r.updated_at >= stale_before:
                 return {"cancel_requested": "1"}  # its gateway stops it at the next step
             return {"status": "cancelled", "finish_reason": "cancelled", "cancel_requested": "1"}
 
@@ -429,10 +473,18 @@ class GatewayCore:
         return self.verifier.info(2.0, list(metadata))
 
     def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Interrupts every run (they stay resumable) and waits briefly for their final states."""
+        """Interrupts every run (they stay resumable), waits briefly for their final states, and
+        gives up the lease so that other gateways need not wait for it to lapse."""
         runs = self.registry.all()
         for run in runs:
             run.interrupt()
         deadline = time.monotonic() + timeout_s
         for run in runs:
             run.join(max(0.0, deadline - time.monotonic()))
+        if self._lease_thread is not None:
+            self._lease_stop.set()
+            self._lease_thread.join(1.0)
+            try:
+                self.store.drop_lease(self.cfg.gateway_id)
+            except UnavailableError as exc:
+                log.warning("could not drop this gateway's lease: %s", exc)

@@ -22,6 +22,7 @@ from typing import Callable
 
 import grpc
 
+from services.gateway.admission import Admission, Ticket
 from services.gateway.stops import TextState
 from services.gateway.store import CANCELLED, FAILED, FINISHED, INTERRUPTED, RUNNING, Progress, Store
 from services.gateway.telemetry import GatewayMetrics
@@ -69,6 +70,7 @@ class RunDeps:
     verifier: VerifierClient
     metrics: GatewayMetrics
     on_exit: Callable[["RequestRun"], None]
+    on_step: Callable[[float], None] = lambda step_s: None  # time between two verified steps
 
 
 @dataclass(frozen=True)
@@ -245,7 +247,10 @@ class RequestRun:
                     end_reason = "stop"
                     break
             if step.token_ids:
-                self._last_token_at = time.monotonic()
+                now = time.monotonic()
+                if self._last_token_at is not None:
+                    self.deps.on_step(now - self._last_token_at)
+                self._last_token_at = now
                 self._num_steps += 1
             if step.stats is not None:
                 self._verifier_stats = step.stats
@@ -330,33 +335,41 @@ class RequestRun:
 
 
 class RunRegistry:
-    """The runs this gateway drives; its size is the concurrency limit (no hidden queue)."""
+    """The runs this gateway drives, each holding an admission ticket while it runs."""
 
-    def __init__(self, max_active: int):
-        self.max_active = max_active
+    def __init__(self, admission: Admission):
+        self.admission = admission
         self._lock = threading.Lock()
         self._runs: dict[str, RequestRun] = {}
+        self._tickets: dict[str, Ticket] = {}
 
     def get(self, request_id: str) -> RequestRun | None:
         with self._lock:
             return self._runs.get(request_id)
 
-    def add(self, run: RequestRun) -> RequestRun | None:
-        """Adds `run`, or returns the run already driving that id; CapacityError when full."""
+    def add(self, run: RequestRun, wait_s: float | None = None) -> RequestRun | None:
+        """Adds `run` once admitted (waiting up to `wait_s` in the admission queue), or returns the
+        run already driving that id; CapacityError when it is not admitted."""
+        existing = self.get(run.request_id)
+        if existing is not None:
+            return existing
+        plan = run.plan
+        ticket = self.admission.acquire(len(plan.prompt_ids) + plan.params.max_new_tokens, wait_s)
         with self._lock:
             existing = self._runs.get(run.request_id)
-            if existing is not None:
-                return existing
-            if len(self._runs) >= self.max_active:
-                raise CapacityError(f"the gateway is at its limit of {self.max_active} concurrent requests; "
-                                    "retry later")
-            self._runs[run.request_id] = run
-            return None
+            if existing is None:
+                self._runs[run.request_id], self._tickets[run.request_id] = run, ticket
+        if existing is not None:
+            self.admission.release(ticket)
+        return existing
 
     def remove(self, run: RequestRun) -> None:
         with self._lock:
-            if self._runs.get(run.request_id) is run:
-                del self._runs[run.request_id]
+            if self._runs.get(run.request_id) is not run:
+                return
+            del self._runs[run.request_id]
+            ticket = self._tickets.pop(run.request_id)
+        self.admission.release(ticket)
 
     def all(self) -> list[RequestRun]:
         with self._lock:

@@ -18,6 +18,7 @@ the gateway recovers by itself once Redis is back; short socket timeouts make an
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -52,6 +53,7 @@ class RequestRecord:
     session_base_len: int = 0  # session history length this turn started from
     updated_at: float = 0.0
     is_cancel_requested: bool = False
+    is_leased: bool = False  # its owner renews a liveness lease (`Store.renew_lease`)
 
     @property
     def is_terminal(self) -> bool:
@@ -114,7 +116,7 @@ def record_to_hash(r: RequestRecord) -> Hash:
         "generated_ids": json.dumps(list(r.generated_ids)), "text": r.text, "finish_reason": r.finish_reason,
         "stats": json.dumps(r.stats.to_json()) if r.stats is not None else "", "error": r.error, "owner": r.owner,
         "session_base_len": str(r.session_base_len), "updated_at": repr(r.updated_at or time.time()),
-        "cancel_requested": "1" if r.is_cancel_requested else "0",
+        "cancel_requested": "1" if r.is_cancel_requested else "0", "leased": "1" if r.is_leased else "0",
     }
 
 
@@ -127,7 +129,7 @@ def hash_to_record(h: Hash) -> RequestRecord:
         text=text, finish_reason=h.get("finish_reason", ""),
         stats=_stats(h.get("stats")), error=h.get("error", ""), owner=h.get("owner", ""),
         session_base_len=int(h.get("session_base_len") or 0), updated_at=float(h.get("updated_at") or 0),
-        is_cancel_requested=h.get("cancel_requested") == "1",
+        is_cancel_requested=h.get("cancel_requested") == "1", is_leased=h.get("leased") == "1",
     )
 
 
@@ -176,6 +178,20 @@ class Store(ABC):
 
     def _skey(self, session_id: str) -> str:
         return f"{self.prefix}session:{session_id}"
+
+    def _gkey(self, gateway_id: str) -> str:
+        return f"{self.prefix}gateway:{gateway_id}"
+
+    # -- gateway liveness ---------------------------------------------------------------------
+    def renew_lease(self, gateway_id: str, ttl_s: float) -> None:
+        """Marks `gateway_id` alive for the next `ttl_s` seconds (whole seconds, rounded up)."""
+        self._write(self._gkey(gateway_id), {"alive": "1"}, max(1, math.ceil(ttl_s)))
+
+    def has_lease(self, gateway_id: str) -> bool:
+        return self._read(self._gkey(gateway_id)) is not None
+
+    def drop_lease(self, gateway_id: str) -> None:
+        self._delete(self._gkey(gateway_id))
 
     def create_request(self, record: RequestRecord) -> bool:
         """Stores a new record; False if the id is taken."""

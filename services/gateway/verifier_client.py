@@ -49,6 +49,7 @@ class VerifierSummary:
     default_max_nodes: int
     num_speculators: int
     ssm_names: tuple[str, ...] = ()
+    kv_capacity_tokens: int = 0  # 0 = unknown
 
 
 def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
@@ -116,7 +117,8 @@ class VerifierClient:
             raise domain_error(exc) from exc
         ssm_names = tuple(msg.ssm_names)
         return VerifierSummary(msg.model, msg.vocab_size, msg.max_context, tuple(msg.default_shape.widths),
-                               msg.default_shape.max_nodes, msg.num_speculators, ssm_names)
+                               msg.default_shape.max_nodes, msg.num_speculators, ssm_names,
+                               msg.kv_capacity_tokens)
 
     def close(self) -> None:
         self.channel.close()
