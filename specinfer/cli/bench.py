@@ -111,6 +111,9 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     if args.num_prompts > 0:
         prompts = prompts[: args.num_prompts]
     _, prompt_ids, engine = load_for_prompts(args, paths, prompts)
+    single = None
+    if args.tensor_parallel > 1:  # the same LLM in one process: "tp1_" arms, interleaved with the sharded ones
+        _, _, single = load_for_prompts(argparse.Namespace(**{**vars(args), "tensor_parallel": 1}), paths, prompts)
     ssm_names = engine.source.names
     shape = tree_shape(args)  # auto mode's bound is the engine's default shape, the same flags
     # Every arm but tree_merged speculates with the first SSM only. Greedy decoding throughout.
@@ -122,6 +125,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     }
     if len(ssm_names) > 1:
         arms["tree_merged"] = ("tree", tuple(ssm_names))
+    if single is not None:
+        arms |= {f"tp1_{name}": arms[name] for name in ("incremental", "tree") if name in arms}
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, args.ssm_dtype or args.dtype,
                                                              engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
@@ -131,7 +136,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         if name.startswith("transformers"):
             return hf.run(ids, max_new, is_assisted=name == "transformers_assisted")
         mode, names_used = arms[name]
-        r = engine.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used)))
+        target = single if name.startswith("tp1_") else engine
+        r = target.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used)))
         return r.output_ids, r.num_llm_steps, r.latency_s
 
     for name in names:  # warm-up: allocators, caches, lazy inits
@@ -155,11 +161,13 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "max_tree_nodes": args.max_tree_nodes,
             "min_path_prob": args.min_path_prob,
             "ssm_dtype": args.ssm_dtype or args.dtype,
+            "tensor_parallel": args.tensor_parallel,
             "decoding": "greedy",
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
         },
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},
     }
+    engine.verifier.runner.close()
     print_report(report, args.output)
     return 0
 

@@ -59,8 +59,19 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     # A request reserves one tree per SSM it speculates with (their merged tree is at most that).
     engine = load_engine(paths, args.dtype, args.device,
                          max_kv_tokens=needed + args.max_tree_nodes * len(paths.ssms) + 64,
-                         ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)))
+                         ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)),
+                         parallel=tensor_parallel(args))
     return tokenizer, prompt_ids, engine
+
+
+def tensor_parallel(args: argparse.Namespace):
+    """`--tensor-parallel N`: a group of N ranks on this host whose rank 0 is this process."""
+    from specinfer.engine.parallel import ParallelConfig
+
+    num_ranks = getattr(args, "tensor_parallel", 1)
+    if num_ranks < 1:
+        raise UserError(f"--tensor-parallel must be >= 1, got {num_ranks}")
+    return ParallelConfig.spawned(num_ranks) if num_ranks > 1 else None
 
 
 def tree_shape(args: argparse.Namespace):
@@ -124,6 +135,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
     finally:
         if out is not sys.stdout:
             out.close()
+        engine.verifier.runner.close()
     return 0
 
 

@@ -53,17 +53,20 @@ def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
 
 
 def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, ssm_dtype: str | None = None,
-                cfg=None):
+                cfg=None, parallel=None):
     """Loads the LLM and SSM runners with KV caches sized for `max_kv_tokens` tokens each, into
     an in-process engine configured by `cfg` (an `EngineConfig`; its defaults when None).
 
     The SSMs may run in another dtype than the LLM: they only propose tokens, and verification
-    against the LLM keeps the output exact whatever they compute in."""
+    against the LLM keeps the output exact whatever they compute in. With a tensor-parallel
+    `parallel` (a `ParallelConfig`) the LLM is sharded over its ranks; `engine.verifier.runner.close()`
+    stops them."""
     from specinfer.engine.llm_engine import Engine, EngineConfig
     from specinfer.engine.runner import ModelRunner
 
     device = resolve_device(device)
-    llm = ModelRunner.from_dir(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens)
+    llm = ModelRunner.from_dir(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens,
+                               parallel=parallel)
     ssms = [ModelRunner.from_dir(p, dtype=ssm_dtype or dtype, device=device, max_kv_tokens=max_kv_tokens)
             for p in paths.ssms]
     return Engine.from_runners(llm, ssms, cfg or EngineConfig())
