@@ -40,6 +40,7 @@ class StackConfig:
     tree_width: str = ",".join(map(str, PAPER_TREE_WIDTH))
     metrics_base_port: int = 0
     verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
+    tensor_parallel: int = 1  # processes the verifier shards the LLM over (it spawns them)
     speculator_threads: int = 0  # 0 = `default_speculator_threads()`
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     otlp_endpoint: str | None = None
@@ -129,6 +130,8 @@ class Stack:
         args = ["--model", str(cfg.llm), "--host", cfg.host, "--port", str(cfg.verifier_port), "--dtype", cfg.dtype,
                 "--tree-width", cfg.tree_width, "--threads", str(cfg.verifier_threads)]
         args += [a for t in spec_targets for a in ("--speculator", t)]
+        if cfg.tensor_parallel > 1:
+            args += ["--tensor-parallel", str(cfg.tensor_parallel)]
         env = dict(common_env)
         if cfg.metrics_base_port:
             env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1)
@@ -203,6 +206,8 @@ def add_up_parser(sub) -> None:
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     up.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"], help="default: --dtype")
     up.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)))
+    up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                    help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, print the reply")
     up.add_argument("--max-tokens", type=int, default=64)
@@ -221,12 +226,15 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
     from specinfer.engine.load import check_models
 
-    check_models(paths)
+    from specinfer.engine.parallel import check_divisible
+
+    llm_cfg, _ = check_models(paths)
+    check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
         llm=paths.llm, ssms=paths.ssms, gateway_port=args.gateway_port, verifier_port=args.verifier_port,
         speculator_base_port=args.speculator_port, num_speculators=args.num_speculators,
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
-        tree_width=args.tree_width, metrics_base_port=args.metrics_port,
+        tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"),
     )
     stack = Stack(cfg)
