@@ -128,6 +128,8 @@ class GatewayCore:
         self.metrics = metrics
         self.admission = Admission(replace(cfg.admission, max_running=cfg.limits.max_concurrent_requests))
         self.registry = RunRegistry(self.admission)
+        metrics.admission_limit.set_function(lambda: self.admission.limit)
+        metrics.queued_requests.set_function(lambda: self.admission.num_queued)
         self.deps = RunDeps(tokenizer, store, verifier, metrics, self.registry.remove, self._observe_step)
         self._facts_lock = threading.Lock()
         self._facts = VerifierFacts()

@@ -16,6 +16,8 @@ class GatewayMetrics:
     request_latency: Histogram
     time_to_first_token: Histogram
     output_tokens: Counter
+    admission_limit: Gauge  # requests the gateway lets run at once now (measured)
+    queued_requests: Gauge  # requests waiting for a slot
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> "GatewayMetrics":
@@ -30,4 +32,9 @@ class GatewayMetrics:
                                           "From request arrival to its first generated token",
                                           buckets=LATENCY_BUCKETS, registry=registry),
             output_tokens=Counter("specinfer_gateway_output_tokens", "Tokens generated", registry=registry),
+            admission_limit=Gauge("specinfer_gateway_admission_limit",
+                                  "Requests admitted to run at once (measured from step times, capped)",
+                                  registry=registry),
+            queued_requests=Gauge("specinfer_gateway_queued_requests", "Requests waiting for a slot",
+                                  registry=registry),
         )
