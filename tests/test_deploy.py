@@ -181,7 +181,8 @@ def test_only_gateway_jaeger_and_grafana_publish_ports():
     publishing = {name for name, svc in services.items() if svc.get("ports")}
     assert publishing == PUBLISHERS, publishing
     gateway_ports = [str(p) for p in services["gateway"]["ports"]]
-    assert len(gateway_ports) == 1 and gateway_ports[0].endswith(":50051"), gateway_ports
+    assert len(gateway_ports) == 2 and gateway_ports[0].endswith(":50051"), gateway_ports
+    assert gateway_ports[1].endswith(":8000"), gateway_ports  # the OpenAI-compatible HTTP API
     assert any(str(p).endswith(":16686") for p in services["jaeger"]["ports"])
     assert any(str(p).endswith(":3000") for p in services["grafana"]["ports"])
     for name, svc in services.items():

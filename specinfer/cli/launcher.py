@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specinfer.errors import UserError
 from specinfer.limits import PAPER_TREE_WIDTH
-from specinfer.serving.settings import reconnect_options
+from specinfer.serving.settings import HTTP_PORT, reconnect_options
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class StackConfig:
     ssms: tuple[Path, ...]
     host: str = "127.0.0.1"
     gateway_port: int = 50051
+    http_port: int = HTTP_PORT  # the gateway's OpenAI-compatible HTTP API; 0 = off
     verifier_port: int = 50052
     speculator_base_port: int = 50053
     num_speculators: int = 1
@@ -137,6 +138,7 @@ class Stack:
             env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1)
         self._spawn("verifier", "services.verifier", args, cfg.verifier_port, env)
         env = dict(common_env, SPECINFER_GATEWAY_HOST=cfg.host, SPECINFER_GATEWAY_PORT=str(cfg.gateway_port),
+                   SPECINFER_HTTP_PORT=str(cfg.http_port),
                    SPECINFER_VERIFIER_ADDR=f"{cfg.host}:{cfg.verifier_port}", SPECINFER_MODEL_DIR=str(cfg.llm))
         if cfg.redis_url:
             env["SPECINFER_REDIS_URL"] = cfg.redis_url
@@ -200,6 +202,7 @@ def add_up_parser(sub) -> None:
     up.add_argument("--cache-dir", type=Path)
     up.add_argument("--num-speculators", type=int, default=1)
     up.add_argument("--gateway-port", type=int, default=50051)
+    up.add_argument("--http-port", type=int, default=HTTP_PORT, help="OpenAI-compatible HTTP API; 0 = off")
     up.add_argument("--verifier-port", type=int, default=50052)
     up.add_argument("--speculator-port", type=int, default=50053, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
@@ -221,6 +224,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     parse_tree_width(args.tree_width)
     if args.num_speculators < 1:
         raise UserError("--num-speculators must be >= 1")
+    if not 0 <= args.http_port <= 65535:
+        raise UserError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
     if args.once and not args.prompt:
         raise UserError("--once needs --prompt")
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
@@ -231,7 +236,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     llm_cfg, _ = check_models(paths)
     check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
-        llm=paths.llm, ssms=paths.ssms, gateway_port=args.gateway_port, verifier_port=args.verifier_port,
+        llm=paths.llm, ssms=paths.ssms, gateway_port=args.gateway_port, http_port=args.http_port,
+        verifier_port=args.verifier_port,
         speculator_base_port=args.speculator_port, num_speculators=args.num_speculators,
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
@@ -244,7 +250,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         stack.start()
         stack.wait_healthy()
         target = f"{cfg.host}:{cfg.gateway_port}"
-        print(f"specinfer: stack is up; gateway at {target} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+        http = f", OpenAI-compatible API at http://{cfg.host}:{cfg.http_port}/v1" if cfg.http_port else ""
+        print(f"specinfer: stack is up; gateway at {target}{http} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         if args.prompt:
             from specinfer.cli.client import GatewayClient
 
