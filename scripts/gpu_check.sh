@@ -4,6 +4,10 @@
 #
 #   scripts/gpu_check.sh run OUT.md [MODELS]  # one GPU; under 8 minutes
 #   scripts/gpu_check.sh tiny OUT.md [MODELS] # CPU: Triton's interpreter at tiny shapes (<30 s)
+#   scripts/gpu_check.sh tp OUT.md [MODELS]   # only the tensor-parallel step (all GPUs; skipped with one)
+#
+# `run` and `tiny` end with the tensor-parallel step (scripts/gpu_check_tp.py): the LLM sharded
+# over every GPU of the machine against one GPU (tiny: two CPU ranks with gloo).
 #
 # MODELS holds the reference pair (reference-llm/ and reference-ssm/), as a folder or as a
 # .tar.xz archive of those two folders; without it only random-weight models run.
@@ -37,15 +41,26 @@ case "$cmd" in
     "$PY" -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.cuda.is_available())'
     # 470 s hard stop; the script itself stops starting new work after --budget-s.
     use_models "${2:-}"
-    timeout 470 "$PY" scripts/gpu_check.py "$out" ${models[@]+"${models[@]}"} --budget-s 400
+    status=0
+    timeout 470 "$PY" scripts/gpu_check.py "$out" ${models[@]+"${models[@]}"} --budget-s 400 || status=$?
+    timeout 240 "$PY" scripts/gpu_check_tp.py "$out" ${models[@]+"${models[@]}"} || status=$?
+    exit $status
+    ;;
+  tp)
+    out=${1:?usage: gpu_check.sh tp OUT.md [MODELS]}
+    use_models "${2:-}"
+    timeout 240 "$PY" scripts/gpu_check_tp.py "$out" ${models[@]+"${models[@]}"}
     ;;
   tiny)
     out=${1:?usage: gpu_check.sh tiny OUT.md [MODELS]}
     use_models "${2:-}"
-    CUDA_VISIBLE_DEVICES="" "$PY" scripts/gpu_check.py "$out" --tiny ${models[@]+"${models[@]}"}
+    status=0
+    CUDA_VISIBLE_DEVICES="" "$PY" scripts/gpu_check.py "$out" --tiny ${models[@]+"${models[@]}"} || status=$?
+    CUDA_VISIBLE_DEVICES="" timeout 120 "$PY" scripts/gpu_check_tp.py "$out" --tiny || status=$?
+    exit $status
     ;;
   *)
-    sed -n 2,10p "$0"
+    sed -n 2,14p "$0"
     exit 2
     ;;
 esac
