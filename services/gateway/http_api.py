@@ -23,6 +23,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator
 
@@ -37,17 +38,19 @@ from starlette.routing import Route
 from services.gateway.chat_template import ChatRenderer, ChatTemplate
 from services.gateway.core import CallContext, GatewayCore
 from services.gateway.openai_schema import (
-    ChatCompletionRequest, CompletionRequest, envelope, error_body, finish_reason, parse_body, speculation_metrics,
-    usage,
+    ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, error_body, finish_reason,
+    parse_body, speculation_metrics, usage,
 )
 from services.gateway.runs import Chunk
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest
 from specinfer.errors import NotFoundError, UserError
 from specinfer.limits import MAX_METADATA_BYTES
+from specinfer.logprobs import TokenLogprob
 from specinfer.serving.grpc_server import status_for
 from specinfer.serving.security import ServerSecurity
 from specinfer.serving.tracing import outgoing_metadata
+from specinfer.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -248,13 +251,106 @@ class _Exchange:
         self.api.metrics.request_latency.labels(method).observe(time.monotonic() - self.started)
 
 
-class _Choice:
-    """One sample's output as it accumulates (non-streaming responses)."""
+class _Reply:
+    """Turns one request's chunks into OpenAI's shapes: a choice per sample (`Chunk.index`), with
+    its text, logprobs (when asked for) and finish reason, and the usage of all samples."""
 
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.finish_reason: str = ""
-        self.stats = None
+    def __init__(self, api: "OpenAIApi", req, kind: str):
+        self.api, self.kind, self.is_chat = api, kind, kind == "chat.completion"
+        self.num_samples = req.n
+        self.wants_logprobs = req.num_top_logprobs is not None
+        self.request_id = ""
+        self.text: dict[int, list[str]] = defaultdict(list)
+        self.logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
+        self.token_chars: dict[int, int] = defaultdict(int)  # decoded characters of the tokens so far
+        self.space = ""
+        self.finish: dict[int, str] = {}
+        self.stats: dict[int, GenerationStats | None] = {}
+
+    def decode(self, token_id: int) -> str:
+        return self.api.core.tokenizer.decode([token_id])
+
+    def add(self, chunk: Chunk) -> None:
+        if not self.request_id:
+            rid = chunk.request_id
+            self.request_id = rid.rsplit(".", 1)[0] if self.num_samples > 1 and "." in rid else rid
+        i = chunk.index
+        self.text[i].append(chunk.text_delta)
+        self.logprobs[i].extend(chunk.logprobs)
+        self.space = chunk.logprob_space or self.space
+        if chunk.is_done:
+            self.finish[i], self.stats[i] = chunk.finish_reason, chunk.stats
+
+    def _logprobs_json(self, index: int, logprobs: list[TokenLogprob], space: str) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        if self.is_chat:
+            return chat_logprobs(logprobs, self.decode, space)
+        out = completion_logprobs(logprobs, self.decode, self.token_chars[index], space)
+        self.token_chars[index] += sum(len(t) for t in out["tokens"])
+        return out
+
+    def usage(self) -> dict:
+        return usage([self.stats.get(i) for i in sorted(self.stats)])
+
+    def metrics(self) -> dict | list | None:
+        """Our speculation statistics: one object, or one per choice when n > 1."""
+        per_choice = [speculation_metrics(self.stats.get(i)) for i in sorted(self.stats)]
+        return per_choice[0] if len(per_choice) == 1 else per_choice or None
+
+    # -- a whole response ----------------------------------------------------------------------
+    def response(self) -> dict:
+        out = envelope(self.kind, self.request_id, self.api.model_name)
+        out["choices"] = [self._choice(i) for i in sorted(self.text)]
+        out["usage"], out["metrics"] = self.usage(), self.metrics()
+        return out
+
+    def _choice(self, i: int) -> dict:
+        text, reason = "".join(self.text[i]), finish_reason(self.finish.get(i, ""))
+        logprobs = self._logprobs_json(i, self.logprobs[i], self.space)
+        if self.is_chat:
+            return {"index": i, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                    "finish_reason": reason}
+        return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    # -- stream chunks -------------------------------------------------------------------------
+    @property
+    def chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.is_chat else "text_completion"
+
+    def role_chunks(self, created: int) -> list[dict]:
+        """Chat streams open every choice with the assistant's role."""
+        if not self.is_chat:
+            return []
+        return [self._stream_chunk(created, i, {"role": "assistant", "content": ""}, None, None)
+                for i in range(self.num_samples)]
+
+    def stream_chunk(self, chunk: Chunk, created: int) -> dict | None:
+        """The event for one chunk of progress; None when it carries nothing to send."""
+        has_logprobs = self.wants_logprobs and bool(chunk.logprobs)
+        if not (chunk.text_delta or chunk.is_done or has_logprobs):
+            return None
+        logprobs = self._logprobs_json(chunk.index, list(chunk.logprobs), chunk.logprob_space or self.space)
+        reason = finish_reason(chunk.finish_reason) if chunk.is_done else None
+        body = self._stream_chunk(created, chunk.index, chunk.text_delta, logprobs, reason)
+        if chunk.is_done:
+            body["metrics"] = speculation_metrics(chunk.stats)
+        return body
+
+    def usage_chunk(self, created: int) -> dict:
+        body = envelope(self.chunk_kind, self.request_id, self.api.model_name, created)
+        body.update(choices=[], usage=self.usage())
+        return body
+
+    def _stream_chunk(self, created: int, index: int, content, logprobs: dict | None, reason: str | None) -> dict:
+        body = envelope(self.chunk_kind, self.request_id, self.api.model_name, created)
+        if self.is_chat:
+            delta = content if isinstance(content, dict) else {"content": content}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": reason}
+        body["choices"] = [choice]
+        return body
 
 
 class OpenAIApi:
@@ -353,12 +449,17 @@ class OpenAIApi:
             if not isinstance(exc, Exception):
                 raise
             return response
+        reply = _Reply(self, req, kind)
         if req.stream:
-            events = self._events(pump, first, req, kind, link, watcher, exchange)
+            events = self._events(pump, first, req, reply, link, watcher, exchange)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            response = await self._collect(pump, first, kind, link)
+            for chunk in first:
+                reply.add(chunk)
+            while (chunk := await pump.next()) is not None:
+                reply.add(chunk)
+            response = JSONResponse(reply.response()) if link.is_active() else Response(status_code=CLIENT_CLOSED)
         except Exception as exc:  # noqa: BLE001 - the request's own failure, as its HTTP status
             response = error_response(exc)
             exchange.finish(response.status_code, exc)
@@ -384,96 +485,44 @@ class OpenAIApi:
             if chunk.token_ids or chunk.text_delta or chunk.is_done:
                 return chunks
 
-    async def _collect(self, pump: _Pump, first: list[Chunk], kind: str, link: HttpLink) -> Response:
-        choices: dict[int, _Choice] = {}
-        request_id = first[0].request_id if first else ""
-        chunk: Chunk | None
-        for chunk in first:
-            self._add(choices, chunk)
-        while (chunk := await pump.next()) is not None:
-            self._add(choices, chunk)
-        if not link.is_active():
-            return Response(status_code=CLIENT_CLOSED)
-        out = envelope(kind, request_id, self.model_name)
-        out["choices"] = [self._choice_json(kind, i, c) for i, c in sorted(choices.items())]
-        stats = [c.stats for _, c in sorted(choices.items())]
-        out["usage"] = usage(stats[0] if stats else None)
-        out["metrics"] = speculation_metrics(stats[0] if stats else None)
-        return JSONResponse(out)
-
-    @staticmethod
-    def _add(choices: dict[int, _Choice], chunk: Chunk) -> None:
-        choice = choices.setdefault(getattr(chunk, "index", 0), _Choice())
-        choice.text.append(chunk.text_delta)
-        if chunk.is_done:
-            choice.finish_reason, choice.stats = chunk.finish_reason, chunk.stats
-
-    @staticmethod
-    def _choice_json(kind: str, index: int, choice: _Choice) -> dict:
-        text = "".join(choice.text)
-        if kind == "chat.completion":
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                    "finish_reason": finish_reason(choice.finish_reason)}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(choice.finish_reason)}
-
-    # -- streaming ---------------------------------------------------------------------------
-    async def _events(self, pump: _Pump, first: list[Chunk], req, kind: str, link: HttpLink,
+    async def _events(self, pump: _Pump, first: list[Chunk], req, reply: _Reply, link: HttpLink,
                       watcher: asyncio.Future, exchange: _Exchange):
-        """Server-sent events: one `data:` line per chunk of output, then `data: [DONE]`."""
-        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+        """Server-sent events: one `data:` line per chunk of output, then `data: [DONE]`; with
+        stream_options.include_usage, every chunk has "usage": null and a last one the usage."""
         created = int(time.time())
-        request_id = first[0].request_id if first else ""
         status, error = CLIENT_CLOSED, None
-        stats = None
         try:
-            if chunk_kind == "chat.completion.chunk":
-                yield self._sse(self._chunk_json(chunk_kind, request_id, created, 0, "", None, role="assistant"))
-            chunks: list[Chunk] = list(first)
+            for chunk in first:
+                reply.add(chunk)  # the header chunks: the request's id
+            bodies = reply.role_chunks(created) + [reply.stream_chunk(c, created) for c in first]
             while True:
-                for chunk in chunks:
-                    if chunk.is_done:
-                        stats = chunk.stats
-                    if chunk.text_delta or chunk.is_done:
-                        reason = finish_reason(chunk.finish_reason) if chunk.is_done else None
-                        body = self._chunk_json(chunk_kind, request_id, created, getattr(chunk, "index", 0),
-                                                chunk.text_delta, reason)
-                        if chunk.is_done:
-                            body["metrics"] = speculation_metrics(chunk.stats)
+                for body in bodies:
+                    if body is not None:
                         if req.include_usage:
                             body["usage"] = None
-                        yield self._sse(body)
+                        yield _sse(body)
                 chunk = await pump.next()
                 if chunk is None:
                     break
-                chunks = [chunk]
+                reply.add(chunk)
+                bodies = [reply.stream_chunk(chunk, created)]
             if req.include_usage:
-                body = envelope(chunk_kind, request_id, self.model_name, created)
-                body.update(choices=[], usage=usage(stats))
-                yield self._sse(body)
+                yield _sse(reply.usage_chunk(created))
             yield "data: [DONE]\n\n"
             status = 200
         except Exception as exc:  # noqa: BLE001 - after the headers: the error is the stream's last event
-            status, error = error_response(exc).status_code, exc
-            yield self._sse(json.loads(error_response(exc).body))
+            response = error_response(exc)
+            status, error = response.status_code, exc
+            yield f"data: {response.body.decode()}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             link.close()
             watcher.cancel()
             exchange.finish(status, error)
 
-    def _chunk_json(self, kind: str, request_id: str, created: int, index: int, text: str, reason: str | None,
-                    role: str | None = None) -> dict:
-        body = envelope(kind, request_id, self.model_name, created)
-        if kind == "chat.completion.chunk":
-            delta = {"role": role, "content": text} if role else {"content": text}
-            body["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]
-        else:
-            body["choices"] = [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]
-        return body
 
-    @staticmethod
-    def _sse(body: dict) -> str:
-        return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
 
 
 # ---- the server ---------------------------------------------------------------------------------

@@ -12,12 +12,13 @@ speculation statistics (SpecInfer Section 6's metrics) in an extra `metrics` obj
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specinfer import limits
 from specinfer.errors import UserError
+from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams, SamplingParams, TreeShape
 from specinfer.stats import GenerationStats
 
@@ -70,6 +71,11 @@ class _GenerateBody(_Strict):
         return self
 
     @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; else how many alternatives per token."""
+        raise NotImplementedError
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -81,8 +87,6 @@ class _GenerateBody(_Strict):
             widths = limits.parse_tree_width(self.tree_width)
         else:
             widths = tuple(self.tree_width or ())
-        if any(t < 0 for t in self.stop_token_ids or ()):
-            raise UserError("stop_token_ids: token ids must be >= 0")
         temperature = OPENAI_DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         return GenerationParams(
             max_new_tokens=max_tokens or 0,
@@ -91,6 +95,7 @@ class _GenerateBody(_Strict):
             shape=TreeShape(widths=widths) if widths else TreeShape(),
             is_speculative=self.speculate, ssm_names=tuple(self.ssm_names or ()), stop=stop,
             stop_token_ids=tuple(self.stop_token_ids or ()), is_ignore_eos=self.ignore_eos,
+            num_logprobs=self.num_top_logprobs, num_samples=self.n,
         )
 
 
@@ -119,7 +124,6 @@ class CompletionRequest(_GenerateBody):
 
     @property
     def num_top_logprobs(self) -> int | None:
-        """None: no logprobs; else how many alternatives per token."""
         return self.logprobs
 
 
@@ -191,14 +195,12 @@ def finish_reason(reason: str) -> str | None:
     return FINISH_REASONS.get(reason, reason) or None
 
 
-def usage(stats: GenerationStats | None) -> dict:
-    stats = stats or GenerationStats()
-    out = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.output_tokens,
-           "total_tokens": stats.prompt_tokens + stats.output_tokens}
-    cached = getattr(stats, "cached_prompt_tokens", None)
-    if cached is not None:
-        out["prompt_tokens_details"] = {"cached_tokens": cached}
-    return out
+def usage(samples: Sequence[GenerationStats | None]) -> dict:
+    """OpenAI's token counts: the prompt once, the completion tokens of every sample."""
+    stats = [s for s in samples if s is not None] or [GenerationStats()]
+    prompt, completion = stats[0].prompt_tokens, sum(s.output_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": stats[0].cached_prompt_tokens}}
 
 
 def speculation_metrics(stats: GenerationStats | None) -> dict | None:
@@ -208,6 +210,29 @@ def speculation_metrics(stats: GenerationStats | None) -> dict | None:
     return {"llm_steps": stats.llm_steps, "tokens_per_step": stats.tokens_per_step,
             "mean_accepted": stats.mean_accepted, "mean_tree_nodes": stats.mean_tree_nodes,
             "acceptance_rate": stats.acceptance_rate, "latency_s": stats.latency_s, "fell_back": stats.fell_back}
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], decode: Callable[[int], str], text_offset: int,
+                        space: str) -> dict:
+    """The completions API's logprobs object for some tokens; `text_offset` is where the first
+    one starts in the choice's text. `logprob_space` (ours) says which distribution they are of."""
+    tokens = [decode(lp.token_id) for lp in logprobs]
+    offsets = [text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            # alternatives that decode to the same text share a key: the likeliest one keeps it
+            "top_logprobs": [{decode(t): v for t, v in reversed(lp.top)} for lp in logprobs], "text_offset": offsets,
+            "logprob_space": space}
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob], decode: Callable[[int], str], space: str) -> dict:
+    """The chat API's logprobs object for some tokens (`logprob_space` is ours, as above)."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        token = decode(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs], "logprob_space": space}
 
 
 def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict:
