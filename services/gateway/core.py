@@ -394,7 +394,7 @@ class GatewayCore:
                 ) -> Iterator[Chunk]:
         """Streams a stored request: its tail if it has ended, else its progress on another gateway."""
         params = GenerationParams.from_json(rec.params)
-        state = TextState.replay(self.tokenizer, params.stop, rec.generated_ids[:since_tokens])
+        state = TextState.replay(self.tokenizer, params.stop, rec.generated_ids[:since_tokens], params.stop_token_ids)
         since_chars = state.visible_lens[state.num_tokens] if since_chars is None else since_chars
         while True:
             ids = rec.generated_ids

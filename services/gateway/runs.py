@@ -61,6 +61,7 @@ class RunPlan:
     deadline_s: float  # for the verifier call
     metadata: tuple[tuple[str, str], ...]  # trace context for the verifier
     started_at: float  # time.monotonic() when the client's RPC arrived
+    prefix_group: str = ""  # the verifier shares the prompt's KV within a group (the samples of one request)
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,11 @@ class RequestRun:
         self.deps = deps
         self.request_id = plan.request_id
         self.cond = threading.Condition()
-        self.text = TextState.replay(deps.tokenizer, plan.params.stop, plan.generated_ids)
+        self.text = TextState.replay(deps.tokenizer, plan.params.stop, plan.generated_ids, plan.params.stop_token_ids)
+        self.logprobs: list[TokenLogprob] = []  # of the tokens after the earlier segments' (logprobs_from)
+        self.logprobs_from = len(plan.generated_ids)
+        self.logprob_space = ""
+        self._num_cached = 0  # prompt tokens the verifier reused
         self.status = RUNNING
         self.finish_reason = ""
         self.final_text: str | None = None
@@ -186,7 +191,13 @@ class RequestRun:
                 delta, num_chars = self.text.text_since(since_chars, n), self.text.visible_lens[n]
             return Chunk(self.request_id, tuple(self.text.ids[since_tokens:n]), since_tokens, delta,
                          n, max(num_chars, since_chars), is_done, self.status, self.finish_reason,
-                         self.stats if is_done else None, self.error if is_done else None)
+                         self.stats if is_done else None, self.error if is_done else None,
+                         self._logprobs(since_tokens, n), self.logprob_space)
+
+    def _logprobs(self, start: int, end: int) -> tuple[TokenLogprob, ...]:
+        """Tokens [start, end)'s logprobs if this run holds them all, else none."""
+        i, j = start - self.logprobs_from, end - self.logprobs_from
+        return tuple(self.logprobs[i:j]) if i >= 0 and j <= len(self.logprobs) else ()
 
     # -- the worker ---------------------------------------------------------------------------
     def _work(self) -> None:
@@ -207,7 +218,8 @@ class RequestRun:
             return self._end(FINISHED, "length")
         sampling = replace(plan.params.sampling, seed=derive_seed(plan.params.sampling.seed or 0, num_done))
         params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - num_done, sampling=sampling)
-        call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, params, plan.session_id)
+        call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, params, plan.session_id,
+                            plan.prefix_group)
         stream = self.deps.verifier.generate(call, plan.deadline_s, list(plan.metadata))
         with self.cond:
             self._stream = stream
@@ -239,11 +251,16 @@ class RequestRun:
                 raise _Stopped()
             if step.token_ids and self._last_token_at is None and not self.plan.generated_ids:
                 self.deps.metrics.time_to_first_token.observe(time.monotonic() - self.plan.started_at)
-            for token in step.token_ids:
+            self._num_cached = max(self._num_cached, step.cached_prompt_tokens)
+            self.logprob_space = step.logprob_space or self.logprob_space
+            for i, token in enumerate(step.token_ids):
                 if self.text.num_tokens >= max_new_tokens:
                     end_reason = "length"
                     break
-                if self.text.push(token):
+                is_stop = self.text.push(token)
+                if i < len(step.logprobs):
+                    self.logprobs.append(step.logprobs[i])
+                if is_stop:
                     end_reason = "stop"
                     break
             if step.token_ids:
@@ -296,7 +313,7 @@ class RequestRun:
         if self._verifier_stats is not None:
             return replace(self._verifier_stats, latency_s=latency_s)
         return GenerationStats(prompt_tokens=len(self.plan.prompt_ids), output_tokens=num_tokens,
-                               llm_steps=self._num_steps, latency_s=latency_s)
+                               llm_steps=self._num_steps, latency_s=latency_s, cached_prompt_tokens=self._num_cached)
 
     def _end(self, status: str, finish_reason: str, error: Exception | None = None) -> None:
         """Persists the final state first, then tells observers (so GetRequest agrees with them)."""

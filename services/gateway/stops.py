@@ -1,6 +1,8 @@
 """Token ids to streamable text, with stop sequences applied at the text level.
 
-Generation ends *before* the first occurrence of any stop string. While streaming, the visible
+Generation ends *before* the first occurrence of any stop string, and at a stop token id: that
+token is the last of the output's token ids, and, like a stop string, its text is not part of
+the output's text. While streaming, the visible
 text holds back (a) a trailing incomplete UTF-8 character and (b) any suffix that could still
 grow into a stop string, so no stop text ever reaches the client.
 
@@ -79,9 +81,10 @@ class TextState:
     tail as context (a decoder may render a token differently at the start of its input).
     """
 
-    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer: TextTokenizer, stops: tuple[str, ...] = (), stop_token_ids: tuple[int, ...] = ()):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.ids: list[int] = []
         self.visible_lens = [0]  # visible_lens[k] = len(visible text after k tokens)
         self.is_stopped = False
@@ -96,8 +99,9 @@ class TextState:
         self._stop_text: str | None = None
 
     @classmethod
-    def replay(cls, tokenizer: TextTokenizer, stops: tuple[str, ...], ids: tuple[int, ...] | list[int]) -> "TextState":
-        state = cls(tokenizer, stops)
+    def replay(cls, tokenizer: TextTokenizer, stops: tuple[str, ...], ids: tuple[int, ...] | list[int],
+               stop_token_ids: tuple[int, ...] = ()) -> "TextState":
+        state = cls(tokenizer, stops, stop_token_ids)
         for t in ids:
             if state.push(t):
                 break
@@ -113,10 +117,16 @@ class TextState:
         return str(self._visible)
 
     def push(self, token_id: int) -> bool:
-        """Adds one token; True if it completed a stop string (the caller must stop generating)."""
+        """Adds one token; True if it completed a stop string or is a stop token (the caller must
+        stop generating)."""
         if self.is_stopped:
             raise RuntimeError("push after a stop sequence matched")
         self.ids.append(int(token_id))
+        if token_id in self.stop_token_ids:  # the text so far is final; the token's own is left out
+            self.is_stopped = True
+            self._stop_text = self._text(0)
+            self._advance(len(self._stop_text))
+            return True
         num_settled_before = len(self._settled)
         self._decode_window()
         if self.stops:

@@ -16,6 +16,7 @@ from typing import Iterator
 import grpc
 
 from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams
 from specinfer.serving import convert
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -31,6 +32,7 @@ class VerifierCall:
     prompt_ids: tuple[int, ...]  # everything the LLM has to attend to: context plus tokens so far
     params: GenerationParams  # max_new_tokens: the tokens still to generate; the seed: this call's
     session_id: str = ""
+    prefix_group: str = ""  # calls with the same group share their prompt's KV (samples of one request)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class VerifierStep:
     token_ids: tuple[int, ...]
     finish_reason: str = ""
     stats: GenerationStats | None = None  # the verifier's measurement, on its last message
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
+    logprob_space: str = ""
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,9 @@ class VerifierStream:
     def __iter__(self) -> Iterator[VerifierStep]:
         for msg in self._call:
             yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
-                               convert.stats_from_proto(msg.stats) if msg.HasField("stats") else None)
+                               convert.stats_from_proto(msg.stats) if msg.HasField("stats") else None,
+                               convert.logprobs_from_proto(msg.logprobs), convert.space_from_proto(msg.logprob_space),
+                               int(msg.cached_prompt_tokens))
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -99,7 +106,8 @@ class VerifierClient:
         self.stub = pb_grpc.VerifierStub(self.channel)
 
     def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:
-        request = convert.verifier_request_to_proto(call.request_id, call.prompt_ids, call.params, call.session_id)
+        request = convert.verifier_request_to_proto(call.request_id, call.prompt_ids, call.params, call.session_id,
+                                                    call.prefix_group)
         return VerifierStream(self.stub.Generate(request, timeout=timeout_s, metadata=metadata))
 
     def release_session(self, session_id: str, timeout_s: float, metadata: list[tuple[str, str]]) -> bool:

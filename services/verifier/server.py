@@ -16,6 +16,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from opentelemetry import trace
 
@@ -27,7 +28,11 @@ from specinfer.engine.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.tree import TokenTree
 from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
-from specinfer.serving.convert import params_from_verifier_request, shape_to_proto, stats_to_proto
+from specinfer.errors import UserError
+from specinfer.logprobs import space_for
+from specinfer.serving.convert import (
+    finish_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto, stats_to_proto,
+)
 from specinfer.serving.grpc_server import RunningServer, model_service_main, remaining_timeout, start_model_service
 from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics
 from specinfer.serving.tracing import server_span
@@ -61,12 +66,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         prompt_ids, params = list(request.prompt_ids), params_from_verifier_request(request)
         params.checked(self.cfg.limits)  # the deployment's limits, whoever calls: before admission
         check_verifier_request(len(prompt_ids), params.max_new_tokens, params.ssm_names, self.cfg.limits)
+        if request.prefix_group and request.session_id:  # a session's cache trims what a group shares
+            raise UserError("prefix_group: not with a session_id")
         timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
         should_stop = _abandon_when(context, time.monotonic() + timeout_s)
         with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
                          session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
             generation = self.engine.start(prompt_ids, params, request.request_id, request.session_id or None,
-                                           timeout_s, StepSpans(self.tracer, self.metrics, span))
+                                           timeout_s, StepSpans(self.tracer, self.metrics, span),
+                                           request.prefix_group or None)
             span.set_attribute("reused_prefix_tokens", generation.session.num_reused)
             is_ok = False
             try:
@@ -84,11 +92,15 @@ class VerifierServicer(pb_grpc.VerifierServicer):
                 self.engine.finish(generation, history)
 
     def _response(self, generation, kept: list[int]) -> pb.VerifierGenerateResponse:
-        response = pb.VerifierGenerateResponse(token_ids=kept)
+        result, num_cached = generation.result, generation.session.num_reused
+        response = pb.VerifierGenerateResponse(token_ids=kept, cached_prompt_tokens=num_cached)
+        if generation.params.num_logprobs is not None:
+            response.logprobs.extend(logprobs_to_proto(result.output_logprobs[len(result.output_ids) - len(kept):]))
+            response.logprob_space = space_to_proto(space_for(generation.params.sampling.is_greedy))
         if generation.is_done:
-            result = generation.result
             response.finish_reason = result.finish_reason
-            response.stats.CopyFrom(stats_to_proto(result.stats()))
+            response.finish = finish_to_proto(result.finish_reason)
+            response.stats.CopyFrom(stats_to_proto(replace(result.stats(), cached_prompt_tokens=num_cached)))
             self.metrics.time_per_output_token.observe(result.latency_s / max(1, len(result.output_ids)))
         return response
 

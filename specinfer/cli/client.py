@@ -4,6 +4,9 @@
         print(client.generate("def add(", max_tokens=32).text)
         for delta in client.generate_stream("def add(", max_tokens=32):
             print(delta.text_delta, end="", flush=True)
+        done = client.generate("def add(", max_tokens=8, logprobs=5, stop_token_ids=[13], n=2)
+        done.logprobs[0].top  # ((token id, logprob), ...) under done.logprob_space
+        done.samples[1].text  # n > 1: every sample, sample 0 repeated in the fields above
 
 Every call has a deadline (`timeout_s`). Results are plain dataclasses and dicts; gRPC errors
 are raised as `GatewayError(code, details)`. `token=` sends the gateway's bearer token and
@@ -23,6 +26,8 @@ import grpc
 
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.logprobs import TokenLogprob
+from specinfer.serving.convert import logprobs_from_proto, space_from_proto
 from specinfer.serving.security import CLIENT_TOKEN_ENV, ChannelSecurity, client_security_from_env, open_channel
 from specinfer.serving.settings import message_options
 from specinfer.v1 import specinfer_pb2 as pb
@@ -51,6 +56,21 @@ class Stats:
     acceptance_rate: float = 0.0
     latency_s: float = 0.0
     fell_back: bool = False
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One of the samples of an n > 1 request."""
+
+    index: int
+    request_id: str  # the sample's own id: "<request id>.<index>"
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    finish: str  # the FinishReason enum: "length", "stop", "cancelled" ("" while running)
+    stats: Stats
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +80,10 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str
     stats: Stats
+    finish: str = ""  # the FinishReason enum, as a name
+    logprobs: tuple[TokenLogprob, ...] = ()  # when asked for: one per token
+    logprob_space: str = ""  # "raw" (greedy: log_softmax of the logits) or "processed" (the warped distribution)
+    samples: tuple[Sample, ...] = ()  # n > 1: every sample by index
 
 
 @dataclass(frozen=True)
@@ -70,6 +94,10 @@ class Delta:
     token_offset: int
     finish_reason: str = ""  # set on the last delta
     stats: Stats | None = None  # set on the last delta
+    finish: str = ""  # set on the last delta: the FinishReason enum, as a name
+    logprobs: tuple[TokenLogprob, ...] = ()
+    logprob_space: str = ""
+    index: int = 0  # n > 1: the sample (each sample's deltas form a stream of their own)
 
 
 @dataclass(frozen=True)
@@ -88,9 +116,19 @@ def _stats(msg: pb.GenerationStats) -> Stats:
     return Stats(**{f: getattr(msg, f) for f in Stats.__dataclass_fields__})
 
 
+def _finish(value: int) -> str:
+    return "" if value == pb.FINISH_REASON_UNSPECIFIED else pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
 def _delta(msg: pb.GenerateStreamResponse) -> Delta:
     return Delta(msg.request_id, msg.text_delta, tuple(msg.token_ids), msg.token_offset, msg.finish_reason,
-                 _stats(msg.stats) if msg.HasField("stats") else None)
+                 _stats(msg.stats) if msg.HasField("stats") else None, _finish(msg.finish),
+                 logprobs_from_proto(msg.logprobs), space_from_proto(msg.logprob_space), msg.index)
+
+
+def _sample(msg: pb.Sample) -> Sample:
+    return Sample(msg.index, msg.request_id, msg.text, tuple(msg.token_ids), msg.finish_reason, _finish(msg.finish),
+                  _stats(msg.stats), logprobs_from_proto(msg.logprobs))
 
 
 def _call(fn, *args, **kwargs):
@@ -137,7 +175,8 @@ class GatewayClient:
                  seed: int | None = None, stop: Sequence[str] = (), speculate: bool | None = None,
                  tree_width: Sequence[int] | None = None, max_tree_nodes: int = 0, session_id: str = "",
                  request_id: str = "", ignore_eos: bool = False, ssm_names: Sequence[str] = (),
-                 tree_policy: str | None = None) -> pb.GenerateRequest:
+                 tree_policy: str | None = None, stop_token_ids: Sequence[int] = (), logprobs: int | None = None,
+                 n: int | None = None) -> pb.GenerateRequest:
         sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
         if seed is not None:
             sampling.seed = seed
@@ -146,18 +185,26 @@ class GatewayClient:
                                  shape=pb.TreeShape(widths=list(tree_width or ()), max_nodes=max_tree_nodes,
                                                     policy=policy[tree_policy]),
                                  session_id=session_id, request_id=request_id, ignore_eos=ignore_eos,
-                                 ssm_names=list(ssm_names))
+                                 ssm_names=list(ssm_names), stop_token_ids=list(stop_token_ids))
         if speculate is not None:
             req.speculate = speculate
+        if logprobs is not None:
+            req.logprobs = logprobs
+        if n is not None:
+            req.n = n
         return req
 
     def generate(self, prompt: str, *, timeout_s: float | None = None, **params) -> Completion:
         """Generates and returns the whole result. `params`: see `_request`."""
         msg = _call(self.stub.Generate, self._request(prompt, **params), timeout=timeout_s or self.timeout_s)
-        return Completion(msg.request_id, msg.text, tuple(msg.token_ids), msg.finish_reason, _stats(msg.stats))
+        return Completion(msg.request_id, msg.text, tuple(msg.token_ids), msg.finish_reason, _stats(msg.stats),
+                          _finish(msg.finish), logprobs_from_proto(msg.logprobs), space_from_proto(msg.logprob_space),
+                          tuple(_sample(s) for s in msg.samples))
 
     def generate_stream(self, prompt: str, *, timeout_s: float | None = None, **params) -> Iterator[Delta]:
-        """Yields deltas; the first one (no tokens) carries the request id for `resume`."""
+        """Yields deltas; the first one (no tokens) carries the request id for `resume`. With n > 1
+        the samples' deltas interleave; `index` tells them apart, and each sample's first delta
+        carries that sample's own request id."""
         return _stream(self.stub.GenerateStream(self._request(prompt, **params), timeout=timeout_s or self.timeout_s))
 
     def resume(self, request_id: str, token_offset: int = 0, *, timeout_s: float | None = None) -> Iterator[Delta]:
@@ -185,7 +232,8 @@ class GatewayClient:
         m = _call(self.stub.Info, pb.InfoRequest(), timeout=self.timeout_s)
         return {"model": m.model, "ssm_names": list(m.ssm_names), "max_prompt_tokens": m.max_prompt_tokens,
                 "max_tokens": m.max_tokens, "max_concurrent_requests": m.max_concurrent_requests,
-                "max_stop_sequences": m.max_stop_sequences,
+                "max_stop_sequences": m.max_stop_sequences, "max_logprobs": m.max_logprobs,
+                "max_samples": m.max_samples,
                 "default_shape": {"widths": list(m.default_shape.widths), "max_nodes": m.default_shape.max_nodes}}
 
 
@@ -219,6 +267,10 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", nargs="+", default=[], help="stop sequences")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   help="a token id that ends generation, besides EOS (repeatable)")
+    g.add_argument("--logprobs", type=int, help="return each token's logprob and this many alternatives (0-20)")
+    g.add_argument("-n", "--n", type=int, help="independent samples of the prompt (default 1)")
     g.add_argument("--no-speculate", action="store_true", help="plain incremental decoding")
     g.add_argument("--tree-width", type=_tree_width, help="children per level, e.g. 1,1,3")
     g.add_argument("--ssm-name", action="append", default=[], help="SSM pool member to use (repeatable)")
@@ -260,7 +312,8 @@ def run_client(args: argparse.Namespace) -> int:
                               top_k=args.top_k, seed=args.seed, stop=args.stop, tree_width=args.tree_width,
                               ssm_names=args.ssm_name, tree_policy=args.tree_policy,
                               speculate=False if args.no_speculate else None, session_id=args.session,
-                              request_id=args.request_id)
+                              request_id=args.request_id, stop_token_ids=args.stop_token_id,
+                              logprobs=args.logprobs, n=args.n)
                 if args.stream:
                     for delta in client.generate_stream(args.prompt, **params):
                         _print(asdict(delta))

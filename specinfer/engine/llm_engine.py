@@ -162,14 +162,17 @@ class Engine:
 
     def start(self, prompt_ids: list[int], params: GenerationParams, request_id: str = "",
               session_id: str | None = None, timeout_s: float | None = None,
-              observer: StepObserver | None = None) -> Generation:
-        """Admits one request (its worst-case KV reserved) and returns its decode loop."""
+              observer: StepObserver | None = None, prefix_group: str | None = None) -> Generation:
+        """Admits one request (its worst-case KV reserved) and returns its decode loop. Requests
+        of one `prefix_group` (the samples of an n > 1 request) share their common prompt's KV."""
         llm_cfg = self.verifier.runner.cfg
         limits.check_prompt_ids(prompt_ids, params.max_new_tokens, llm_cfg.vocab_size, self.max_context)
+        limits.check_stop_token_ids(params.stop_token_ids, llm_cfg.vocab_size)
         num_sources = self.source.num_sources(params.ssm_names) if self.source and params.is_speculative else 0
         shape = self.cfg.default_shape if params.shape.is_default else params.shape
         num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens, shape, num_sources)
-        session = self.scheduler.open(list(prompt_ids), session_id, num_slots, timeout_s)
+        session = self.scheduler.open(list(prompt_ids), session_id, num_slots, timeout_s, prefix_group)
+        session.state.num_logprobs = params.num_logprobs
         try:
             drafts = (self.source.drafts(request_id, prompt_ids, params, shape, timeout_s) if num_sources
                       else NoDrafts())

@@ -107,6 +107,7 @@ class GenerationResult:
     latency_s: float = 0.0
     finish_reason: str = "length"
     is_fell_back: bool = False  # a speculator failed and the request went on without it
+    output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
 
     @property
     def tokens_per_step(self) -> float:
@@ -214,6 +215,8 @@ class Generation:
         if self.choose.policy is not None:
             self.choose.policy.observe_step(tree, tree.find_path(accepted), self.params.sampling.is_greedy)
         kept = self.result.record_step(accepted, bonus, len(tree), self.params.max_new_tokens, self.stops)
+        if self.params.num_logprobs is not None:
+            self.result.output_logprobs.extend(self.session.state.last_logprobs[:len(kept)])
         # The first step's time includes the prompt's prefill: not a speculation step.
         self._measured = (self._ticket, len(accepted) + 1, self._step_started) if self._ticket and step else None
         if self.observer is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specinfer.logprobs import TokenLogprob
 from specinfer.params import SamplingParams
 
 
@@ -49,6 +50,23 @@ def proposal_probs(logits: torch.Tensor, params: SamplingParams, top_k: int) -> 
         probs = torch.zeros_like(probs).scatter_(-1, idx, vals)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], params: SamplingParams, num_top: int
+                   ) -> list[TokenLogprob]:
+    """Each token's logprob, and the `num_top` most likely tokens', under the distribution it was
+    drawn from: row i of `logits` (k, V) is the LLM's output where token_ids[i] was chosen.
+    Greedy requests get log_softmax of the raw logits; sampled ones, of the warped logits (tokens
+    filtered out by top-k / top-p have probability 0 and are never listed as alternatives)."""
+    logits = logits.float() if params.is_greedy else warp_logits(logits, params)
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
+    if num_top:
+        vals, idx = torch.topk(logp, min(num_top, logp.shape[-1]), dim=-1)
+        tops = [tuple((t, v) for t, v in zip(ti, vi) if v != float("-inf")) for ti, vi in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
 
 
 def make_generator(seed: int | None, stream: int, device="cpu") -> torch.Generator:

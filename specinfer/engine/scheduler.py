@@ -77,10 +77,11 @@ class Scheduler:
     # ---- API for request handlers (any thread) ---------------------------------------------
 
     def open(self, prompt_ids: list[int], session_id: str | None, num_slots: int,
-             timeout_s: float | None = None) -> VerifySession:
+             timeout_s: float | None = None, prefix_group: str | None = None) -> VerifySession:
         """Admits a request once `num_slots` cache slots (its worst case) are reserved."""
         wait_s = self.cfg.admission_timeout_s if timeout_s is None else min(timeout_s, self.cfg.admission_timeout_s)
-        return self.worker.call("open", prompt_ids, session_id, num_slots, time.monotonic() + wait_s)
+        session = self.worker.call("open", prompt_ids, session_id, num_slots, time.monotonic() + wait_s)
+        return session
 
     def verify(self, session: VerifySession, tree: TokenTree, params: SamplingParams,
                generator: torch.Generator | None) -> Future:

@@ -8,13 +8,13 @@ KV is committed. Prompt chunks of requests still being prefilled ride in the sam
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specinfer.engine.blocks import SequenceKV
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import target_probs
+from specinfer.engine.sampling import target_probs, token_logprobs
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verify import verify_greedy, verify_stochastic
 from specinfer.params import SamplingParams
@@ -24,6 +24,8 @@ from specinfer.params import SamplingParams
 class LLMState:
     seq: SequenceKV
     pending: list[int]  # verified tokens not yet in the LLM cache; the last one is the next root
+    num_logprobs: int | None = None  # the request wants logprobs with this many alternatives
+    last_logprobs: list = field(default_factory=list)  # the last step's, one per accepted token and the bonus
 
 
 VerifyItem = tuple[LLMState, TokenTree, SamplingParams, torch.Generator | None]
@@ -68,6 +70,9 @@ class Verifier:
             path, bonus = verify_greedy(tree, logits.argmax(dim=-1).tolist())
         else:
             path, bonus = verify_stochastic(tree, target_probs(logits, params), generator)
+        if state.num_logprobs is not None:  # from the logits at hand: the rows of the accepted path
+            state.last_logprobs = token_logprobs(logits[path], [tree.tokens[n] for n in path[1:]] + [bonus], params,
+                                                 state.num_logprobs)
         num_chain = len(state.pending) - 1
         self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
         state.pending = [bonus]

@@ -1,0 +1,101 @@
+"""The add-only request and response fields through a real stack (gateway, verifier, speculator
+over gRPC): logprobs, the FinishReason enum, stop token ids, cached prompt tokens; and a message
+without any of them behaves as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from specinfer.cli.client import GatewayClient
+from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.runner import ModelRunner
+from specinfer.params import TreeShape
+from specinfer.tokenizer import TextTokenizer
+from specinfer.v1 import specinfer_pb2 as pb
+from util import start_stack
+
+WIDTHS = (1, 1, 3, 1)
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def stack(text_pair):
+    llm, ssm = text_pair
+    with start_stack(llm, [ssm], tree_width=WIDTHS, is_load_aware=False, gateway={}) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with GatewayClient(f"127.0.0.1:{stack.gateway.port}", timeout_s=60) as c:
+        yield c
+
+
+def test_old_style_request_gets_what_it_always_did(stack):
+    """A message built as an older client builds it: no logprobs, one sample, EOS-only stops."""
+    stub = stack.gateway_stub
+    resp = stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=12, ignore_eos=True), timeout=60)
+    assert len(resp.token_ids) == 12 and resp.finish_reason == "length" and resp.text
+    assert not resp.logprobs and not resp.samples and resp.logprob_space == pb.LOGPROB_SPACE_UNSPECIFIED
+    assert resp.finish == pb.FINISH_REASON_LENGTH  # the new enum agrees with the kept string
+    stream = list(stub.GenerateStream(pb.GenerateRequest(prompt=PROMPT, max_tokens=12, ignore_eos=True), timeout=60))
+    assert [t for m in stream for t in m.token_ids] == list(resp.token_ids)
+    assert all(m.index == 0 and not m.logprobs for m in stream)
+    assert stream[-1].finish_reason == "length" and stream[-1].finish == pb.FINISH_REASON_LENGTH
+    assert all(m.finish == pb.FINISH_REASON_UNSPECIFIED for m in stream[:-1])
+
+
+def test_logprobs_through_the_gateway_are_the_engines(stack, client, text_pair):
+    llm, ssm = text_pair
+    tokenizer = TextTokenizer.from_dir(llm)
+    engine = Engine.from_runners(ModelRunner.from_dir(llm), [ModelRunner.from_dir(ssm)])
+    expected = engine.generate(tokenizer.encode(PROMPT),
+                               mode_params("tree", 16, TreeShape(WIDTHS), num_logprobs=3, is_ignore_eos=True))
+    done = client.generate(PROMPT, max_tokens=16, ignore_eos=True, logprobs=3, tree_width=WIDTHS)
+    assert list(done.token_ids) == expected.output_ids and done.logprob_space == "raw"
+    assert len(done.logprobs) == 16
+    for ours, theirs in zip(done.logprobs, expected.output_logprobs):
+        assert ours.token_id == theirs.token_id and abs(ours.logprob - theirs.logprob) < 1e-4
+        assert [t for t, _ in ours.top] == [t for t, _ in theirs.top]
+    streamed = [lp for d in client.generate_stream(PROMPT, max_tokens=16, ignore_eos=True, logprobs=3,
+                                                   tree_width=WIDTHS) for lp in d.logprobs]
+    assert [lp.token_id for lp in streamed] == list(done.token_ids)
+    sampled = client.generate(PROMPT, max_tokens=8, ignore_eos=True, logprobs=2, temperature=0.7, seed=3)
+    assert sampled.logprob_space == "processed" and len(sampled.logprobs) == 8
+
+
+def test_stop_token_ids_end_at_the_first_one_and_leave_its_text_out(client):
+    free = client.generate(PROMPT, max_tokens=24, ignore_eos=True)
+    k = 6
+    stop = free.token_ids[k]
+    first = free.token_ids.index(stop)
+    stopped = client.generate(PROMPT, max_tokens=24, ignore_eos=True, stop_token_ids=[stop])
+    assert list(stopped.token_ids) == list(free.token_ids[:first + 1])  # token-exact, the stop token included
+    assert stopped.finish_reason == "stop" and stopped.finish == "stop"
+    before = client.generate(PROMPT, max_tokens=first, ignore_eos=True) if first else None
+    assert stopped.text == (before.text if before else "")  # its text is not part of the output
+    streamed = list(client.generate_stream(PROMPT, max_tokens=24, ignore_eos=True, stop_token_ids=[stop]))
+    assert "".join(d.text_delta for d in streamed) == stopped.text
+    assert [t for d in streamed for t in d.token_ids] == list(stopped.token_ids)
+
+
+def test_bad_stop_token_ids_are_invalid_argument(client):
+    from specinfer.cli.client import GatewayError
+
+    with pytest.raises(GatewayError, match="stop_token_ids"):
+        client.generate(PROMPT, max_tokens=4, stop_token_ids=[10_000_000])
+    with pytest.raises(GatewayError, match="stop_token_ids"):
+        client.generate(PROMPT, max_tokens=4, stop_token_ids=list(range(17)))
+    with pytest.raises(GatewayError, match="logprobs"):
+        client.generate(PROMPT, max_tokens=4, logprobs=21)
+
+
+def test_a_sessions_second_turn_reports_its_cached_prompt_tokens(client):
+    session = client.create_session("import os\nimport sys\n" * 4)
+    first = client.generate("def add(a, b):", max_tokens=6, ignore_eos=True, session_id=session)
+    second = client.generate("\nfor x in range(3):", max_tokens=6, ignore_eos=True, session_id=session)
+    assert first.stats.cached_prompt_tokens == 0
+    assert 0 < second.stats.cached_prompt_tokens < second.stats.prompt_tokens
+    assert second.stats.cached_prompt_tokens >= first.stats.prompt_tokens
+    alone = client.generate("def add(a, b):", max_tokens=6, ignore_eos=True)
+    assert alone.stats.cached_prompt_tokens == 0
