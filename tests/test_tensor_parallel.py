@@ -229,3 +229,45 @@ def test_verifier_service_on_two_ranks(models, runners):
                                               timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         runner.close()
+
+
+def test_torchrun_launches_the_verifier(models):
+    """Every rank runs `services.verifier` under torchrun (env:// rendezvous): rank 0 serves gRPC,
+    rank 1 only follows its steps; the output is the one-process model's."""
+    import subprocess
+    import sys
+
+    from grpc_health.v1 import health_pb2_grpc
+
+    from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+    from util import free_port
+
+    llm, _ = models["gqa"]
+    params = mode_params("incremental", 12)
+    expected = Engine.from_runners(ModelRunner.from_dir(llm)).generate(PROMPTS[3], params).output_ids
+    port = free_port()
+    env = dict(os.environ, SPECINFER_LOG_LEVEL="warning", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(free_port()), "-m", "services.verifier", "--model", str(llm),
+                             "--device", "cpu", "--port", str(port), "--kv-budget", "2048", "--threads", "1"],
+                            env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def serving() -> bool:
+            try:
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                return False
+
+        assert wait_until(serving, timeout=120, interval=0.5), "the torchrun group never served"
+        stub = pb_grpc.VerifierStub(channel)
+        tokens = [t for r in stub.Generate(pb.VerifierGenerateRequest(prompt_ids=PROMPTS[3], max_new_tokens=12),
+                                           timeout=60) for t in r.token_ids]
+        assert tokens == expected
+    finally:
+        channel.close()
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops both ranks
+        proc.wait(timeout=60)
