@@ -311,6 +311,48 @@ def test_admission_queues_briefly_then_refuses(fake_server, tok_dir, tokenizer):
         gw.stop(0)
 
 
+class GatedStore(MemoryStore):
+    """A store whose running-progress writes wait for `gate` (a slow or stalled Redis)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def put_progress(self, request_id, progress, drop_steps=()):
+        if progress.status == "running":
+            self.gate.wait(10)
+        return super().put_progress(request_id, progress, drop_steps)
+
+    def put_step(self, request_id, offset, ids, text_delta):
+        self.gate.wait(10)
+        return super().put_step(request_id, offset, ids, text_delta)
+
+
+def test_clients_see_only_tokens_already_stored(fake_server, tok_dir, tokenizer):
+    """A token reaches a client only after the store holds it: a gateway killed at any moment
+    cannot have shown a token that a resume by offset would not find."""
+    fake, server = fake_server
+    fake.reset(delay_s=0.01)
+    store = GatedStore()
+    gw = serve(gateway_config(server.port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(), store=store,
+               tokenizer=tokenizer)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            stream = pb_grpc.GatewayStub(ch).GenerateStream(gen_request(max_tokens=20), timeout=10)
+            rid = next(stream).request_id
+            got: list[int] = []
+            reader = threading.Thread(target=lambda: got.extend(t for m in stream for t in m.token_ids))
+            reader.start()
+            assert wait_until(lambda: fake.calls and fake.calls[0].num_sent >= 5, 5.0)
+            time.sleep(0.3)
+            assert got == [] and store.get_request(rid).generated_ids == ()
+            store.gate.set()
+            reader.join(10)
+            assert len(got) == 20 and list(store.get_request(rid).generated_ids) == got
+    finally:
+        gw.stop(0)
+
+
 # -- stop sequences --------------------------------------------------------------------------
 def test_stop_sequence_truncates_and_cancels_verifier(stub, fake, tokenizer, script):
     want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 200)

@@ -119,6 +119,9 @@ class RequestRun:
         self._num_steps = 0
         self._verifier_stats: GenerationStats | None = None
         self._last_token_at: float | None = None
+        # Observers see a token only once it is in the store, so a client never holds a token
+        # that a crash of this gateway would lose (a resume by offset always finds it).
+        self._num_durable = len(plan.generated_ids)
         # What this run has written to the store: None until its first (whole-state) write, then
         # the tokens and visible characters stored, and the step fields it appended.
         self._num_stored_tokens: int | None = None
@@ -180,9 +183,10 @@ class RequestRun:
     def read(self, since_tokens: int, since_chars: int, timeout_s: float) -> Chunk | None:
         """Waits up to `timeout_s` for progress past `since_tokens`; None if there is none."""
         with self.cond:
-            if self.status == RUNNING and self.text.num_tokens <= since_tokens:
+            if self.status == RUNNING and self._num_durable <= since_tokens:
                 self.cond.wait(timeout_s)
-            n, is_done = self.text.num_tokens, self.status != RUNNING
+            is_done = self.status != RUNNING
+            n = self.text.num_tokens if is_done else self._num_durable
             if not is_done and n <= since_tokens:
                 return None
             if is_done and self.final_text is not None:
@@ -292,6 +296,9 @@ class RequestRun:
                 self._step_offsets.append(offset)
             is_cancel_requested = self.deps.store.put_step(self.request_id, offset, ids, delta)
         self._num_stored_tokens, self._num_stored_chars = num_tokens, num_chars
+        with self.cond:
+            self._num_durable = num_tokens
+            self.cond.notify_all()
         return is_cancel_requested
 
     def _end_on_rpc_error(self, exc: Exception) -> None:
