@@ -36,6 +36,7 @@ DEFAULT_MAX_WAITING = 64  # requests queued for KV memory before RESOURCE_EXHAUS
 DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory
 DEFAULT_MAX_SESSIONS = 64  # idle sessions whose KV prefix the verifier keeps
 DEFAULT_DEADLINE_S = 300.0  # a request's deadline when its caller sets none
+PREFIX_GROUP_WAIT_S = 2.0  # longest a sample waits for another to read the prompt they share
 
 # ---- gateway admission (services/gateway/admission.py) ----------------------------------------
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64  # hard cap on requests running through one gateway

@@ -4,6 +4,10 @@ SpecInfer (Section 4.2, "tree-based parallel decoding") writes a token tree's ke
 after the committed prefix, then keeps only the accepted path. Here a sequence owns a list of
 fixed-size blocks; slot `i` of the sequence lives at `block_table[i // block_size] * block_size +
 i % block_size` in the preallocated cache. No tensors live here, so this is unit-tested fast.
+
+A block may be held by several sequences (reference counts): the samples of one request read
+their common prompt's full blocks from the sequence that computed them. A shared block lies
+wholly inside every holder's committed prefix, which is never written again, so no copy is made.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ from specinfer.errors import CapacityError
 
 
 class BlockAllocator:
-    """Hands out block ids, lowest first, so a lone sequence gets contiguous slots."""
+    """Hands out block ids, lowest first, so a lone sequence gets contiguous slots. A block is
+    free again once every holder has freed it."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks <= 0 or block_size <= 0:
@@ -22,7 +27,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = list(range(num_blocks))  # a heap
-        self._is_used = [False] * num_blocks
+        self._refs = [0] * num_blocks  # holders of each block
 
     @property
     def num_free(self) -> int:
@@ -37,15 +42,23 @@ class BlockAllocator:
             raise CapacityError(f"KV cache full: need {num} blocks, {len(self._free)} free of {self.num_blocks}")
         blocks = [heapq.heappop(self._free) for _ in range(num)]
         for b in blocks:
-            self._is_used[b] = True
+            self._refs[b] = 1
         return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder for each of `blocks`."""
+        for b in blocks:
+            if not self._refs[b]:
+                raise ValueError(f"sharing free KV block {b}")
+            self._refs[b] += 1
 
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
-            if not self._is_used[b]:
+            if not self._refs[b]:
                 raise ValueError(f"double free of KV block {b}")
-            self._is_used[b] = False
-            heapq.heappush(self._free, b)
+            self._refs[b] -= 1
+            if not self._refs[b]:
+                heapq.heappush(self._free, b)
 
 
 class SequenceKV:
@@ -96,6 +109,17 @@ class SequenceKV:
             if table[i] != first + i:
                 return None
         return first * block_size
+
+    def share_prefix(self, other: "SequenceKV", num_blocks: int) -> None:
+        """Reads its first `num_blocks` blocks (committed, full) from `other` instead of holding its
+        own: this sequence's own are freed, and its first num_blocks * block_size slots committed."""
+        if self.num_committed or num_blocks > len(self.block_table) or other.num_committed < num_blocks * self.allocator.block_size:
+            raise ValueError("a shared prefix must be committed in the source and not yet in this sequence")
+        shared = other.block_table[:num_blocks]
+        self.allocator.share(shared)
+        self.allocator.free(self.block_table[:num_blocks])
+        self.block_table[:num_blocks] = shared
+        self.num_committed = num_blocks * self.allocator.block_size
 
     def trim(self, num_slots: int) -> None:
         """Frees blocks past those needed for `num_slots` slots."""

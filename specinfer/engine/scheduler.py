@@ -45,8 +45,23 @@ class VerifySession:
 
     state: LLMState
     session_id: str | None
-    num_reused: int = 0  # prompt tokens whose KV came from the session cache
+    num_reused: int = 0  # prompt tokens whose KV came from the session cache or the group's leader
     last_batch_size: int = 0  # requests verified in the same pass as this one's last step
+    group: PrefixGroup | None = None  # its prefix group, until it has shared the leader's prompt (or gave up)
+
+
+@dataclass
+class PrefixGroup:
+    """Requests that share their common prompt's KV (the samples of one request): the first one
+    admitted (the leader) reads the prompt; each other member waits (PREFIX_GROUP_WAIT_S at most) for
+    the leader to have committed the full blocks of the prompt they share, then holds those
+    blocks too and reads only the rest (under one block) itself."""
+
+    key: str
+    leader: VerifySession
+    prompt_ids: list[int]
+    member_prompt_ids: list[int]
+    wait_until: float
 
 
 @dataclass
@@ -67,6 +82,7 @@ class Scheduler:
         self.runner = verifier.runner
         self.cfg = cfg
         self.sessions: dict[str, CachedSession] = {}
+        self.leaders: dict[str, tuple[VerifySession, list[int]]] = {}  # prefix group -> its leader and prompt
         self.metrics = metrics
         self.num_open = 0
         self.cost_model = None  # a CostModel to keep current with measured passes (load-aware policy)
@@ -80,8 +96,7 @@ class Scheduler:
              timeout_s: float | None = None, prefix_group: str | None = None) -> VerifySession:
         """Admits a request once `num_slots` cache slots (its worst case) are reserved."""
         wait_s = self.cfg.admission_timeout_s if timeout_s is None else min(timeout_s, self.cfg.admission_timeout_s)
-        session = self.worker.call("open", prompt_ids, session_id, num_slots, time.monotonic() + wait_s)
-        return session
+        return self.worker.call("open", prompt_ids, session_id, num_slots, time.monotonic() + wait_s, prefix_group)
 
     def verify(self, session: VerifySession, tree: TokenTree, params: SamplingParams,
                generator: torch.Generator | None) -> Future:
@@ -136,8 +151,8 @@ class Scheduler:
         waiting = []
         now = time.monotonic()
         for job in opens:
-            prompt_ids, session_id, num_slots, deadline = job.args
-            if waiting or not self._try_admit(job, prompt_ids, session_id, num_slots):
+            prompt_ids, session_id, num_slots, deadline, prefix_group = job.args
+            if waiting or not self._try_admit(job, prompt_ids, session_id, num_slots, prefix_group):
                 if now > deadline:
                     job.future.set_exception(CapacityError("KV cache full: timed out waiting for memory"))
                 elif len(waiting) >= self.cfg.max_waiting:
@@ -146,7 +161,8 @@ class Scheduler:
                     waiting.append(job)
         return waiting
 
-    def _try_admit(self, job: Job, prompt_ids: list[int], session_id: str | None, num_slots: int) -> bool:
+    def _try_admit(self, job: Job, prompt_ids: list[int], session_id: str | None, num_slots: int,
+                   prefix_group: str | None = None) -> bool:
         block_size = self.runner.allocator.block_size
         cached = self.sessions.get(session_id) if session_id else None
         needed = -(-num_slots // block_size) - (len(cached.state.seq.block_table) if cached else 0)
@@ -161,6 +177,8 @@ class Scheduler:
             return False
         session = self._open(prompt_ids, session_id)
         session.state.seq.ensure_capacity(num_slots)
+        if prefix_group:
+            self._join_group(session, prefix_group, prompt_ids)
         self.num_open += 1
         job.future.set_result(session)
         return True
@@ -170,6 +188,9 @@ class Scheduler:
         budget = self.cfg.token_budget
         ready, chunks, carried = [], [], []
         verifies = [job for job in verifies if self._fits_reservation(job)]
+        is_ready = [self._share_prefix(job.args[0]) for job in verifies]
+        carried = [job for job, ok in zip(verifies, is_ready) if not ok]  # group members waiting for their leader
+        verifies = [job for job, ok in zip(verifies, is_ready) if ok]
         for job in verifies:  # requests past their prompt: trees cost their node count
             session, tree = job.args[0], job.args[1]
             if len(session.state.pending) == 1:
@@ -227,8 +248,42 @@ class Scheduler:
         state.pending = list(prompt_ids[common:])
         return VerifySession(state, session_id, num_reused=common)
 
+    def _join_group(self, session: VerifySession, key: str, prompt_ids: list[int]) -> None:
+        leader = self.leaders.get(key)
+        if leader is None:
+            self.leaders[key] = (session, list(prompt_ids))
+        else:
+            session.group = PrefixGroup(key, leader[0], leader[1], list(prompt_ids), time.monotonic() + limits.PREFIX_GROUP_WAIT_S)
+
+    def _share_prefix(self, session: VerifySession) -> bool:
+        """False while a group member waits for its leader; shares the leader's blocks once it can."""
+        group = session.group
+        if group is None:
+            return True
+        block_size = self.runner.allocator.block_size
+        common = 0
+        limit = min(len(group.prompt_ids), len(group.member_prompt_ids) - 1)  # keep >= 1 pending token
+        while common < limit and group.prompt_ids[common] == group.member_prompt_ids[common]:
+            common += 1
+        num_blocks = common // block_size
+        leader = group.leader.state.seq
+        is_leader_gone = self.leaders.get(group.key, (None,))[0] is not group.leader or leader.is_freed
+        if num_blocks and not is_leader_gone and leader.num_committed < num_blocks * block_size:
+            if time.monotonic() < group.wait_until:
+                return False  # the leader is still reading the prompt
+            num_blocks = 0
+        session.group = None
+        if num_blocks and not is_leader_gone:
+            session.state.seq.share_prefix(leader, num_blocks)
+            session.state.pending = session.state.pending[num_blocks * block_size:]
+            session.num_reused = num_blocks * block_size
+        return True
+
     def _close(self, session: VerifySession, history: list[int] | None) -> None:
         self.num_open -= 1
+        for key, (leader, _) in list(self.leaders.items()):
+            if leader is session:
+                del self.leaders[key]
         state = session.state
         if history is None or not session.session_id:
             self.verifier.release(state)
