@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     def build_kept(cfg: VerifierConfig, **kwargs) -> tuple[RunningServer, VerifierServicer]:
         server, servicer = build(cfg, **kwargs)
         built.append(servicer)
+        leader = getattr(servicer.engine.verifier.runner.model, "leader", None)
+        if leader is not None:  # a rank stuck in a collective with a dead peer never returns: leave anyway
+            leader.on_broken(lambda _: _exit_after(cfg.grace_s + 10))
         return server, servicer
 
     code = model_service_main("verifier", argv, parse_config, build_kept)
@@ -226,6 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     leader = getattr(runner.model, "leader", None)
     runner.close()
     return 1 if leader is not None and leader.broken else code
+
+
+def _exit_after(seconds: float) -> None:
+    timer = threading.Timer(seconds, os._exit, (1,))
+    timer.daemon = True
+    timer.start()
 
 
 def _serve_rank(argv: list[str] | None) -> int:

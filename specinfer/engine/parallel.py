@@ -285,6 +285,7 @@ class Leader:
         while sentinels and not self._closed.is_set():
             for s in wait(list(sentinels), timeout=0.5):
                 p = sentinels.pop(s)
+                p.join(timeout=1)  # its exit code
                 if not self._closed.is_set():
                     self.mark_broken(f"rank {p.name} exited with code {p.exitcode}")
                     return
@@ -322,7 +323,7 @@ class Leader:
             except GroupBroken:
                 pass
         for p in self.workers:
-            p.join(timeout=30)
+            p.join(timeout=10 if self.broken else 60)
             if p.is_alive():
                 p.kill()
         self.group.close()
