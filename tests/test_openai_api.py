@@ -235,6 +235,19 @@ def test_disconnect_mid_stream_frees_the_verifier(stack, client, model):
     assert record.status == "interrupted" and len(record.generated_ids) < 500
 
 
+def test_disconnect_while_waiting_for_a_whole_response_frees_the_verifier(stack, client, model, executor):
+    core = stack.gateway.core
+    reply = executor.submit(client.with_options(timeout=0.5).completions.create, model=model, prompt="import os",
+                            max_tokens=500, temperature=0, extra_body={"speculate": False})
+    assert wait_until(lambda: core.registry.all(), timeout=5.0)
+    request_id = core.registry.all()[0].request_id
+    with pytest.raises(openai.APITimeoutError):
+        reply.result(timeout=30)  # the client gives up and disconnects
+    assert wait_until(lambda: core.registry.get(request_id) is None, timeout=3.0)
+    record = core.get_request(request_id)
+    assert record.status == "interrupted" and len(record.generated_ids) < 500
+
+
 def test_health_and_metrics(stack, client, model):
     port = stack.gateway.http_port
     status, body = request(port, "/health")
@@ -244,3 +257,4 @@ def test_health_and_metrics(stack, client, model):
     text = body.decode()
     assert status == 200 and 'specinfer_gateway_requests_total{code="200",method="HTTP /v1/completions"}' in text
     assert "specinfer_gateway_output_tokens" in text
+
