@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from specinfer.pool.demo_training import DEMO_CHAT_TEMPLATE
+from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
 from test_stack_e2e import redis_url
 from util import free_port, start_stack, wait_until
@@ -257,4 +258,34 @@ def test_health_and_metrics(stack, client, model):
     text = body.decode()
     assert status == 200 and 'specinfer_gateway_requests_total{code="200",method="HTTP /v1/completions"}' in text
     assert "specinfer_gateway_output_tokens" in text
+
+
+# ---- logprobs and n ----------------------------------------------------------------------------
+def test_greedy_logprobs_are_the_grpc_apis_and_pick_the_argmax(stack, client, model, chat_model):
+    tokenizer = TextTokenizer.from_dir(chat_model)
+    grpc_resp = stack.gateway_stub.Generate(pb.GenerateRequest(prompt="def add(", max_tokens=12, logprobs=3),
+                                            timeout=60)
+    resp = client.completions.create(model=model, prompt="def add(", max_tokens=12, temperature=0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in grpc_resp.logprobs], abs=1e-6)
+    assert lp.tokens == [tokenizer.decode([t]) for t in grpc_resp.token_ids]
+    for chosen, top, expected in zip(lp.token_logprobs, lp.top_logprobs, grpc_resp.logprobs):
+        # one entry per distinct token text (alternatives that decode alike share a key)
+        assert top == {tokenizer.decode([t]): pytest.approx(v, abs=1e-6)
+                       for t, v in reversed(list(zip(expected.top_token_ids, expected.top_logprobs)))}
+        assert chosen == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the argmax
+    assert lp.text_offset[0] == 0 and lp.model_extra["logprob_space"] == "raw"
+    streamed = list(client.completions.create(model=model, prompt="def add(", max_tokens=12, temperature=0,
+                                              logprobs=3, stream=True))
+    assert [v for c in streamed if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
+def test_chat_logprobs_one_per_token(client, model):
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "sum"}], max_tokens=8,
+                                          temperature=0.8, seed=3, logprobs=True, top_logprobs=2)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens == 8
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert resp.choices[0].logprobs.model_extra["logprob_space"] == "processed"
 

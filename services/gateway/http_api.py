@@ -410,8 +410,6 @@ class OpenAIApi:
     def _check_supported(req) -> None:
         if req.n != 1:
             raise UserError("n: only n=1 is supported")
-        if req.num_top_logprobs is not None:
-            raise UserError("logprobs: not supported")
 
     def _completion_request(self, body: bytes) -> tuple[Any, Callable[[], NewRequest]]:
         req = parse_body(CompletionRequest, body)
