@@ -99,3 +99,44 @@ def test_a_sessions_second_turn_reports_its_cached_prompt_tokens(client):
     assert second.stats.cached_prompt_tokens >= first.stats.prompt_tokens
     alone = client.generate("def add(a, b):", max_tokens=6, ignore_eos=True)
     assert alone.stats.cached_prompt_tokens == 0
+
+
+LONG_PROMPT = "import os\nimport sys\n" * 6 + "def add(a, b):"
+
+
+def test_n_samples_are_independent_seeded_requests_sharing_the_prompt(client):
+    from specinfer.params import sample_seed
+
+    done = client.generate(LONG_PROMPT, max_tokens=10, ignore_eos=True, temperature=0.9, seed=21, n=3,
+                           request_id="three-samples")
+    assert done.request_id == "three-samples" and [s.index for s in done.samples] == [0, 1, 2]
+    assert [s.request_id for s in done.samples] == ["three-samples.0", "three-samples.1", "three-samples.2"]
+    assert done.token_ids == done.samples[0].token_ids and done.text == done.samples[0].text
+    for i, sample in enumerate(done.samples):  # each is the request it would be alone, with its seed
+        alone = client.generate(LONG_PROMPT, max_tokens=10, ignore_eos=True, temperature=0.9,
+                                seed=sample_seed(21, i))
+        assert sample.token_ids == alone.token_ids and sample.finish == "length"
+    assert len({s.token_ids for s in done.samples}) > 1
+    assert done.samples[0].stats.cached_prompt_tokens == 0
+    assert all(s.stats.cached_prompt_tokens > 0 for s in done.samples[1:])  # read from sample 0's KV
+    assert client.get_request("three-samples.2").token_ids == done.samples[2].token_ids
+
+
+def test_n_samples_stream_interleaved_by_index(client):
+    deltas = list(client.generate_stream(LONG_PROMPT, max_tokens=8, ignore_eos=True, temperature=0.8, seed=4,
+                                         n=2, logprobs=1))
+    done = client.generate(LONG_PROMPT, max_tokens=8, ignore_eos=True, temperature=0.8, seed=4, n=2)
+    for i in range(2):
+        mine = [d for d in deltas if d.index == i]
+        assert [t for d in mine for t in d.token_ids] == list(done.samples[i].token_ids)
+        assert "".join(d.text_delta for d in mine) == done.samples[i].text
+        assert len([lp for d in mine for lp in d.logprobs]) == 8
+        assert mine[-1].finish == "length" and mine[0].request_id.endswith(f".{i}")
+
+
+def test_n_with_a_session_is_invalid_argument(client):
+    from specinfer.cli.client import GatewayError
+
+    session = client.create_session("import os\n")
+    with pytest.raises(GatewayError, match="n: samples cannot continue a session"):
+        client.generate(PROMPT, max_tokens=4, n=2, session_id=session)

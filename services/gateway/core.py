@@ -14,6 +14,7 @@ before it is tokenized, and tokenizing runs on the request's own RPC thread, hol
 from __future__ import annotations
 
 import logging
+import queue
 import secrets
 import threading
 import time
@@ -31,7 +32,7 @@ from services.gateway.validation import NewRequest, validate_request
 from services.gateway.verifier_client import VerifierClient, VerifierSummary
 from specinfer.errors import NotFoundError, UnavailableError, UserError
 from specinfer.limits import check_id, check_prompt_length, check_text_size
-from specinfer.params import GenerationParams
+from specinfer.params import GenerationParams, sample_seed
 from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
@@ -109,6 +110,45 @@ class _Attachment:
         self.run.detach()
 
 
+def _interleave(streams: list[Callable[[], Iterator[Chunk]]]) -> Iterator[Chunk]:
+    """The chunks of several streams as they come, each tagged with its stream's index; the
+    first error of any ends it (the others' observers leave with the client's call)."""
+    arrived: queue.Queue = queue.Queue()
+    is_stopped = threading.Event()
+
+    def pump(index: int, make: Callable[[], Iterator[Chunk]]) -> None:
+        chunks = None
+        try:
+            chunks = make()
+            for chunk in chunks:
+                arrived.put((replace(chunk, index=index), None))
+                if is_stopped.is_set():
+                    break
+            arrived.put((None, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer's thread
+            arrived.put((None, exc))
+        finally:
+            if chunks is not None:
+                chunks.close()
+
+    threads = [threading.Thread(target=pump, args=(i, make), name=f"sample-{i}", daemon=True)
+               for i, make in enumerate(streams)]
+    for thread in threads:
+        thread.start()
+    try:
+        num_running = len(threads)
+        while num_running:
+            chunk, error = arrived.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                num_running -= 1
+            else:
+                yield chunk
+    finally:
+        is_stopped.set()
+
+
 def encode_turn(tokenizer: TextTokenizer, text: str, has_history: bool) -> tuple[int, ...]:
     """A turn's token ids; a continuation turn gets no second BOS."""
     ids = tokenizer.encode(text)
@@ -171,9 +211,13 @@ class GatewayCore:
         self.admission.observe_step(step_s, self.admission.num_running)
 
     # -- generate ----------------------------------------------------------------------------
-    def generate(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
-        """Validates and starts a request; yields a header chunk, then its progress."""
+    def generate(self, req: NewRequest, call: CallContext, prefix_group: str = "") -> Iterator[Chunk]:
+        """Validates and starts a request; yields a header chunk, then its progress. With n > 1,
+        every sample's (see `_generate_samples`)."""
         req = validate_request(req, self.limits)
+        if req.params.num_samples > 1:
+            yield from self._generate_samples(req, call)
+            return
         if req.request_id:
             existing = self.store.get_request(req.request_id)
             if existing is not None:
@@ -191,7 +235,7 @@ class GatewayCore:
             params = replace(params, sampling=replace(params.sampling, seed=secrets.randbits(63)))
         record = RequestRecord(request_id, RUNNING, req.prompt, req.session_id, params.to_json(), history + turn_ids,
                                owner=self.cfg.gateway_id, session_base_len=len(history), is_leased=self.is_leasing)
-        run = RequestRun(self._plan(record, call), self.deps)
+        run = RequestRun(replace(self._plan(record, call), prefix_group=prefix_group), self.deps)
         self.admission.set_kv_capacity(self._verifier_facts().kv_capacity_tokens)
         concurrent = self.registry.add(run, call.deadline_s)  # not None: the same id arrived concurrently
         is_new = concurrent is None
@@ -217,6 +261,23 @@ class GatewayCore:
         finally:
             if attachment is not None:
                 attachment.close()
+
+    def _generate_samples(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
+        """n > 1: one request per sample, with the id "<request id>.<index>" (each resumable and
+        readable by itself), seeded with `sample_seed(seed, index)` (no seed: each its own fresh
+        one), and all of one prefix group, so the verifier reads the prompt once. Their chunks
+        interleave, told apart by `Chunk.index`; each sample's first chunk carries its id."""
+        num = req.params.num_samples
+        if req.session_id:
+            raise UserError("n: samples cannot continue a session (each would append its own turn); use n = 1")
+        group = req.request_id or uuid.uuid4().hex
+        check_id(f"{group}.{num - 1}")  # a client's id leaves room for the samples' suffixes
+        seed = req.params.sampling.seed
+        samples = [replace(req, request_id=f"{group}.{i}", params=replace(
+            req.params, num_samples=1,
+            sampling=replace(req.params.sampling, seed=None if seed is None else sample_seed(seed, i))))
+            for i in range(num)]
+        yield from _interleave([lambda s=s: self.generate(s, call, group) for s in samples])
 
     def _retry(self, req: NewRequest, existing: RequestRecord, call: CallContext) -> Iterator[Chunk]:
         self._check_retry(req, existing.prompt, existing.session_id, GenerationParams.from_json(existing.params))
