@@ -64,20 +64,28 @@ def model(client):
     return client.models.list().data[0].id
 
 
-@pytest.fixture(scope="module")
-def guarded(text_pair, stack):
-    """A second gateway over the same verifier: a client token required, and a model directory
-    without a chat template."""
+def extra_gateway(model_dir, verifier_addr: str, **cfg):
     from services.gateway.config import GatewayConfig
     from services.gateway.server import serve
     from specinfer.serving.metrics import new_registry
-    from specinfer.serving.security import ServerSecurity
     from specinfer.serving.tracing import setup_tracing
 
-    llm, _ = text_pair
-    cfg = GatewayConfig(port=0, http_port=free_port(), verifier_addr=f"127.0.0.1:{stack.verifier.port}",
-                        model_dir=llm, grace_s=0, server_security=ServerSecurity(token=TOKEN))
-    server = serve(cfg, setup_tracing("specinfer-gateway", None), new_registry())
+    cfg = GatewayConfig(port=0, http_port=free_port(), verifier_addr=verifier_addr, model_dir=model_dir, grace_s=0,
+                        **cfg)
+    return serve(cfg, setup_tracing("specinfer-gateway", None), new_registry())
+
+
+@pytest.fixture(scope="module")
+def guarded(text_pair, stack):
+    """A second gateway over the same verifier: a client token required, one request at a time
+    (no queue), and a model directory without a chat template."""
+    from services.gateway.admission import AdmissionConfig
+    from specinfer.limits import RequestLimits
+    from specinfer.serving.security import ServerSecurity
+
+    server = extra_gateway(text_pair[0], f"127.0.0.1:{stack.verifier.port}", server_security=ServerSecurity(TOKEN),
+                           limits=RequestLimits(max_concurrent_requests=1),
+                           admission=AdmissionConfig(min_running=1, latency_factor=0, max_queued=0))
     yield server
     server.stop(0)
 
@@ -140,6 +148,16 @@ def test_stop_string_ends_the_text_before_it(client, model):
     stop = text[len(text) // 2:len(text) // 2 + 3]
     resp = client.completions.create(model=model, prompt="import os\n", max_tokens=40, temperature=0, stop=[stop])
     assert resp.choices[0].text == text[:text.index(stop)] and resp.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_end_the_text_before_the_token(stack, client, model, chat_model):
+    tokenizer = TextTokenizer.from_dir(chat_model)
+    ids = list(stack.gateway_stub.Generate(pb.GenerateRequest(prompt="import os\n", max_tokens=30), timeout=60).token_ids)
+    stop_id = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+    resp = client.completions.create(model=model, prompt="import os\n", max_tokens=30, temperature=0,
+                                     extra_body={"stop_token_ids": [stop_id]})
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.choices[0].text == tokenizer.decode(ids[:ids.index(stop_id)])
 
 
 def test_seed_reproduces_a_sample(client, model):
@@ -216,6 +234,31 @@ def test_token_required_and_chat_without_template_is_400(guarded):
         with pytest.raises(openai.BadRequestError) as err:
             c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert "no chat template" in err.value.body["message"]
+
+
+def test_overload_is_429(guarded):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{guarded.http_port}/v1", api_key=TOKEN, max_retries=0,
+                       timeout=60) as c:
+        model = c.models.list().data[0].id
+        stream = c.completions.create(model=model, prompt="import os", max_tokens=500, stream=True,
+                                      extra_body={"speculate": False})
+        next(iter(stream))  # the one slot is taken
+        with pytest.raises(openai.RateLimitError) as err:
+            c.completions.create(model=model, prompt="import os", max_tokens=2)
+        stream.close()
+    assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_error"
+
+
+def test_verifier_down_is_503(text_pair):
+    server = extra_gateway(text_pair[0], f"127.0.0.1:{free_port()}")  # nothing listens there
+    try:
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=60) as c:
+            with pytest.raises(openai.InternalServerError) as err:
+                c.completions.create(model=text_pair[0].name, prompt="import os", max_tokens=2)
+    finally:
+        server.stop(0)
+    assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
 
 
 def test_unsupported_until_implemented_are_400(client, model):

@@ -448,6 +448,8 @@ class OpenAIApi:
                 raise
             return response
         reply = _Reply(self, req, kind)
+        if first:
+            exchange.span.set_attribute("request_id", first[0].request_id)
         if req.stream:
             events = self._events(pump, first, req, reply, link, watcher, exchange)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -567,7 +569,7 @@ class HttpServer:
         """Stops taking requests; streams in progress get the grace period to end."""
         self.api.is_draining = True
         self._server.should_exit = True
-        self._thread.join()
+        self._thread.join(self._server.config.timeout_graceful_shutdown + 5.0)
         self._sock.close()
 
 
