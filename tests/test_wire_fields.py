@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specinfer.cli.client import GatewayClient
+from specinfer.client import GatewayClient
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
 from specinfer.params import TreeShape
