@@ -23,6 +23,19 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
 MAX_TREE_NODES = 1024
 
+# ---- model-free pool members (specinfer/engine/lookup.py, suffix.py) --------------------------
+MODEL_FREE_NAMES = ("lookup", "suffix")  # pool names that need no checkpoint
+MODEL_FREE_MAX_DEPTH = 8  # draft depth of a model-free tree (within what the request has left)
+MODEL_FREE_MAX_NODES = 16  # nodes of one model-free tree (each is a token in the LLM's pass)
+LOOKUP_MAX_NGRAM = 4  # the longest context suffix prompt lookup matches
+LOOKUP_MIN_NGRAM = 1
+LOOKUP_MAX_PATHS = 2  # distinct continuations drafted
+SUFFIX_MAX_PATTERN = 8  # the longest context suffix the suffix speculator matches
+SUFFIX_CACHE_TOKENS = 16384  # recent outputs shared across requests
+SUFFIX_MIN_PROB = 0.1  # a branch's empirical probability below this is not drafted
+SUFFIX_DEPTH_PER_MATCH = 2.0  # draft depth per matched token (adaptive depth)
+SUFFIX_MAX_SOURCES = 32  # continuations counted per source (the context, the cache)
+
 # ---- sampling --------------------------------------------------------------------------------
 # Below this temperature decoding is greedy: the warped distribution is the argmax there anyway,
 # and dividing logits by a far smaller temperature overflows to inf/NaN probabilities.

@@ -19,6 +19,7 @@ import specinfer.engine.verify
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import target_probs
+from specinfer.engine.speculator import model_free_member
 from specinfer.params import SamplingParams, TreeShape
 from util import perturbed_copy, save_tiny_llama
 
@@ -101,16 +102,26 @@ CONFIGS = {
     "t0.7-p0.9-topk-tree": (SamplingParams(0.7, top_p=0.9), TreeShape((2, 2), is_sampled=False), 1),
     "t1-merged-2-ssms": (SamplingParams(1.0), TreeShape((2, 1), is_sampled=True), 2),
     "t1-pruned-sampled-tree": (SamplingParams(1.0), TreeShape((3, 3), max_nodes=5, min_path_prob=0.2), 1),
+    # Sampled SSM children and deterministic model-free children (point masses) in one tree.
+    "t1-sampled-ssm+model-free": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=True), (1, "lookup", "suffix")),
 }
 
 
-def make_engine(models, num_ssms: int) -> Engine:
+def make_engine(models, num_ssms: int | tuple) -> Engine:
+    """`num_ssms`: how many SSMs, or (how many, model-free member names...)."""
+    num_ssms, *model_free = num_ssms if isinstance(num_ssms, tuple) else (num_ssms,)
     llm, *ssms = models
     # All BATCH requests are admitted at once, each with its worst case reserved: its prompt, its
     # new tokens and one tree per SSM (a TreeShape's max_nodes by default).
-    kv = BATCH * (len(PROMPT) + NUM_TOKENS + 1 + TreeShape().max_nodes * max(1, num_ssms)) + 1024
+    kv = BATCH * (len(PROMPT) + NUM_TOKENS + 1 + TreeShape().max_nodes * max(1, num_ssms + len(model_free))) + 1024
+    members = [model_free_member(name) for name in model_free]
+    for member in members:
+        if member.name == "suffix":  # earlier outputs: from the first step on, several point-mass branches
+            for output in [[7, 1, 0]] * 3 + [[7, 5, 4]] * 3 + [[7, 4, 4], [7, 2, 6]] * 2:
+                member.cache.add(output)
     return Engine.from_runners(ModelRunner.from_dir(llm, max_kv_tokens=kv, block_size=8),
-                               [ModelRunner.from_dir(s, max_kv_tokens=kv, block_size=8) for s in ssms[:num_ssms]])
+                               [ModelRunner.from_dir(s, max_kv_tokens=kv, block_size=8) for s in ssms[:num_ssms]],
+                               model_free=members)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -120,6 +131,16 @@ def test_speculative_sampling_matches_llm_distribution(models, name):
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert 0.2 < mean_accepted, mean_accepted  # trees were really accepted, not only rejected
     assert pvalue > 0.001, (name, pvalue)
+
+
+def test_deterministic_drafts_taken_as_certain_fail_the_test(models, monkeypatch):
+    """A point-mass draft must be accepted with p[x], not always: treated as q = p (accepted
+    whenever p[x] > 0), the mixed tree's distribution is wrong and the test says so."""
+    monkeypatch.setattr(specinfer.engine.verify, "_point_mass", lambda p, x: p.clone())
+    params, shape, pool = CONFIGS["t1-sampled-ssm+model-free"]
+    counts, _ = speculative_counts(make_engine(models, pool), params, shape)
+    pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
+    assert pvalue < 0.001, pvalue
 
 
 @pytest.mark.parametrize("name", ["t1-sampled-tree", "t1-topk-tree"])

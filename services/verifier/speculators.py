@@ -244,19 +244,21 @@ class SpeculationDriver:
     def is_usable(self) -> bool:
         return not self.links or any(link.is_alive for link in self.links)
 
-    def ask(self, widths: tuple[int, ...]) -> None:
-        """Requests the next tree (opening the streams with the whole context the first time)."""
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
+        """Requests the next tree (opening the streams with the whole context the first time).
+        `max_depth` (at least the widths' depth) bounds the speculators' model-free drafts."""
         if not widths or not self.is_usable:
             return
+        depth = max(len(widths), max_depth or 0)
         shape = shape_to_proto(replace(self.shape, widths=widths))
         self.is_steady = bool(self.links) and self.num_unsent_steps == 1
         if not self.links:
-            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=len(widths))
+            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth)
             self.links = self.open_links(start)
         else:
             for link in self.links:
                 if link.is_alive:
-                    link.send_feedback(self.unsent[:-1], self.unsent[-1], len(widths), shape)
+                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape)
         self.unsent = []
         self.num_unsent_steps = 0
         self.is_awaiting = True

@@ -114,19 +114,27 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     single = None
     if args.tensor_parallel > 1:  # the same LLM in one process: "tp1_" arms, interleaved with the sharded ones
         _, _, single = load_for_prompts(argparse.Namespace(**{**vars(args), "tensor_parallel": 1}), paths, prompts)
-    ssm_names = engine.source.names
+    pool = engine.source.names
+    model_free = tuple(paths.model_free)
+    ssm_names = tuple(n for n in pool if n not in model_free)
     shape = tree_shape(args)  # auto mode's bound is the engine's default shape, the same flags
-    # Every arm but tree_merged speculates with the first SSM only. Greedy decoding throughout.
-    arms = {
-        "incremental": ("incremental", ()),
-        "sequence": ("sequence", ssm_names[:1]),
-        "tree": ("tree", ssm_names[:1]),
-        "auto": ("auto", ssm_names[:1]),
-    }
+    # Every SSM arm speculates with the first SSM only; "+pool" arms add the model-free members
+    # (merged into the same tree), and each model-free member also runs alone. Greedy throughout.
+    arms = {"incremental": ("incremental", ())}
+    if ssm_names:
+        arms |= {"sequence": ("sequence", ssm_names[:1]), "tree": ("tree", ssm_names[:1]),
+                 "auto": ("auto", ssm_names[:1])}
+    for name in model_free:
+        arms[name] = ("tree", (name,))
+    if ssm_names and model_free:
+        arms["tree+" + "+".join(model_free)] = ("tree", ssm_names[:1] + model_free)
+        arms["auto+" + "+".join(model_free)] = ("auto", ssm_names[:1] + model_free)
     if len(ssm_names) > 1:
-        arms["tree_merged"] = ("tree", tuple(ssm_names))
+        arms["tree_merged"] = ("tree", ssm_names)
     if single is not None:
         arms |= {f"tp1_{name}": arms[name] for name in ("incremental", "tree") if name in arms}
+    if not paths.ssms:
+        args.no_transformers = True  # assisted generation needs an SSM
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, args.ssm_dtype or args.dtype,
                                                              engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
@@ -137,6 +145,9 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             return hf.run(ids, max_new, is_assisted=name == "transformers_assisted")
         mode, names_used = arms[name]
         target = single if name.startswith("tp1_") else engine
+        for member in target.source.speculator.model_free:  # no arm learns from another's outputs
+            if hasattr(member, "cache"):
+                member.cache.clear()
         r = target.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used)))
         return r.output_ids, r.num_llm_steps, r.latency_s
 
@@ -154,7 +165,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         "machine": machine_info(args.dtype),
         "config": {
             "llm": str(paths.llm),
-            "ssms": [str(s) for s in paths.ssms],
+            "ssms": [str(s) for s in paths.ssms] + list(paths.model_free),
             "num_prompts": len(prompt_ids),
             "max_new_tokens": args.max_new_tokens,
             "tree_width": list(widths),

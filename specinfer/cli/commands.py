@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from specinfer.engine.load import (
-    ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts,
+    ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts, split_pool,
 )
 from specinfer.errors import UserError
 from specinfer.limits import parse_tree_width
@@ -23,16 +23,17 @@ def resolve_paths(
     Returns the paths and, for the demo models, their held-out prompts file. With
     `ssm_needed_by` (what needs them, e.g. "the stack"), no SSM at all is a `UserError`.
     """
+    ssm_dirs, model_free = split_pool(args.ssm)
     if args.llm is None:
-        if args.ssm:
+        if ssm_dirs:
             raise UserError("--ssm given without --llm")
         from specinfer.pool.demo_models import ensure_demo_models
 
         demo = ensure_demo_models(cache_dir, progress=True)
-        paths, demo_prompts = ModelPaths(demo.llm, tuple(demo.ssms)), demo.prompts
+        paths, demo_prompts = ModelPaths(demo.llm, tuple(demo.ssms), model_free), demo.prompts
     else:
-        paths, demo_prompts = ModelPaths(args.llm, tuple(args.ssm)), None
-    if ssm_needed_by and not paths.ssms:
+        paths, demo_prompts = ModelPaths(args.llm, ssm_dirs, model_free), None
+    if ssm_needed_by and not paths.ssms and not paths.model_free:
         raise UserError(f"{ssm_needed_by} needs at least one --ssm")
     return paths, demo_prompts
 
@@ -58,7 +59,7 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
     # A request reserves one tree per SSM it speculates with (their merged tree is at most that).
     engine = load_engine(paths, args.dtype, args.device,
-                         max_kv_tokens=needed + args.max_tree_nodes * len(paths.ssms) + 64,
+                         max_kv_tokens=needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64,
                          ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)),
                          parallel=tensor_parallel(args))
     return tokenizer, prompt_ids, engine
@@ -113,7 +114,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
     paths, _ = resolve_paths(args, cache_dir)
-    mode, gen_params = generation_params(args, bool(paths.ssms), args.mode, params)
+    mode, gen_params = generation_params(args, bool(paths.ssms or paths.model_free), args.mode, params)
     tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts)
     out = open(args.output, "w") if args.output else sys.stdout
     try:

@@ -23,7 +23,9 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", type=Path, help="LLM checkpoint directory (default: the built-in demo models)")
-    p.add_argument("--ssm", type=Path, action="append", default=[], help="SSM checkpoint directory (repeatable)")
+    p.add_argument("--ssm", type=Path, action="append", default=[],
+                   help="SSM checkpoint directory, or a model-free speculator: lookup (n-grams of the request's "
+                        "own context) or suffix (its context and recent outputs); repeatable")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the SSMs (default: --dtype); it never changes the output")

@@ -11,6 +11,7 @@ the baseline for every speedup, and the fallback when no SSM is available.
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,7 +27,7 @@ from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import make_generator
 from specinfer.engine.scheduler import Scheduler, SchedulerConfig
-from specinfer.engine.speculator import SSMState, SSMTree, Speculator
+from specinfer.engine.speculator import Proposal, SSMTree, Speculator
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verifier import Verifier
 from specinfer.errors import UserError
@@ -52,18 +53,28 @@ class DraftSource(Protocol):
 
 
 class LocalSpeculation:
-    """Trees from SSMs in this process. The trees all requests asked for in a step are built
-    together: one batched SSM pass per tree level covers every request (Section 5)."""
+    """Trees from a pool in this process: SSMs and model-free members (prompt lookup, suffix
+    speculation). The trees all requests asked for in a step are built together: one batched SSM
+    pass per tree level covers every request (Section 5). Thread-safe, so the verifier service
+    can host its pool co-located: whichever request thread needs a tree first builds every tree
+    asked so far."""
 
     def __init__(self, speculator: Speculator, names: list[str] | None = None):
         self.speculator = speculator
-        self.names = list(names or [f"ssm-{i}" for i in range(len(speculator.runners))])
+        # `names` names the SSMs (then the model-free members go by their own names) or every member.
+        names = list(names or [f"ssm-{i}" for i in range(len(speculator.runners))])
+        if len(names) == len(speculator.runners):
+            names += [m.name for m in speculator.model_free]
+        self.names = names
+        if len(self.names) != speculator.num_members:
+            raise ValueError(f"{len(self.names)} names for {speculator.num_members} pool members")
         self._asked: list[LocalDrafts] = []
+        self.lock = threading.RLock()
 
     def pool(self, ssm_names: tuple[str, ...]) -> list[int]:
-        """Indices of the SSMs a request speculates with (all of them when it names none)."""
+        """Indices of the members a request speculates with (all of them when it names none)."""
         if not ssm_names:
-            return list(range(len(self.speculator.runners)))
+            return list(range(len(self.names)))
         unknown = [n for n in ssm_names if n not in self.names]
         if unknown:
             raise UserError(f"ssm_names: no SSM named {', '.join(unknown)} (have {', '.join(self.names)})")
@@ -78,41 +89,49 @@ class LocalSpeculation:
         return LocalDrafts(self, states, shape, params.sampling)
 
     def build_asked(self) -> None:
-        asked, self._asked = self._asked, []
-        started = time.perf_counter()
-        batch = [(d.states, d.asked_shape, d.sampling, d.generator) for d in asked]
-        built = self.speculator.propose(batch)
-        seconds = time.perf_counter() - started
-        for drafts, (tree, ssm_trees) in zip(asked, built):
-            drafts.built = (tree, ssm_trees, seconds)
+        with self.lock:
+            asked, self._asked = self._asked, []
+            started = time.perf_counter()
+            batch = [Proposal(d.states, d.asked_shape, d.sampling, d.generator, d.asked_depth,
+                              not d.asked_shape.widths) for d in asked]
+            built = self.speculator.propose(batch)
+            seconds = time.perf_counter() - started
+            for drafts, (tree, ssm_trees) in zip(asked, built):
+                drafts.built = (tree, ssm_trees, seconds)
 
 
 class LocalDrafts:
-    """One request's trees from the local SSMs (its KV caches in every SSM it uses)."""
+    """One request's trees from the local pool (its KV caches in every SSM it uses)."""
 
     is_usable = True
 
-    def __init__(self, local: LocalSpeculation, states: list[SSMState | None], shape: TreeShape,
-                 sampling: SamplingParams):
+    def __init__(self, local: LocalSpeculation, states: list, shape: TreeShape, sampling: SamplingParams):
         self.local = local
         self.states = states
         self.shape = shape
         self.sampling = sampling
         self.generator = make_generator(sampling.seed, 1)
         self.asked_shape: TreeShape | None = None
+        self.asked_depth = 0
         self.built: tuple[TokenTree, list[SSMTree | None], float] | None = None
         self.last_trees: list[SSMTree | None] | None = None
         self.is_steady = False
+        self.has_model_free = any(s is not None for s in states[len(local.speculator.runners):])
         self._has_built = False
         self._num_plain_steps = 0
 
-    def ask(self, widths: tuple[int, ...]) -> None:
-        if not widths:
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
+        """Asks for a tree of `widths` (the SSMs') whose model-free drafts go `max_depth` deep
+        (default: as deep as the widths); no widths but a depth asks the model-free members only."""
+        max_depth = len(widths) if max_depth is None else max_depth
+        if not widths and not (max_depth and self.has_model_free):
             return
         self.asked_shape = replace(self.shape, widths=widths)
+        self.asked_depth = max_depth
         # Steady: the SSMs only catch up on the last step's tokens (not the prompt, not a plain run).
         self.is_steady = self._has_built and self._num_plain_steps == 0
-        self.local._asked.append(self)
+        with self.local.lock:
+            self.local._asked.append(self)
 
     def tree(self, root: int) -> DraftTree:
         if self.asked_shape is None:
@@ -126,11 +145,13 @@ class LocalDrafts:
         return DraftTree(tree, [], depth, seconds)
 
     def after_step(self, verified: list[int]) -> None:
-        self.local.speculator.feedback(self.states, self.last_trees, verified[:-1], verified[-1])
+        with self.local.lock:
+            self.local.speculator.feedback(self.states, self.last_trees, verified[:-1], verified[-1])
         self.last_trees = None
 
     def close(self) -> None:
-        self.local.speculator.release(self.states)
+        with self.local.lock:
+            self.local.speculator.release(self.states)
 
 
 class Engine:
@@ -151,13 +172,13 @@ class Engine:
 
     @classmethod
     def from_runners(cls, llm: ModelRunner, ssms: list[ModelRunner] | None = None, cfg: EngineConfig = EngineConfig(),
-                     ssm_names: list[str] | None = None) -> "Engine":
-        """LLM and SSMs in one process."""
-        ssms = list(ssms or [])
+                     ssm_names: list[str] | None = None, model_free: list | None = None) -> "Engine":
+        """LLM and its pool in one process: SSMs, and model-free members (`speculator.model_free_member`)."""
+        ssms, model_free = list(ssms or []), list(model_free or [])
         for ssm in ssms:
             if ssm.cfg.vocab_size != llm.cfg.vocab_size:
                 raise UserError(f"SSM vocabulary ({ssm.cfg.vocab_size}) differs from the LLM's ({llm.cfg.vocab_size})")
-        source = LocalSpeculation(Speculator(ssms), ssm_names) if ssms else None
+        source = LocalSpeculation(Speculator(ssms, model_free), ssm_names) if ssms or model_free else None
         return cls(llm, source, cfg, max_context=min([llm.max_context] + [r.max_context for r in ssms]))
 
     def start(self, prompt_ids: list[int], params: GenerationParams, request_id: str = "",

@@ -19,6 +19,23 @@ from specinfer.tokenizer import TextTokenizer, check_same_vocab
 class ModelPaths:
     llm: Path
     ssms: tuple[Path, ...] = ()
+    model_free: tuple[str, ...] = ()  # model-free pool members by name (limits.MODEL_FREE_NAMES)
+
+
+def split_pool(entries) -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    """`--ssm` values: checkpoint directories, and the model-free members' names ("lookup",
+    "suffix"; a checkpoint directory of that name is given as ./lookup)."""
+    from specinfer.limits import MODEL_FREE_NAMES
+
+    dirs, names = [], []
+    for entry in entries:
+        if str(entry) in MODEL_FREE_NAMES:
+            if str(entry) in names:
+                raise UserError(f"--ssm {entry} given twice")
+            names.append(str(entry))
+        else:
+            dirs.append(Path(entry))
+    return tuple(dirs), tuple(names)
 
 
 def resolve_device(name: str) -> str:
@@ -67,9 +84,12 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     device = resolve_device(device)
     llm = ModelRunner.from_dir(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens,
                                parallel=parallel)
+    from specinfer.engine.speculator import model_free_member
+
     ssms = [ModelRunner.from_dir(p, dtype=ssm_dtype or dtype, device=device, max_kv_tokens=max_kv_tokens)
             for p in paths.ssms]
-    return Engine.from_runners(llm, ssms, cfg or EngineConfig())
+    return Engine.from_runners(llm, ssms, cfg or EngineConfig(),
+                               model_free=[model_free_member(n) for n in paths.model_free])
 
 
 def read_prompts(path: str | Path) -> list[str]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol
 
 from specinfer.engine.guard import SpeculationGuard
-from specinfer.engine.policy import LoadAwarePolicy
+from specinfer.engine.policy import MODEL_FREE_ONLY, LoadAwarePolicy
 from specinfer.engine.tree import TokenTree
 from specinfer.params import GenerationParams, TreeShape
 from specinfer.stats import GenerationStats
@@ -41,7 +41,10 @@ class Drafts(Protocol):
     is_usable: bool  # False once it can never speculate again (no SSMs, every speculator lost)
     is_steady: bool  # the tree asked last costs what a steady step costs (no stream opening, no catch-up)
 
-    def ask(self, widths: tuple[int, ...]) -> None: ...  # request the next tree; () asks nothing
+    # Requests the next tree: the SSMs expand `widths`, model-free members draft up to `max_depth`
+    # levels (default: as deep as the widths). () with no depth asks nothing; () with a depth asks
+    # the model-free members alone.
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None: ...
 
     def tree(self, root: int) -> DraftTree: ...  # the tree asked for (root-only if none was)
 
@@ -56,7 +59,7 @@ class NoDrafts:
     is_usable = False
     is_steady = False
 
-    def ask(self, widths: tuple[int, ...]) -> None:
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
         pass
 
     def tree(self, root: int) -> DraftTree:
@@ -177,19 +180,23 @@ class Generation:
     def root(self) -> int:
         return self.session.state.pending[-1]
 
-    def _plan(self, batch_size: int) -> tuple[int, ...]:
-        """The next tree's widths, clipped to the depth the request has left."""
+    def _plan(self, batch_size: int) -> tuple[tuple[int, ...], int]:
+        """The next tree's widths, clipped to the depth the request has left, and that depth (the
+        bound of model-free drafts; 0 for a plain step)."""
         context = len(self.result.prompt_ids) + len(self.result.output_ids)
         depth = speculation_depth(self.remaining, context, self.max_context)
         if not self.drafts.is_usable or depth <= 0:
-            return ()
-        return tuple(self.choose(batch_size))[:depth]
+            return (), 0
+        widths = tuple(self.choose(batch_size))
+        if widths == MODEL_FREE_ONLY:
+            return (), depth
+        return widths[:depth], depth if widths else 0
 
     def begin(self, batch_size: int) -> None:
         """Asks for the first tree (later trees are asked as each step is recorded)."""
         if not self._has_asked:
             self._has_asked = True
-            self.drafts.ask(self._plan(batch_size))
+            self.drafts.ask(*self._plan(batch_size))
 
     def speculate(self) -> TokenTree:
         """Speculate: this step's tree. Also closes the guard's measurement of the previous step."""
@@ -227,7 +234,7 @@ class Generation:
             self.result.latency_s = time.perf_counter() - self._started
         else:
             self.drafts.after_step(accepted + [bonus])
-            self.drafts.ask(self._plan(batch_size))
+            self.drafts.ask(*self._plan(batch_size))
         return kept
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from specinfer.engine.tree import TokenTree
 
+# A choice of widths that asks the pool's model-free members alone (no SSM pass: it costs ~0).
+MODEL_FREE_ONLY: tuple[int, ...] = (0,)
 PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
 

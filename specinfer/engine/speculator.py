@@ -4,7 +4,8 @@ SpecInfer Section 3.1 (expansion-based construction): given a width vector <k1, 
 frontier node at step i gets k_i children, either the SSM's top-k_i tokens (deterministic) or
 k_i draws from the SSM's proposal distribution q (sampled). All frontier nodes of a level, for
 every request in the batch, go through the SSM in one forward pass with a tree mask. Section
-3.2 (merge-based construction) is `merge_trees` over the trees of several SSMs.
+3.2 (merge-based construction) is `merge_trees` over the trees of several SSMs, and of the pool's
+model-free members (prompt lookup, suffix speculation), whose deterministic drafts cost no pass.
 
 An SSM keeps its own KV cache per request. Tokens verified since its last step are `pending`
 and are fed first (the "catch-up"); after verification, the SSM commits the fed tree nodes that
@@ -15,13 +16,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from specinfer.engine.blocks import SequenceKV
 from specinfer.engine.runner import ModelRunner, Work, chain_work
 from specinfer.engine.sampling import proposal_probs
-from specinfer.engine.tree import TokenTree, merge_trees, plan_level
+from specinfer.engine.lookup import PromptLookup
+from specinfer.engine.suffix import SuffixCache, SuffixSpeculator
+from specinfer.engine.tree import TokenTree, graft, merge_trees, plan_level
+from specinfer.limits import MODEL_FREE_MAX_DEPTH, MODEL_FREE_MAX_NODES, MODEL_FREE_NAMES
 from specinfer.params import SamplingParams, TreeShape
 
 @dataclass
@@ -120,46 +125,118 @@ class _Expansion:
         )
 
 
+class ModelFree(Protocol):
+    """A pool member that drafts without a model (`lookup.PromptLookup`, `suffix.SuffixSpeculator`):
+    deterministic children only, so its proposals are point masses."""
+
+    name: str
+
+    def start(self, context_ids: list[int]) -> Any: ...
+
+    def extend(self, state: Any, tokens: list[int]) -> None: ...
+
+    def propose(self, state: Any, max_depth: int, max_nodes: int) -> TokenTree: ...
+
+    def release(self, state: Any) -> None: ...
+
+
+def model_free_member(name: str, cache: SuffixCache | None = None) -> ModelFree:
+    """The model-free pool member called `name` (one of `limits.MODEL_FREE_NAMES`)."""
+    if name == "lookup":
+        return PromptLookup()
+    if name == "suffix":
+        return SuffixSpeculator(cache)
+    raise ValueError(f"no model-free speculator named {name!r} (have {', '.join(MODEL_FREE_NAMES)})")
+
+
+@dataclass
+class Proposal:
+    """One request's ask: its pool states, the SSMs' shape, sampling, and the depth bound of
+    model-free drafts (the request's own bound; the SSMs' widths are already within it)."""
+
+    states: list[Any]
+    shape: TreeShape
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_depth: int = MODEL_FREE_MAX_DEPTH
+    is_model_free_only: bool = False  # the SSMs sit this step out
+    max_nodes: int | None = None  # the merged tree's bound (one speculator's share of the request's KV)
+
+
 class Speculator:
-    """Hosts one or more SSMs and builds (merged) token trees for a batch of requests."""
+    """Hosts a pool: SSMs (`runners`) and model-free members (`model_free`), and builds each
+    request's tree, merged by path across the members it uses. A request's states are indexed
+    by member: the SSMs first, then the model-free members."""
 
-    def __init__(self, runners: list[ModelRunner]):
+    def __init__(self, runners: list[ModelRunner], model_free: list[ModelFree] | None = None):
         self.runners = runners
+        self.model_free = list(model_free or [])
 
-    def start(self, prompt_ids: list[int], ssm_indices: list[int] | None = None) -> list[SSMState | None]:
-        """New per-SSM states (None for SSMs the request does not use); the prompt is fed lazily
-        with the first speculation."""
-        use = set(range(len(self.runners)) if ssm_indices is None else ssm_indices)
-        return [SSMState(r.new_sequence(), list(prompt_ids)) if m in use else None for m, r in enumerate(self.runners)]
+    @property
+    def num_members(self) -> int:
+        return len(self.runners) + len(self.model_free)
 
-    def release(self, states: list[SSMState | None]) -> None:
-        for s in states:
-            if s is not None:
+    def start(self, prompt_ids: list[int], ssm_indices: list[int] | None = None) -> list[Any]:
+        """New per-member states (None for members the request does not use); the prompt is fed
+        to the SSMs lazily, with the first speculation."""
+        use = set(range(self.num_members) if ssm_indices is None else ssm_indices)
+        states: list[Any] = [SSMState(r.new_sequence(), list(prompt_ids)) if m in use else None
+                             for m, r in enumerate(self.runners)]
+        base = len(self.runners)
+        return states + [d.start(list(prompt_ids)) if base + i in use else None for i, d in enumerate(self.model_free)]
+
+    def release(self, states: list[Any]) -> None:
+        for m, s in enumerate(states):
+            if s is None:
+                continue
+            if m < len(self.runners):
                 s.seq.free()
+            else:
+                self.model_free[m - len(self.runners)].release(s)
 
-    def propose(
-        self,
-        batch: list[tuple[list[SSMState | None], TreeShape, SamplingParams, torch.Generator | None]],
-    ) -> list[tuple[TokenTree, list[SSMTree | None]]]:
-        """Builds each request's merged tree. One SSM forward per level covers the whole batch."""
+    def has_ssm(self, states: list[Any]) -> bool:
+        return any(s is not None for s in states[: len(self.runners)])
+
+    def root(self, states: list[Any]) -> int:
+        """The last verified token (the root of the request's next tree)."""
+        for m, s in enumerate(states):
+            if s is not None:
+                return s.pending[-1] if m < len(self.runners) else s.tokens[-1]
+        raise ValueError("request uses no pool member")
+
+    def propose(self, batch: list[Proposal | tuple]) -> list[tuple[TokenTree, list[SSMTree | None]]]:
+        """Builds each request's merged tree. One SSM forward per level covers the whole batch;
+        model-free members add their point-mass drafts after the SSMs' at every node (a draft's
+        existence may depend on earlier drafts, never on later ones: verification stays exact)."""
+        batch = [b if isinstance(b, Proposal) else Proposal(*b) for b in batch]
         per_item: list[list[SSMTree | None]] = [[None] * len(self.runners) for _ in batch]
         for m, runner in enumerate(self.runners):
-            users = [b for b, (states, *_) in enumerate(batch) if states[m] is not None]
+            users = [b for b, p in enumerate(batch) if p.states[m] is not None and not p.is_model_free_only
+                     and p.shape.widths]
             if not users:
                 continue
             expansions = [
-                _Expansion(batch[b][0][m], batch[b][1].for_ssm(m == _first_used(batch[b][0])), batch[b][2], batch[b][3])
+                _Expansion(batch[b].states[m], batch[b].shape.for_ssm(m == _first_used(batch[b].states)),
+                           batch[b].params, batch[b].generator)
                 for b in users
             ]
             for b, built in zip(users, self._expand(runner, expansions)):
                 per_item[b][m] = built
         out = []
-        for ssm_trees in per_item:
+        base = len(self.runners)
+        for p, ssm_trees in zip(batch, per_item):
             trees = [t.tree for t in ssm_trees if t is not None]
-            if not trees:
-                raise ValueError("request uses no SSM")
-            merged = trees[0] if len(trees) == 1 else merge_trees(trees)[0]
-            out.append((merged, ssm_trees))
+            merged = trees[0] if len(trees) == 1 else (merge_trees(trees)[0] if trees else None)
+            depth = min(p.max_depth, MODEL_FREE_MAX_DEPTH)
+            free = [(d, p.states[base + i]) for i, d in enumerate(self.model_free) if p.states[base + i] is not None]
+            if depth > 0 and free:
+                # A copy: the SSMs' own trees stay as built (feedback maps them to their caches).
+                merged = merge_trees([merged])[0] if merged is not None else TokenTree.with_root(self.root(p.states))
+                cap = min(p.shape.max_nodes, MODEL_FREE_MAX_NODES)
+                bound = p.max_nodes if p.max_nodes is not None else len(merged) + cap * len(free)
+                for d, state in free:
+                    graft(merged, d.propose(state, depth, cap), bound)
+            out.append((merged if merged is not None else TokenTree.with_root(self.root(p.states)), ssm_trees))
         return out
 
     @staticmethod
@@ -191,6 +268,9 @@ class Speculator:
         for m, state in enumerate(states):
             if state is None:
                 continue
+            if m >= len(self.runners):
+                self.model_free[m - len(self.runners)].extend(state, accepted + [bonus])
+                continue
             st = ssm_trees[m] if ssm_trees else None
             if st is None:
                 state.pending.extend(accepted + [bonus])
@@ -204,6 +284,6 @@ class Speculator:
             state.pending = accepted[len(fed) :] + [bonus]
 
 
-def _first_used(states: list[SSMState | None]) -> int:
+def _first_used(states: list[Any]) -> int:
     """The request's first SSM in pool order: the one that expands the full tree under "mixed"."""
     return next(m for m, s in enumerate(states) if s is not None)

@@ -89,6 +89,39 @@ class TokenTree:
         return path
 
 
+def add_paths(tree: TokenTree, paths: list[list[int]], max_nodes: int) -> TokenTree:
+    """Adds token paths below the root as deterministic drafts (point-mass proposals), sharing
+    common prefixes, while the tree has fewer than `max_nodes` nodes. Earlier paths first."""
+    for path in paths:
+        node = 0
+        for token in path:
+            child = tree.child_with_token(node, token)
+            if child is None:
+                if len(tree) >= max_nodes:
+                    return tree
+                child = tree.add_draft(node, token, None)
+            node = child
+    return tree
+
+
+def graft(tree: TokenTree, other: TokenTree, max_nodes: int) -> TokenTree:
+    """Adds `other`'s deterministic paths into `tree` (same root), deduplicated by path, while
+    `tree` has fewer than `max_nodes` nodes. Each added attempt is a point mass placed after the
+    attempts already at its node, so earlier drafts (an SSM's samples) keep their order."""
+    if other.tokens[0] != tree.tokens[0]:
+        raise ValueError("trees to graft must share their root token")
+    mapped = [0] + [-1] * (len(other) - 1)
+    for node in range(1, len(other)):
+        parent = mapped[other.parents[node]]
+        if parent < 0:
+            continue
+        child = tree.child_with_token(parent, other.tokens[node])
+        if child is None and len(tree) >= max_nodes:
+            continue
+        mapped[node] = tree.add_draft(parent, other.tokens[node], None)
+    return tree
+
+
 def ancestor_rows(parents: list[int]) -> list[list[int]]:
     """Ancestor-or-self index lists for a parent array in topological order (-1 = no parent)."""
     rows: list[list[int]] = []

@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from specinfer.engine.sampling import make_generator
-from specinfer.engine.speculator import SSMState, SSMTree, Speculator
+from specinfer.engine.speculator import Proposal, SSMState, SSMTree, Speculator
 from specinfer.engine.tree import TokenTree
 from specinfer.errors import UnavailableError
 from specinfer.limits import DEFAULT_MAX_BATCH
@@ -246,11 +246,14 @@ class SpeculatorWorker:
             if max_depth > 0:
                 proposing.append(job)
             else:
-                root = next(s for s in session.states if s is not None).pending[-1]
+                root = self.speculator.root(session.states)
                 job.future.set_result((TokenTree.with_root(root), time.perf_counter() - start))
         if not proposing:
             return
-        batch = [(j.args[0].states, j.args[0].shape.clipped(j.args[2]), j.args[0].params, j.args[0].generator)
+        # One speculator's merged tree stays within the request's shape (the verifier reserved KV for
+        # that much per speculator); model-free members draft as deep as the request's bound allows.
+        batch = [Proposal(j.args[0].states, j.args[0].shape.clipped(j.args[2]), j.args[0].params,
+                          j.args[0].generator, j.args[2], max_nodes=j.args[0].shape.max_nodes)
                  for j in proposing]
         for job, (tree, ssm_trees) in zip(proposing, self.speculator.propose(batch)):
             job.args[0].last_trees = ssm_trees
