@@ -191,6 +191,9 @@ def test_extra_body_fields_reach_the_core(stack, client, model):
     ({"extra_body": {"max_tokens": "5"}}, "max_tokens"),
     ({"extra_body": {"tree_width": "1,x"}}, None),
     ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"n": 17}, "n"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
 ])
 def test_bad_input_is_400_naming_the_field(client, model, kwargs, param):
     args = {"model": model, "prompt": "import os", "max_tokens": 4, **kwargs}
@@ -299,7 +302,7 @@ def test_health_and_metrics(stack, client, model):
     client.completions.create(model=model, prompt="import os", max_tokens=2, temperature=0)
     status, body = request(port, "/metrics")
     text = body.decode()
-    assert status == 200 and 'specinfer_gateway_requests_total{code="200",method="HTTP /v1/completions"}' in text
+    assert status == 200 and 'specinfer_gateway_requests_total{code="OK",method="HTTP /v1/completions"}' in text
     assert "specinfer_gateway_output_tokens" in text
 
 
@@ -332,3 +335,18 @@ def test_chat_logprobs_one_per_token(client, model):
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
     assert resp.choices[0].logprobs.model_extra["logprob_space"] == "processed"
 
+
+def test_n_samples_are_choices_and_sample_0_is_the_single_request(client, model):
+    args = {"model": model, "prompt": "import", "max_tokens": 16, "temperature": 1.0, "seed": 11}
+    single = client.completions.create(**args)
+    both = client.completions.create(n=2, **args)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert both.choices[0].text == single.choices[0].text
+    assert both.usage.completion_tokens == 32 and both.usage.prompt_tokens == single.usage.prompt_tokens
+    streamed = list(client.completions.create(n=2, stream=True, **args))
+    for i in (0, 1):
+        assert "".join(c.choices[0].text for c in streamed if c.choices[0].index == i) == both.choices[i].text
+    assert len({c.id for c in streamed}) == 1 and both.id.count(".") == 0
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2,
+                                          max_tokens=8, temperature=1.0, seed=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 16

@@ -61,6 +61,8 @@ HTTP_STATUS = {"INVALID_ARGUMENT": (400, "invalid_request_error"), "NOT_FOUND": 
                "DEADLINE_EXCEEDED": (504, "timeout_error"), "UNAUTHENTICATED": (401, "authentication_error"),
                "CANCELLED": (499, "cancelled")}
 CLIENT_CLOSED = 499  # counted for a client that left before its response ended
+# HTTP outcomes are counted under the gRPC code names, so one dashboard reads both APIs
+CODE_NAMES = {200: "OK", 500: "INTERNAL", **{status: name for name, (status, _) in HTTP_STATUS.items()}}
 
 
 # ---- a request's link to its client, and its generation thread -------------------------------
@@ -131,7 +133,11 @@ class _Pump:
 
 
 async def _watch_disconnect(receive: Callable[[], Awaitable[dict]], link: HttpLink) -> None:
-    while (await receive())["type"] != "http.disconnect":
+    """Closes the link when the client disconnects (cancelled once the response has ended)."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a connection that broke is a client gone too
         pass
     link.close()
 
@@ -247,7 +253,7 @@ class _Exchange:
         self.span.set_attribute("http.status_code", status)
         self.span.end()
         method = f"HTTP {self.route}"
-        self.api.metrics.requests.labels(method, str(status)).inc()
+        self.api.metrics.requests.labels(method, CODE_NAMES.get(status, "UNKNOWN")).inc()
         self.api.metrics.request_latency.labels(method).observe(time.monotonic() - self.started)
 
 
@@ -406,22 +412,15 @@ class OpenAIApi:
             raise NotFoundError(f"model: the model {model!r} does not exist; this server serves "
                                 f"{self.model_name!r} (GET /v1/models)")
 
-    @staticmethod
-    def _check_supported(req) -> None:
-        if req.n != 1:
-            raise UserError("n: only n=1 is supported")
-
     def _completion_request(self, body: bytes) -> tuple[Any, Callable[[], NewRequest]]:
         req = parse_body(CompletionRequest, body)
         self._check_model(req.model)
-        self._check_supported(req)
         params = req.generation_params()
         return req, lambda: NewRequest(req.prompt_text, params)
 
     def _chat_request(self, body: bytes) -> tuple[Any, Callable[[], NewRequest]]:
         req = parse_body(ChatCompletionRequest, body)
         self._check_model(req.model)
-        self._check_supported(req)
         params = req.chat_params()
         messages = [m.as_template_input() for m in req.messages]
         if self.renderer.template is None:
