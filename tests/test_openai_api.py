@@ -350,3 +350,29 @@ def test_n_samples_are_choices_and_sample_0_is_the_single_request(client, model)
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], n=2,
                                           max_tokens=8, temperature=1.0, seed=2)
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 16
+
+
+# ---- configuration ------------------------------------------------------------------------------
+def test_http_port_flag_env_and_default(tmp_path):
+    from services.gateway.config import config_from_args
+    from specinfer.errors import UserError
+
+    args = ["--model-dir", str(tmp_path)]
+    assert config_from_args(args, {}).http_port == 0  # a bare gateway serves gRPC only
+    assert config_from_args(args, {"SPECINFER_HTTP_PORT": "8001"}).http_port == 8001
+    assert config_from_args(args + ["--http-port", "9000"], {"SPECINFER_HTTP_PORT": "8001"}).http_port == 9000
+    with pytest.raises(UserError, match="SPECINFER_HTTP_PORT"):
+        config_from_args(args, {"SPECINFER_HTTP_PORT": "70000"})
+
+
+def test_specinfer_up_serves_http_on_8000_unless_turned_off(monkeypatch):
+    from pathlib import Path
+
+    from specinfer.cli.launcher import Stack, StackConfig
+
+    spawned = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.update({name: env}))
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"),))).start()
+    assert spawned["gateway"]["SPECINFER_HTTP_PORT"] == "8000"
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"),), http_port=0)).start()
+    assert spawned["gateway"]["SPECINFER_HTTP_PORT"] == "0"

@@ -31,7 +31,7 @@ class GatewayConfig:
     host: str = LOCAL_HOST
     port: int = GATEWAY_PORT
     verifier_addr: str = f"{LOCAL_HOST}:{VERIFIER_PORT}"  # host:port, or a dns:///host:port target (round robin)
-    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off (the flag's default is HTTP_PORT)
+    http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off (the stacks we ship set HTTP_PORT)
     redis_url: str | None = None  # None = embedded in-memory store
     model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
@@ -67,7 +67,8 @@ def _flags() -> list[Flag]:
         Flag("--verifier-addr", "SPECINFER_VERIFIER_ADDR", str, d["verifier_addr"],
              "verifier host:port or dns:///host:port"),
         Flag("--redis-url", "SPECINFER_REDIS_URL", str, d["redis_url"], "redis://host:port/db; unset = in-memory store"),
-        port_flag("--http-port", "SPECINFER_HTTP_PORT", HTTP_PORT, "OpenAI-compatible HTTP API port; 0 = off"),
+        port_flag("--http-port", "SPECINFER_HTTP_PORT", d["http_port"],
+                  f"OpenAI-compatible HTTP API port; 0 = off (specinfer up, compose and Kubernetes use {HTTP_PORT})"),
         Flag("--model-dir", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (for its tokenizer)"),
         Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
              "prompt tokens, session history included", is_positive=True),
