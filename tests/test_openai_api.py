@@ -264,9 +264,31 @@ def test_verifier_down_is_503(text_pair):
     assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
 
 
-def test_unsupported_until_implemented_are_400(client, model):
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=model, prompt="import os", max_tokens=4, echo=True)
+def test_tls_when_the_gateway_serves_tls(text_pair, stack, tmp_path):
+    import ssl
+
+    from specinfer.serving.security import ServerSecurity
+    from test_security import _certs
+
+    certs = _certs(tmp_path)
+    server = extra_gateway(text_pair[0], f"127.0.0.1:{stack.verifier.port}",
+                           server_security=ServerSecurity(tls_cert=certs["server"], tls_key=certs["server_key"]))
+    try:
+        context = ssl.create_default_context(cafile=str(certs["ca"]))
+        with urllib.request.urlopen(f"https://127.0.0.1:{server.http_port}/health", context=context, timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/health", timeout=10).read()
+    finally:
+        server.stop(0)
+
+
+@pytest.mark.parametrize("kwargs", [{"echo": True}, {"suffix": "x"}, {"best_of": 3}, {"logit_bias": {"5": 1.0}},
+                                    {"prompt": ["a", "b"]}, {"stream_options": {"include_usage": True}}])
+def test_openai_fields_we_do_not_implement_are_400_not_ignored(client, model, kwargs):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**{"model": model, "prompt": "import os", "max_tokens": 4, **kwargs})
+    assert err.value.body["message"].startswith(("echo", "suffix", "best_of", "logit_bias", "prompt", "stream_options"))
 
 
 # ---- the client leaving, health, metrics ----------------------------------------------------------
@@ -376,3 +398,26 @@ def test_specinfer_up_serves_http_on_8000_unless_turned_off(monkeypatch):
     assert spawned["gateway"]["SPECINFER_HTTP_PORT"] == "8000"
     Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"),), http_port=0)).start()
     assert spawned["gateway"]["SPECINFER_HTTP_PORT"] == "0"
+
+
+# ---- chat templates -----------------------------------------------------------------------------
+def test_chat_template_is_rendered_in_a_sandbox(tmp_path):
+    from services.gateway.chat_template import ChatRenderer, ChatTemplate
+    from specinfer.errors import UserError
+
+    def renderer(template):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+        return ChatRenderer(ChatTemplate.from_dir(tmp_path))
+
+    messages = [{"role": "user", "content": "hi"}]
+    assert renderer(DEMO_CHAT_TEMPLATE).render(messages) == "# user: hi\n# assistant:"
+    assert renderer("{{ bos_token }}{{ messages[0].content }}").render(messages) == "<s>hi"
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"  # reaching Python's classes: refused
+    with pytest.raises(UserError, match="refused"):
+        renderer(escape).render(messages)
+    with pytest.raises(UserError, match="refused them: no system"):
+        renderer("{% if messages[0].role != 'system' %}{{ raise_exception('no system') }}{% endif %}").render(messages)
+    with pytest.raises(UserError, match="does not compile"):
+        renderer("{% for %}").render(messages)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert ChatTemplate.from_dir(tmp_path) is None
