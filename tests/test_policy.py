@@ -48,8 +48,17 @@ def test_expected_accepted_and_node_count():
     assert num_nodes((2, 2, 1)) == 1 + 2 + 4 + 4
 
 
-def make_policy(level_seconds: float, containment: float) -> LoadAwarePolicy:
-    policy = LoadAwarePolicy(BANDWIDTH_BOUND, max_depth=8, max_width=3, level_seconds=level_seconds)
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_policy(level_seconds: float, containment: float, clock=None) -> LoadAwarePolicy:
+    policy = LoadAwarePolicy(BANDWIDTH_BOUND, max_depth=8, max_width=3, level_seconds=level_seconds,
+                             clock=clock or FakeClock())
     for _ in range(5000):
         policy.stats.observe_node(3, 0 if (_ % 100) < containment * 100 else None)
     return policy
@@ -156,3 +165,103 @@ def test_only_steady_trees_count_as_speculation_cost():
     driver.after_step([11])
     driver.ask((2, 1))
     assert not driver.is_steady  # two steps to catch up on
+
+
+# ---- a choice that cannot stick ------------------------------------------------------------------
+
+
+def run_policy(policy: LoadAwarePolicy, clock: FakeClock, seconds: float, level_seconds: float) -> list:
+    """Steps of one request for `seconds` of fake time; each speculated step costs the LLM pass plus
+    `level_seconds` per level (what the SSM costs under the current load). Returns (time, widths)."""
+    steps, end, was_speculated = [], clock.now + seconds, False
+    while clock.now < end:
+        widths = policy.choose(1)
+        step_s = BANDWIDTH_BOUND.seconds(num_nodes(widths))
+        if widths:
+            spec_s = level_seconds * len(widths)
+            if was_speculated:  # a steady step (not a catch-up after plain steps)
+                policy.observe_speculation(len(widths), spec_s)
+            step_s += spec_s
+        was_speculated = bool(widths)
+        clock.now += step_s
+        steps.append((clock.now, widths))
+    return steps
+
+
+def share_speculated(steps) -> float:
+    return sum(1 for _, w in steps if w) / len(steps)
+
+
+@pytest.mark.parametrize("probe_interval_s", [0.5, float("inf")])
+def test_speculation_comes_back_within_seconds_after_a_noisy_phase(probe_interval_s):
+    """A noisy neighbour makes the SSM 40x slower for a minute: plain decoding wins. Once it leaves,
+    speculation pays again, and the policy finds out within seconds: it keeps re-measuring the arm
+    it does not choose and forgets costs measured under the old load. Without probes (inf) the
+    verdict of the noisy minute would stand for good."""
+    clock = FakeClock()
+    policy = make_policy(level_seconds=0.0005, containment=0.8, clock=clock)
+    policy.probe_interval_s = probe_interval_s
+    assert share_speculated(run_policy(policy, clock, 5.0, level_seconds=0.0005)) > 0.9  # pays: speculate
+    noisy = run_policy(policy, clock, 60.0, level_seconds=0.02)
+    assert share_speculated([s for s in noisy if s[0] > clock.now - 30]) < 0.1  # plain decoding won
+    quiet_from = clock.now
+    quiet = run_policy(policy, clock, 10.0, level_seconds=0.0005)
+    back = next((t for t, _ in quiet if share_speculated([s for s in quiet if t - 1 <= s[0] <= t]) > 0.9), None)
+    if probe_interval_s == float("inf"):
+        assert back is None  # the mechanism is what brings speculation back
+    else:
+        assert back is not None and back - quiet_from < 4.0, back
+        assert share_speculated([s for s in quiet if s[0] > quiet_from + 5]) > 0.9  # and it stays
+
+
+def test_model_free_trees_are_an_arm_of_their_own():
+    """Where the SSMs do not pay but the pool's model-free drafts (no SSM pass) are accepted, the
+    policy chooses model-free-only trees; once they stop being accepted, plain decoding."""
+    from specinfer.engine.policy import MODEL_FREE_ONLY
+
+    clock = FakeClock()
+    policy = make_policy(level_seconds=0.02, containment=0.3, clock=clock)
+    assert policy.choose(1) == ()
+    for _ in range(200):
+        policy.observe_model_free(num_accepted=4, num_nodes=6)
+    assert policy.choose(1, has_model_free=True) == MODEL_FREE_ONLY
+    assert policy.choose(1) == ()  # a pool without model-free members never gets it
+    for _ in range(400):
+        policy.observe_model_free(num_accepted=0, num_nodes=6)
+    assert policy.choose(1, has_model_free=True) == ()
+    clock.now += 1.0  # unchosen for a while: each arm gets probed, one after the other
+    assert {policy.choose(1, has_model_free=True) for _ in range(4)} >= {MODEL_FREE_ONLY}
+
+
+@pytest.mark.parametrize("is_forgetting", [True, False])
+def test_the_guard_returns_to_speculation_within_seconds_after_a_noisy_phase(is_forgetting):
+    """The guard measured plain decoding faster for a minute (its bucket time: measured step
+    seconds, no wall clock). When speculation is faster again, a retry within `max_explore_s`
+    is judged on fresh phases only and wins. Without forgetting (stale phases kept, retries
+    backed off to one in 32 phases) it is still plain after 30 seconds."""
+    from specinfer.engine.guard import PLAIN, POLICY, SpeculationGuard
+
+    guard = SpeculationGuard() if is_forgetting else SpeculationGuard(max_explore_s=float("inf"),
+                                                                      max_age_s=float("inf"))
+    elapsed, history = 0.0, []
+
+    def run(seconds: float, rates: dict) -> None:
+        nonlocal elapsed
+        end = elapsed + seconds
+        while elapsed < end:
+            widths, ticket = guard.plan(1, lambda: (2, 1, 1))
+            arm = POLICY if widths else PLAIN
+            tokens = 3 if widths else 1
+            guard.observe(ticket, tokens, tokens / rates[arm])
+            elapsed += tokens / rates[arm]
+            history.append((elapsed, arm))
+
+    run(60.0, {POLICY: 60.0, PLAIN: 100.0})  # noisy: speculation at 0.6x
+    assert guard.rates(1)[PLAIN] > guard.rates(1)[POLICY]
+    switched = elapsed
+    run(30.0, {POLICY: 160.0, PLAIN: 100.0})  # quiet again: speculation at 1.6x
+    late = [arm for t, arm in history if t > switched + 6.0]
+    if is_forgetting:
+        assert late.count(POLICY) / len(late) > 0.9, late.count(POLICY) / len(late)
+    else:
+        assert late.count(POLICY) / len(late) < 0.5

@@ -13,7 +13,11 @@ conditions, not one request's plain step inside a batch of trees). A phase lasts
 every request and a fixed amount of wall time, so a retry of the worse arm costs a fixed share of
 time however slow its steps are. A phase's rate is output tokens per second of request time. The
 better arm keeps the bucket; the other is retried now and then, less often each time it loses
-again. A new bucket first alternates the arms for a few phases each, unless the nearest smaller
+again, though plain decoding retries the policy at least every `max_explore_s` of the bucket's
+time (its measured step seconds per request: no wall clock), and a phase older than `max_age_s` no longer counts: a verdict made
+under other load (a noisy neighbour that has left) is forgotten, and the retried arm is judged on
+fresh phases only, so the guard cannot stick to an arm that stopped winning. A new bucket first
+alternates the arms for a few phases each, unless the nearest smaller
 bucket already prefers plain decoding: speculation pays less as the batch grows, so it then starts
 plain and only retries the policy. The guard only ever replaces a tree by no tree, so it cannot change any output. Plain Python.
 """
@@ -34,7 +38,7 @@ class _Bucket:
     arm: str = POLICY
     best: str = POLICY  # the arm measured faster (the one kept between retries)
     phase: int = 0  # id of the running phase; a step planned in an older one is not counted
-    recent: dict = field(default_factory=lambda: {POLICY: [], PLAIN: []})  # arm -> its last phases' rates
+    recent: dict = field(default_factory=lambda: {POLICY: [], PLAIN: []})  # arm -> its last (time, rate) phases
     num_tokens: int = 0
     seconds: float = 0.0
     num_steps: int = 0
@@ -42,6 +46,8 @@ class _Bucket:
     is_exploring: bool = False
     num_phases_since_explore: int = 0
     explore_interval: int = 0  # phases between retries of the losing arm
+    elapsed: float = 0.0  # the bucket's time: measured step seconds per request
+    explored_at: float = 0.0  # `elapsed` when the losing arm was last retried
 
 
 @dataclass(frozen=True)
@@ -56,13 +62,16 @@ class SpeculationGuard:
     """Thread-safe: request threads plan and report steps concurrently."""
 
     def __init__(self, phase_seconds: float = 0.2, steps_per_request: int = 4, min_explore_interval: int = 8,
-                 max_explore_interval: int = 32, num_recent: int = 5, num_bootstrap: int = 3):
+                 max_explore_interval: int = 32, num_recent: int = 5, num_bootstrap: int = 3,
+                 max_explore_s: float = 4.0, max_age_s: float = 8.0):
         self.phase_seconds = phase_seconds  # wall time per phase (request time / batch size)
         self.steps_per_request = steps_per_request  # and at least this many steps per request
         self.min_explore_interval = min_explore_interval  # after a retry that won (and at first)
         self.max_explore_interval = max_explore_interval  # doubling up to this after each lost retry
         self.num_recent = num_recent  # an arm's rate: the median of its last phases (one odd phase cannot flip it)
         self.num_bootstrap = num_bootstrap  # phases of each arm, alternating, before either is preferred
+        self.max_explore_s = max_explore_s  # the losing arm is retried at least this often (bucket time)
+        self.max_age_s = max_age_s  # a phase older than this is forgotten (measured under other load)
         self._buckets: dict[int, _Bucket] = {}
         self._lock = threading.Lock()
 
@@ -97,9 +106,14 @@ class SpeculationGuard:
     def _is_measured(self, bucket: _Bucket) -> bool:
         return all(len(bucket.recent[arm]) >= self.num_bootstrap for arm in (POLICY, PLAIN))
 
-    @staticmethod
-    def _rates(bucket: _Bucket) -> dict[str, float]:
-        return {arm: sorted(r)[len(r) // 2] for arm, r in bucket.recent.items() if r}
+    def _rates(self, bucket: _Bucket) -> dict[str, float]:
+        """Each arm's median rate over its phases of the last `max_age_s`."""
+        rates = {}
+        for arm, phases in bucket.recent.items():
+            fresh = sorted(r for t, r in phases if bucket.elapsed - t <= self.max_age_s)
+            if fresh:
+                rates[arm] = fresh[len(fresh) // 2]
+        return rates
 
     def observe(self, ticket: Ticket, num_tokens: int, seconds: float) -> None:
         """One request step planned under `ticket`: tokens it produced and its wall time."""
@@ -107,10 +121,11 @@ class SpeculationGuard:
             bucket = self._buckets.get(ticket.bucket)
             if bucket is None or ticket.phase != bucket.phase or seconds <= 0:
                 return  # planned before the current phase began: it measured the previous arm
+            batch = self.batch_of(ticket.bucket)
             bucket.num_tokens += num_tokens
             bucket.seconds += seconds
             bucket.num_steps += 1
-            batch = self.batch_of(ticket.bucket)
+            bucket.elapsed += seconds / batch
             if bucket.seconds >= self.phase_seconds * batch and bucket.num_steps >= self.steps_per_request * batch:
                 self._end_phase(ticket.bucket, bucket)
 
@@ -122,7 +137,7 @@ class SpeculationGuard:
 
     def _end_phase(self, key: int, bucket: _Bucket) -> None:
         recent = bucket.recent[bucket.arm]
-        recent.append(bucket.num_tokens / bucket.seconds)
+        recent.append((bucket.elapsed, bucket.num_tokens / bucket.seconds))
         del recent[: -self.num_recent]
         other = PLAIN if bucket.arm == POLICY else POLICY
         if bucket.is_bootstrapping and not self._is_measured(bucket):  # the arms alternate
@@ -137,9 +152,11 @@ class SpeculationGuard:
                                            else min(2 * bucket.explore_interval, self.max_explore_interval))
                 bucket.is_exploring = False
             bucket.num_phases_since_explore += 1
-            if bucket.num_phases_since_explore >= bucket.explore_interval:
+            if (bucket.num_phases_since_explore >= bucket.explore_interval
+                    or (best == PLAIN and bucket.elapsed - bucket.explored_at >= self.max_explore_s)):
                 next_arm = PLAIN if best == POLICY else POLICY
                 bucket.is_exploring, bucket.num_phases_since_explore = True, 0
+                bucket.explored_at = bucket.elapsed
             else:
                 next_arm = best
             if best != bucket.best:

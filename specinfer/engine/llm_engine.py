@@ -202,7 +202,7 @@ class Engine:
             raise
         is_load_aware = bool(num_sources) and params.shape.is_default and self.cfg.is_load_aware
         choose = WidthChoice(shape.widths, self.policy(shape) if is_load_aware else None, self.guard,
-                             params.sampling.is_greedy)
+                             params.sampling.is_greedy, getattr(drafts, "has_model_free", False))
         return Generation(prompt_ids, params, params.stop_tokens(llm_cfg.eos_token_ids), drafts, choose,
                           self.max_context, session, make_generator(params.sampling.seed, 2), observer)
 

@@ -86,14 +86,16 @@ class WidthChoice:
     `ticket` is the guard's record of the latest guarded choice (None for fixed shapes)."""
 
     def __init__(self, fixed: tuple[int, ...], policy: LoadAwarePolicy | None = None,
-                 guard: SpeculationGuard | None = None, is_greedy: bool = True):
+                 guard: SpeculationGuard | None = None, is_greedy: bool = True, has_model_free: bool = False):
         self.fixed, self.policy, self.guard, self.is_greedy = fixed, policy, guard, is_greedy
+        self.has_model_free = has_model_free  # the policy may choose a model-free-only tree
         self.ticket = None
 
     def __call__(self, batch_size: int) -> tuple[int, ...]:
         if self.policy is None:
             return self.fixed
-        choose = lambda: self.policy.choose(batch_size, self.is_greedy)  # noqa: E731
+        extra = {"has_model_free": True} if self.has_model_free else {}
+        choose = lambda: self.policy.choose(batch_size, self.is_greedy, **extra)  # noqa: E731
         if self.guard is None:  # the policy unchecked
             return choose()
         widths, self.ticket = self.guard.plan(batch_size, choose)
@@ -167,6 +169,7 @@ class Generation:
         self.result = GenerationResult(list(prompt_ids))
         self.is_done = False
         self._has_asked = False
+        self._is_model_free_step = False  # the tree asked last is the model-free members' alone
         self._measured = None  # (guard ticket, tokens, start) of the previous step
         self._ticket = None  # the guard's ticket for this step's widths
         self._step_started = 0.0
@@ -188,7 +191,8 @@ class Generation:
         if not self.drafts.is_usable or depth <= 0:
             return (), 0
         widths = tuple(self.choose(batch_size))
-        if widths == MODEL_FREE_ONLY:
+        self._is_model_free_step = widths == MODEL_FREE_ONLY
+        if self._is_model_free_step:
             return (), depth
         return widths[:depth], depth if widths else 0
 
@@ -219,8 +223,11 @@ class Generation:
                ) -> list[int]:
         """Observe, record, feed back, and choose the next shape; returns the tokens kept."""
         step = self.result.num_llm_steps
-        if self.choose.policy is not None:
-            self.choose.policy.observe_step(tree, tree.find_path(accepted), self.params.sampling.is_greedy)
+        policy, is_greedy = self.choose.policy, self.params.sampling.is_greedy
+        if policy is not None and self._is_model_free_step:
+            policy.observe_model_free(len(accepted), len(tree), is_greedy)
+        elif policy is not None:
+            policy.observe_step(tree, tree.find_path(accepted), is_greedy)
         kept = self.result.record_step(accepted, bonus, len(tree), self.params.max_new_tokens, self.stops)
         if self.params.num_logprobs is not None:
             self.result.output_logprobs.extend(self.session.state.last_logprobs[:len(kept)])

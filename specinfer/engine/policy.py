@@ -10,8 +10,15 @@ over a family of width vectors w, where t_llm comes from a cost model calibrated
 (LLM forward time against tokens in the pass), t_ssm is the measured time per speculation level,
 and E[accepted | w] follows from the measured top-k containment c(k) of the SSMs (the chance that
 the LLM's token is among a node's first k drafts): E = sum_i prod_{j<=i} c(w_j). Depth 0 (plain
-decoding) is a candidate, so speculation switches off when it would not pay. Plain Python; the
-one tensor-touching part, calibration, only times a runner.
+decoding) is a candidate, so speculation switches off when it would not pay; so is a tree of the
+pool's model-free members alone (`MODEL_FREE_ONLY`: no SSM pass, its acceptance and size learnt
+from its own steps).
+
+A choice cannot stick. Speculation costs are refitted with weights that halve every
+`half_life_s` of (injectable) clock time, and an arm the policy stopped choosing is probed with
+one step every `probe_interval_s`: a cost measured under a noisy neighbour is re-measured and
+forgotten once the neighbour leaves, instead of keeping speculation off for good. Plain Python;
+the one tensor-touching part, calibration, only times a runner.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ from specinfer.engine.tree import TokenTree
 MODEL_FREE_ONLY: tuple[int, ...] = (0,)
 PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
+PROBE_INTERVAL_S = 0.5  # an arm not chosen is still measured with one step this often
+COST_HALF_LIFE_S = 2.0  # speculation-cost observations this old weigh half
+PRIOR_MODEL_FREE = (0.3, 3.0)  # (accepted tokens, nodes) of a model-free-only step before any evidence
+SSM, MODEL_FREE = "ssm", "model_free"  # the arms that get probed (plain decoding needs no probe)
 
 
 @dataclass
@@ -161,7 +172,8 @@ class LoadAwarePolicy:
     """Thread-safe: request handlers ask for shapes and report outcomes concurrently."""
 
     def __init__(self, cost: CostModel, max_depth: int = 8, max_width: int = 3, max_nodes: int = 64,
-                 level_seconds: float | None = None):
+                 level_seconds: float | None = None, clock=time.monotonic, probe_interval_s: float = PROBE_INTERVAL_S,
+                 half_life_s: float = COST_HALF_LIFE_S):
         self.cost = cost
         # Greedy and sampled verification accept at very different rates: learnt apart.
         self.stats = AcceptanceStats(max_width=max(max_width, 1))
@@ -172,23 +184,67 @@ class LoadAwarePolicy:
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
         self.fixed_seconds = 0.0
         self._fit = [0.0] * 5  # decayed sums: n, depth, depth^2, seconds, depth*seconds
+        self.clock, self.probe_interval_s, self.half_life_s = clock, probe_interval_s, half_life_s
+        self._fitted_at: float | None = None
+        self._measured_at: dict[str, float] = {}  # arm -> when a step of it was last chosen (else: created)
+        self._created_at = clock()
+        # A probe lasts two steps: the first after plain steps includes the SSMs' catch-up, so only
+        # the second measures a steady step's speculation cost.
+        self._probe: tuple[tuple[int, ...], int] = ((), 0)
+        self.num_probe_steps = 2
+        # Model-free-only steps, greedy and sampled apart: decayed sums of (steps, accepted, nodes).
+        self._model_free = {g: [PRIOR_WEIGHT / 4, PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[0],
+                                PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[1]] for g in (True, False)}
         self._lock = threading.Lock()
 
-    def choose(self, batch_size: int, is_greedy: bool = True) -> tuple[int, ...]:
-        """The width vector with the best expected throughput; () means do not speculate."""
+    def choose(self, batch_size: int, is_greedy: bool = True, has_model_free: bool = False) -> tuple[int, ...]:
+        """The width vector with the best expected throughput; () means do not speculate, and
+        `MODEL_FREE_ONLY` (offered when the request's pool `has_model_free`) a model-free tree.
+        An arm not chosen for `probe_interval_s` gets this step instead (one probe per interval)."""
         batch = max(1, batch_size)
         stats = self.stats if is_greedy else self.sampled_stats
         with self._lock:
-            best, best_rate = (), batch / self.cost.seconds(batch)
+            plain_rate = batch / self.cost.seconds(batch)
+            best_ssm, ssm_rate = (), 0.0
             for widths in self.candidates:
                 if not widths:
                     continue
                 step_s = (self.cost.seconds(batch * num_nodes(widths)) + self.fixed_seconds
                           + self.level_seconds * len(widths))
                 rate = batch * (1 + expected_accepted(widths, stats)) / step_s
-                if rate > best_rate:
-                    best, best_rate = widths, rate
+                if rate > ssm_rate:
+                    best_ssm, ssm_rate = widths, rate
+            arms = {(): plain_rate, best_ssm: ssm_rate} if best_ssm else {(): plain_rate}
+            if has_model_free:
+                steps, accepted, nodes = self._model_free[is_greedy]
+                arms[MODEL_FREE_ONLY] = batch * (1 + accepted / steps) / self.cost.seconds(batch * nodes / steps)
+            best = max(arms, key=arms.get)
+            now = self.clock()
+            probe, num_left = self._probe
+            if num_left and probe in arms:
+                best, self._probe = probe, (probe, num_left - 1)
+            for widths in arms:  # continuous re-measurement: an arm left out too long gets probed
+                arm = self._arm(widths)
+                last = self._measured_at.get(arm, self._created_at)
+                if arm is not None and widths != best and now - last >= self.probe_interval_s:
+                    best, self._probe = widths, (widths, self.num_probe_steps - 1)
+                    break
+            arm = self._arm(best)
+            if arm is not None:
+                self._measured_at[arm] = now
             return best
+
+    @staticmethod
+    def _arm(widths: tuple[int, ...]) -> str | None:
+        return None if not widths else (MODEL_FREE if widths == MODEL_FREE_ONLY else SSM)
+
+    def observe_model_free(self, num_accepted: int, num_nodes: int, is_greedy: bool = True,
+                           decay: float = 0.98) -> None:
+        """One verified model-free-only step: tokens accepted from its tree and the tree's nodes."""
+        with self._lock:
+            sums = self._model_free[is_greedy]
+            for i, value in enumerate((1.0, num_accepted, num_nodes)):
+                sums[i] = decay * sums[i] + value
 
     def observe_step(self, tree: TokenTree, path: list[int], is_greedy: bool = True) -> None:
         if len(tree) > 1:
@@ -201,6 +257,10 @@ class LoadAwarePolicy:
         if depth <= 0:
             return
         with self._lock:
+            now = self.clock()
+            if self._fitted_at is not None:  # older evidence fades with time, not only with steps
+                decay *= 0.5 ** (max(0.0, now - self._fitted_at) / self.half_life_s)
+            self._fitted_at = now
             fit = self._fit
             for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
                 fit[i] = decay * fit[i] + value
