@@ -124,6 +124,32 @@ class ModelConfig:
         return cls.from_dict(raw)
 
 
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How a model executes on its device, chosen once at load time and passed down.
+
+    `attention`: "triton" runs every request's prefill chunk and token tree of a step in one
+    kernel launch per layer, reading K/V in place from the paged cache, and commits accepted
+    paths with one fused launch (SpecInfer Section 4.2); "sdpa" is torch's attention per request
+    with a dense topology-aware mask; "auto" is Triton on CUDA when it is importable, else SDPA.
+    `cuda_graphs`: replay captured decode/verify steps for bucketed batch and tree sizes (eager
+    outside the buckets); None = on wherever it can be (CUDA with the Triton backend).
+    `offload`: keep the layer weights in pinned host memory and stream them to the GPU layer by
+    layer with prefetch (the offloading setting of the paper's evaluation, Section 6).
+    """
+
+    attention: str = "auto"
+    cuda_graphs: bool | None = None
+    offload: bool = False
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_BACKENDS:
+            raise UserError(f"unknown attention backend {self.attention!r}: use {', '.join(ATTENTION_BACKENDS)}")
+
+
 def _parse_rope(raw: dict) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
     params = dict(raw.get("rope_parameters") or {})

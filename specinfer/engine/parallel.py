@@ -391,6 +391,7 @@ class ShardSpec:
     dtype: str
     device: str
     num_slots: int
+    attention: str = "sdpa"  # a resolved ExecConfig.attention: every rank runs the same backend
 
 
 def build_shard(spec: ShardSpec, pc: ParallelConfig) -> tuple[LlamaModel, ShardGroup]:
@@ -402,6 +403,10 @@ def build_shard(spec: ShardSpec, pc: ParallelConfig) -> tuple[LlamaModel, ShardG
     model = LlamaModel(shard_config(cfg, pc.num_ranks), load_shard(spec.model_dir, cfg, pc.rank, pc.num_ranks),
                        parse_dtype(spec.dtype), device)
     model.group = group
+    if spec.attention == "triton":  # metadata from each step's masks, built on every rank
+        from specinfer.engine.kernels.tree_attention import TritonAttention
+
+        model.attention_backend = TritonAttention.for_config(model.cfg)
     return model, group
 
 

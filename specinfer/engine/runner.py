@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from specinfer.engine.blocks import BlockAllocator, SequenceKV
-from specinfer.engine.config import ModelConfig
+from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.errors import UserError
 from specinfer.engine.loader import llama_weights, load_state_dict, parse_dtype
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
@@ -65,25 +65,42 @@ class ModelRunner:
         self.kv = KVCache.allocate(model.cfg, num_blocks * block_size, model.dtype, model.device)
         self.max_context = min(model.cfg.max_position_embeddings, model.cfg.sliding_window or 1 << 62)
         self.on_forward: Callable[[int], None] | None = None  # told the token count of every forward
+        # A kernels.TritonAttention given each step's metadata from the work items (no dense masks).
+        self.tree_backend = None
+        self.graphs = None  # a kernels.cuda_graphs.GraphRunner routing `run` through captured steps
 
     @classmethod
     def from_dir(
         cls, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_kv_tokens: int = 8192,
         block_size: int = DEFAULT_BLOCK_SIZE, parallel: ParallelConfig | None = None,
+        exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
         """Loads a checkpoint; with a tensor-parallel `parallel`, this process is rank 0 of the
-        group (its other ranks spawned here unless a launcher started them)."""
+        group (its other ranks spawned here unless a launcher started them). `exec_cfg` picks the
+        attention backend, CUDA graphs and offloading (resolved for `device` here)."""
+        from specinfer.engine.backend import apply_exec, resolve_exec
+
         cfg = ModelConfig.from_dir(model_dir)
         torch_dtype = parse_dtype(dtype)
         num_blocks = -(-max_kv_tokens // block_size)
-        if parallel is not None and parallel.is_parallel:
+        is_parallel = parallel is not None and parallel.is_parallel
+        ex = resolve_exec(exec_cfg or ExecConfig(), device, is_parallel)
+        if is_parallel:
             from specinfer.engine.parallel import ShardSpec, check_divisible, leader_runner
 
             check_divisible(cfg, parallel.num_ranks)  # before any process starts
-            return leader_runner(ShardSpec(str(model_dir), dtype, device, num_blocks * block_size), parallel,
-                                 block_size)
-        model = LlamaModel(cfg, llama_weights(cfg, load_state_dict(model_dir)), torch_dtype, device)
-        return cls(model, num_blocks=num_blocks, block_size=block_size)
+            return leader_runner(ShardSpec(str(model_dir), dtype, device, num_blocks * block_size, ex.attention),
+                                 parallel, block_size)
+        weights = llama_weights(cfg, load_state_dict(model_dir))
+        if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
+            from specinfer.engine.offload import offload_model
+
+            model = offload_model(LlamaModel(cfg, weights, torch_dtype, "cpu"), device)
+        else:
+            model = LlamaModel(cfg, weights, torch_dtype, device)
+        runner = cls(model, num_blocks=num_blocks, block_size=block_size)
+        apply_exec(runner, ex)
+        return runner
 
     def close(self) -> None:
         """Stops the other ranks of a tensor-parallel group; nothing for a one-process model."""
@@ -107,6 +124,8 @@ class ModelRunner:
         spans: list[tuple[int, int]] = []
         is_all_rows = True
         single_write: slice | None = None
+        tree = self.tree_backend if self.model.attention_backend is self.tree_backend else None
+        requests = []  # with `tree`: each item's kernels.TreeRequest
         for work in works:
             seq = work.seq
             n = len(work.token_ids)
@@ -128,7 +147,13 @@ class ModelRunner:
                 all_slots = seq.slots(0, end)
                 context = torch.tensor(all_slots, dtype=torch.long, device=device)
                 write_slots.extend(all_slots[start:])
-            mask, is_causal = self._mask(work, seq.num_committed, end, device)
+            if tree is not None:
+                from specinfer.engine.kernels.tree_attention import TreeRequest
+
+                requests.append(TreeRequest(q_start, seq.num_committed, work.parents, context, num_new=n))
+                mask, is_causal = None, False  # the backend reads `requests`' ancestor bits instead
+            else:
+                mask, is_causal = self._mask(work, seq.num_committed, end, device)
             seqs.append(SeqAttention(q_start, q_start + n, context, mask, is_causal))
             first_row = len(logit_rows)
             num_rows = {"all": n, "last": 1, "none": 0}.get(work.logits, work.logits)
@@ -143,6 +168,8 @@ class ModelRunner:
             seqs=seqs,
             logit_rows=None if is_all_rows else torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
+        if tree is not None:
+            tree.prepare(batch.seqs, requests, device)
         return batch, spans
 
     @staticmethod

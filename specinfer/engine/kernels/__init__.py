@@ -52,14 +52,17 @@ def __getattr__(name: str):
 def enable_triton(runner, fused_commit: bool = True, **attention_kwargs):
     """Switches a `ModelRunner` to Triton tree attention (and the fused commit); returns the backend.
 
-    Sets `runner.model.attention_backend`; with `fused_commit`, rewraps `runner.kv` (same tensors)
-    so that `ModelRunner.commit` moves the accepted path with one launch for all layers.
+    Sets `runner.model.attention_backend` and `runner.tree_backend` (the runner then hands each
+    step's tree metadata straight to the backend, no dense masks); with `fused_commit`, rewraps
+    `runner.kv` (same tensors) so that `ModelRunner.commit` moves the accepted path with one
+    launch for all layers.
     """
     from specinfer.engine.kernels.commit import FusedCommitKVCache
     from specinfer.engine.kernels.tree_attention import TritonAttention
 
     backend = TritonAttention.for_config(runner.cfg, **attention_kwargs)
     runner.model.attention_backend = backend
+    runner.tree_backend = backend
     if fused_commit:
         runner.kv = FusedCommitKVCache(runner.kv.k, runner.kv.v)
     return backend

@@ -130,6 +130,19 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     return (padded.view(n, words, WORD_BITS) << shifts).sum(-1)
 
 
+def _chain_words(num_scratch: int, num_new: int) -> torch.Tensor:
+    """(num_new, W) ancestor words of the last `num_new` nodes of a chain: node i sees nodes 0..i."""
+    words = max(1, -(-num_scratch // WORD_BITS))
+    node = torch.arange(num_scratch - num_new, num_scratch, dtype=torch.int64).unsqueeze(1)  # (n, 1)
+    count = (node + 1 - WORD_BITS * torch.arange(words, dtype=torch.int64)).clamp(0, WORD_BITS)  # (n, W) bits set
+    ones = torch.ones_like(count)
+    return torch.where(count >= WORD_BITS, -ones, (ones << count.clamp(max=WORD_BITS - 1)) - 1)
+
+
+def _is_chain(parents: list[int]) -> bool:
+    return all(p == i - 1 for i, p in enumerate(parents))
+
+
 def _ancestor_words(parents: list[int], num_new: int) -> tuple[list[list[int]], list[int], int]:
     """Bit words of the last `num_new` scratch nodes' ancestor-or-self sets, and their last visible index."""
     num_scratch = len(parents)
@@ -223,8 +236,11 @@ def build_metadata(
         kv_len = r.num_committed + len(r.parents)
         if slots.shape[0] != kv_len:
             raise ValueError(f"request has {slots.shape[0]} slots for {kv_len} keys")
-        rows, scratch_idx, _ = _ancestor_words(r.parents, n)
-        bits = torch.tensor(rows, dtype=torch.int64).view(n, -1)  # (n, W)
+        if _is_chain(r.parents):  # prefill chunks and decode: vectorised, no per-node Python ints
+            bits, scratch_idx = _chain_words(len(r.parents), n), range(len(r.parents) - n, len(r.parents))
+        else:
+            rows, scratch_idx, _ = _ancestor_words(r.parents, n)
+            bits = torch.tensor(rows, dtype=torch.int64).view(n, -1)  # (n, W)
         last_vis = [r.num_committed + i for i in scratch_idx]  # topological order: self is the last ancestor
         parts.append(
             dict(q_start=r.q_start, n=n, L=kv_len, C=r.num_committed, slots=slots, bits=bits, last_vis=last_vis)
@@ -573,7 +589,14 @@ class TritonAttention:
     def metadata(self, seqs, device) -> TreeAttentionMetadata:
         if self._key is seqs and self._meta is not None:
             return self._meta
-        meta = metadata_from_seqs(seqs, self.group, device, block_m=self.block_m)
+        return self._install(seqs, metadata_from_seqs(seqs, self.group, device, block_m=self.block_m), device)
+
+    def prepare(self, seqs, requests: list[TreeRequest], device) -> TreeAttentionMetadata:
+        """Builds a step's metadata from the runner's bookkeeping (committed lengths, parents,
+        slots: no dense mask) and installs it for the step's `seqs` list."""
+        return self._install(seqs, build_metadata(requests, self.group, device, block_m=self.block_m), device)
+
+    def _install(self, seqs, meta: TreeAttentionMetadata, device) -> TreeAttentionMetadata:
         if self.num_splits is not None:
             meta.num_splits = self.num_splits
         else:  # key counts are known on the host: no device sync
