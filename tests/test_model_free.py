@@ -197,3 +197,26 @@ def test_model_free_only_proposals_skip_the_ssms(runners):
     assert ssm_trees == [None] and paths_of(tree) == {(5, 6)}
     assert states[0].pending == [3, 4, 5, 6, 3, 4]  # the SSM did not even catch up
     speculator.release(states)
+
+
+def test_the_speculator_service_hosts_model_free_members_next_to_its_ssm(tiny_pair):
+    from specinfer.v1 import specinfer_pb2 as pb
+    from util import start_stack
+
+    stack = start_stack(tiny_pair.llm, [tiny_pair.ssms[0]], speculator={"model_free": ("lookup", "suffix")})
+    try:
+        names = list(stack.verifier_stub.Info(pb.InfoRequest(), timeout=10).ssm_names)
+        assert names == [tiny_pair.ssms[0].name, "lookup", "suffix"]
+        request = pb.VerifierGenerateRequest(prompt_ids=[5, 6, 7], max_new_tokens=40, speculate=True, ignore_eos=True,
+                                             shape=pb.TreeShape(widths=[1, 1], max_nodes=8))
+        runs = []
+        for _ in range(2):  # the second time the speculator's suffix cache holds the first output
+            responses = list(stack.verifier_stub.Generate(request, timeout=60))
+            runs.append(([t for r in responses for t in r.token_ids], responses[-1].stats))
+        assert runs[0][0] == runs[1][0]
+        assert not runs[1][1].fell_back  # the merged tree stayed within the request's node bound
+        assert runs[1][1].tokens_per_step > 3  # drafts deeper than the SSM's two levels were accepted
+        engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
+        assert runs[0][0] == engine.generate([5, 6, 7], mode_params("incremental", 40, is_ignore_eos=True)).output_ids
+    finally:
+        stack.stop()

@@ -24,6 +24,7 @@ from specinfer.serving.security import ServerSecurity, server_security
 @dataclass(frozen=True)
 class SpeculatorConfig:
     ssm_dirs: tuple[Path, ...]
+    model_free: tuple[str, ...] = ()  # model-free pool members hosted next to the SSMs (lookup, suffix)
     host: str = LOCAL_HOST
     port: int = SPECULATOR_PORT
     dtype: str = "float32"
@@ -42,8 +43,8 @@ class SpeculatorConfig:
 def _flags() -> list[Flag]:
     d = {f.name: f.default for f in fields(SpeculatorConfig)}
     return [
-        Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory, repeatable; the variable is "
-             "comma-separated", is_list=True),
+        Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory, or a model-free speculator "
+             "(lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated", is_list=True),
         Flag("--host", "SPECINFER_SPECULATOR_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_SPECULATOR_PORT", d["port"], "gRPC port"),
         Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "SSM weights dtype"),
@@ -65,10 +66,13 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     for flag in flags:
         add_flag(p, flag)
     a = read_flags(p, flags, argv, env)
-    if not a["ssm"]:
+    from specinfer.engine.load import split_pool
+
+    ssm_dirs, model_free = split_pool(a["ssm"])
+    if not ssm_dirs:
         raise UserError("the speculator needs at least one SSM directory: --ssm or SPECINFER_SSM_DIRS")
     return SpeculatorConfig(
-        ssm_dirs=a["ssm"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
+        ssm_dirs=ssm_dirs, model_free=model_free, host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env),

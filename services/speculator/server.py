@@ -1,5 +1,8 @@
 """Speculator service: hosts SSMs, keeps per-request SSM KV caches, streams token trees.
 
+Model-free pool members (prompt lookup, suffix speculation) may run here next to the SSMs: their
+deterministic drafts merge into the same tree, within the request's node bound.
+
 SpecInfer Section 3: SSMs propose token trees (expansion-based, merged across the pool). One
 bidirectional stream per request: the verifier sends accepted prefixes, this service answers each
 with the next tree, so each step is one round trip and no new RPC. Trees of all requests are
@@ -20,7 +23,7 @@ from specinfer.serving.grpc_server import RunningServer, model_service_main, sta
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.tracing import server_span
 from specinfer.engine.workers import SpeculatorWorker
-from specinfer.engine.speculator import Speculator
+from specinfer.engine.speculator import Speculator, model_free_member
 from specinfer.params import TreeShape
 from specinfer.limits import MAX_TREE_DEPTH, PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
@@ -118,10 +121,11 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
                for d in cfg.ssm_dirs]
     if len({r.cfg.vocab_size for r in runners}) != 1:
         raise UserError("all SSMs of one speculator must share a vocabulary")
-    names = [d.name for d in cfg.ssm_dirs]
+    names = [d.name for d in cfg.ssm_dirs] + list(cfg.model_free)
+    model_free = [model_free_member(name) for name in cfg.model_free]
 
     def create(tracer, registry):
-        worker = SpeculatorWorker(Speculator(runners), max_batch=cfg.max_batch,
+        worker = SpeculatorWorker(Speculator(runners, model_free), max_batch=cfg.max_batch,
                                   metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded)
         return SpeculatorServicer(worker, names, tracer), worker.worker
 

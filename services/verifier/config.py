@@ -16,7 +16,7 @@ from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_SESSIONS,
-    DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
+    DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, MODEL_FREE_NAMES, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
     RequestLimits, parse_tree_width,
 )
 from specinfer.serving.settings import (
@@ -25,11 +25,17 @@ from specinfer.serving.settings import (
 )
 from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_security, server_security
 
+DEFAULT_CO_LOCATED = MODEL_FREE_NAMES  # without speculators, the verifier drafts with the model-free members
+
 
 @dataclass(frozen=True)
 class VerifierConfig:
     model_dir: Path
     speculators: tuple[str, ...] = ()  # gRPC targets, e.g. 127.0.0.1:50053 or dns:///speculator:50053
+    # The pool hosted in this process (co-located: SSM directories, lookup, suffix) when no speculator
+    # is configured. The command line's default is DEFAULT_CO_LOCATED: a verifier alone still speculates.
+    co_located: tuple[str, ...] = ()
+    ssm_dtype: str | None = None  # co-located SSMs' dtype (default: dtype); never changes the output
     host: str = LOCAL_HOST
     port: int = VERIFIER_PORT
     dtype: str = "float32"
@@ -68,6 +74,10 @@ def _flags() -> list[Flag]:
         Flag("--model", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (required)"),
         Flag("--speculator", "SPECINFER_SPECULATORS", str, d["speculators"],
              "speculator gRPC target, repeatable; the variable is comma-separated", is_list=True),
+        Flag("--ssm", "SPECINFER_VERIFIER_SSMS", str, (), "speculate in this process (no speculator): an SSM "
+             "directory, lookup or suffix; repeatable, comma-separated in the variable; default without "
+             "--speculator: lookup and suffix; none: no speculation", is_list=True),
+        Flag("--ssm-dtype", "SPECINFER_SSM_DTYPE", one_of(DTYPES), None, "co-located SSMs' dtype (default: --dtype)"),
         Flag("--host", "SPECINFER_VERIFIER_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
         Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "LLM weights dtype"),
@@ -122,8 +132,17 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     from specinfer.engine.parallel import ParallelConfig
 
     parallel = ParallelConfig.from_env(a["tensor_parallel"], env)
+    co_located = tuple(a["ssm"])
+    if co_located and a["speculator"]:
+        raise UserError("--ssm (a pool in this process) and --speculator (speculator services): choose one")
+    if "none" in co_located and len(co_located) > 1:
+        raise UserError("--ssm none excludes every other --ssm")
+    if not co_located and not a["speculator"]:
+        co_located = DEFAULT_CO_LOCATED
+    co_located = () if co_located == ("none",) else co_located
     return VerifierConfig(
-        model_dir=a["model"], speculators=a["speculator"], host=a["host"], port=a["port"], dtype=a["dtype"],
+        model_dir=a["model"], speculators=a["speculator"], co_located=co_located, ssm_dtype=a["ssm_dtype"],
+        host=a["host"], port=a["port"], dtype=a["dtype"],
         device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,
         limits=RequestLimits(max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"]),
         max_batch=a["max_batch"], tree_width=a["tree_width"], max_tree_nodes=a["max_tree_nodes"],

@@ -21,7 +21,7 @@ from dataclasses import replace
 from opentelemetry import trace
 
 from services.verifier.config import VerifierConfig, parse_config
-from services.verifier.speculators import RemoteSpeculation
+from services.verifier.speculators import RemoteSpeculation, co_located_pool, pool_context
 from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.loop import DraftTree
 from specinfer.engine.scheduler import Scheduler, SchedulerConfig
@@ -54,7 +54,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.VerifierInfo(
             model=self.cfg.model_dir.name, vocab_size=engine.verifier.runner.cfg.vocab_size,
             max_context=engine.max_context, default_shape=shape_to_proto(engine.cfg.default_shape),
-            num_speculators=len(speculation.speculators) if speculation else 0,
+            num_speculators=len(getattr(speculation, "speculators", ())),
             kv_capacity_tokens=engine.verifier.runner.kv.num_slots,
             ssm_names=speculation.all_names() if speculation else [],
         )
@@ -182,11 +182,13 @@ def _take_down(server: RunningServer, reason: str) -> None:
 
 
 def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> tuple[RunningServer, VerifierServicer]:
+    from specinfer.engine.load import resolve_device
     from specinfer.engine.verifier import Verifier
 
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
                                      cfg.max_message_bytes, cfg.speculator_security)
-                   if cfg.speculators else None)
+                   if cfg.speculators else co_located_pool(cfg.co_located, runner, cfg.ssm_dtype or cfg.dtype,
+                                                                   resolve_device(cfg.device)))
     engine_cfg = EngineConfig(default_shape=TreeShape(cfg.tree_width, cfg.max_tree_nodes),
                               is_load_aware=cfg.is_load_aware, is_guarded=True,
                               scheduler=SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget,
@@ -196,7 +198,7 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
     def create(tracer, registry):
         scheduler = Scheduler(Verifier(runner), engine_cfg.scheduler, ModelMetrics.create(registry, "verifier"),
                               is_threaded=is_worker_threaded)
-        engine = Engine(runner, speculation, engine_cfg, scheduler)
+        engine = Engine(runner, speculation, engine_cfg, scheduler, max_context=pool_context(speculation, runner))
         if speculation and cfg.is_load_aware:  # calibrate the cost model now, not on the first request
             engine.policy(engine_cfg.default_shape)
             log.info("calibrated LLM cost model: %s",

@@ -18,7 +18,9 @@ from typing import Callable
 
 import grpc
 
+from specinfer.engine.llm_engine import LocalSpeculation
 from specinfer.engine.loop import DraftTree
+from specinfer.engine.speculator import Speculator, model_free_member
 from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeShape
@@ -283,3 +285,26 @@ class SpeculationDriver:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str) -> LocalSpeculation | None:
+    """The pool this verifier hosts itself (single-host deployments: no speculator hop): SSM
+    directories and model-free members, the in-process engine's `LocalSpeculation` with the same
+    pool semantics; None for an empty pool (incremental decoding)."""
+    from specinfer.engine.load import split_pool
+    from specinfer.engine.runner import ModelRunner
+
+    dirs, names = split_pool(entries)
+    if not dirs and not names:
+        return None
+    ssms = [ModelRunner.from_dir(d, dtype=dtype, device=device, max_kv_tokens=llm.kv.num_slots) for d in dirs]
+    for d, ssm in zip(dirs, ssms):
+        if ssm.cfg.vocab_size != llm.cfg.vocab_size:
+            raise UserError(f"SSM {d}: vocabulary {ssm.cfg.vocab_size}, the LLM's is {llm.cfg.vocab_size}")
+    return LocalSpeculation(Speculator(ssms, [model_free_member(n) for n in names]), [d.name for d in dirs])
+
+
+def pool_context(source, llm) -> int:
+    """The context a request may use: the LLM's, and every co-located SSM's."""
+    runners = source.speculator.runners if isinstance(source, LocalSpeculation) else []
+    return min([llm.max_context] + [r.max_context for r in runners])

@@ -38,6 +38,8 @@ class StackConfig:
     redis_url: str | None = None
     dtype: str = "float32"
     ssm_dtype: str | None = None  # the speculators' dtype (default: `dtype`); never changes the output
+    model_free: tuple[str, ...] = ()  # model-free pool members (lookup, suffix), next to the SSMs
+    is_co_located: bool = False  # the verifier hosts the pool itself: no speculator process, no hop
     tree_width: str = ",".join(map(str, PAPER_TREE_WIDTH))
     metrics_base_port: int = 0
     verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
@@ -117,10 +119,10 @@ class Stack:
         if cfg.otlp_endpoint:
             common_env["SPECINFER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
         spec_targets = []
-        groups = _split(cfg.ssms, cfg.num_speculators)
+        groups = [] if cfg.is_co_located else _split(cfg.ssms, cfg.num_speculators)
         for i, group in enumerate(groups):
             port = cfg.speculator_base_port + i
-            args = [a for ssm in group for a in ("--ssm", str(ssm))]
+            args = [a for ssm in group + (cfg.model_free if i == 0 else ()) for a in ("--ssm", str(ssm))]
             args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype,
                      "--threads", str(cfg.speculator_threads or default_speculator_threads(cfg.num_speculators))]
             env = dict(common_env)
@@ -131,6 +133,10 @@ class Stack:
         args = ["--model", str(cfg.llm), "--host", cfg.host, "--port", str(cfg.verifier_port), "--dtype", cfg.dtype,
                 "--tree-width", cfg.tree_width, "--threads", str(cfg.verifier_threads)]
         args += [a for t in spec_targets for a in ("--speculator", t)]
+        if cfg.is_co_located:
+            pool = tuple(map(str, cfg.ssms)) + cfg.model_free
+            args += [a for entry in pool or ("none",) for a in ("--ssm", entry)]
+            args += ["--ssm-dtype", cfg.ssm_dtype or cfg.dtype]
         if cfg.tensor_parallel > 1:
             args += ["--tensor-parallel", str(cfg.tensor_parallel)]
         env = dict(common_env)
@@ -198,7 +204,10 @@ def _split(items: tuple[Path, ...], num_groups: int) -> list[tuple[Path, ...]]:
 def add_up_parser(sub) -> None:
     up = sub.add_parser("up", help="start speculator(s), verifier and gateway on localhost")
     up.add_argument("--llm", type=Path, help="LLM directory (default: demo models)")
-    up.add_argument("--ssm", type=Path, action="append", default=[], help="SSM directory (repeatable)")
+    up.add_argument("--ssm", type=Path, action="append", default=[],
+                    help="SSM directory, or lookup / suffix (model-free speculators); repeatable")
+    up.add_argument("--co-located", action="store_true",
+                    help="the verifier hosts the SSMs itself (one host: no speculator process, no hop per step)")
     up.add_argument("--cache-dir", type=Path)
     up.add_argument("--num-speculators", type=int, default=1)
     up.add_argument("--gateway-port", type=int, default=50051)
@@ -236,7 +245,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     llm_cfg, _ = check_models(paths)
     check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
-        llm=paths.llm, ssms=paths.ssms, gateway_port=args.gateway_port, http_port=args.http_port,
+        llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free,
+        is_co_located=args.co_located or not paths.ssms, gateway_port=args.gateway_port, http_port=args.http_port,
         verifier_port=args.verifier_port,
         speculator_base_port=args.speculator_port, num_speculators=args.num_speculators,
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,

@@ -83,6 +83,9 @@ class LocalSpeculation:
     def num_sources(self, ssm_names: tuple[str, ...]) -> int:
         return len(self.pool(ssm_names))
 
+    def all_names(self) -> list[str]:
+        return list(self.names)
+
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> "LocalDrafts":
         states = self.speculator.start(prompt_ids, self.pool(params.ssm_names))
