@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specinfer.errors import UserError
@@ -100,7 +100,8 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
 
     llm_cfg, _ = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
-    engine = load_engine(type(paths)(paths.llm, paths.ssms[:1]), dtype, "cpu", max_kv_tokens=8192, ssm_dtype=ssm_dtype)
+    engine = load_engine(type(paths)(paths.llm, paths.ssms[:1], paths.model_free), dtype, "cpu", max_kv_tokens=8192,
+                         ssm_dtype=ssm_dtype)
     shape = TreeShape(widths)
     engine.generate(tokenizer.encode(prompts[0]), mode_params("tree", 8, shape))  # warm-up, as the services had
     params = mode_params("tree", max_tokens, shape, is_ignore_eos=True)
@@ -145,8 +146,11 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                               ssm_dtype=args.ssm_dtype, verifier_threads=args.verifier_threads,
                               speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
                               tree_width=args.tree_width))
+    if paths.model_free or args.co_located:  # model-free pool members; the verifier hosting the pool itself
+        stack = Stack(replace(stack.cfg, model_free=paths.model_free, is_co_located=args.co_located or not paths.ssms))
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
-    report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "concurrency": levels,
+    report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "model_free": list(paths.model_free),
+                         "co_located": stack.cfg.is_co_located, "concurrency": levels,
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
                          "temperatures": temperatures},
