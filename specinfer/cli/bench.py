@@ -26,9 +26,9 @@ class ArmResult:
     num_steps: int = 0
     seconds: float = 0.0
 
-    def add(self, output: list[int], steps: int, seconds: float) -> None:
+    def add(self, output: list[int], steps: int, seconds: float, num_tokens: int | None = None) -> None:
         self.outputs.append(output)
-        self.num_tokens += len(output)
+        self.num_tokens += len(output) if num_tokens is None else num_tokens
         self.num_steps += steps
         self.seconds += seconds
 
@@ -133,6 +133,12 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         arms["tree_merged"] = ("tree", ssm_names)
     if single is not None:
         arms |= {f"tp1_{name}": arms[name] for name in ("incremental", "tree") if name in arms}
+    # --logprobs: the tree arm returning logprobs; --samples N: N samples of each prompt stepping
+    # together, sharing the prompt's KV (one prefix group) or each reading it (separate requests).
+    if ssm_names and args.logprobs is not None:
+        arms["tree_logprobs"] = ("tree", ssm_names[:1])
+    if ssm_names and args.samples > 1:
+        arms[f"tree_n{args.samples}_shared"] = arms[f"tree_n{args.samples}_separate"] = ("tree", ssm_names[:1])
     if not paths.ssms:
         args.no_transformers = True  # assisted generation needs an SSM
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, args.ssm_dtype or args.dtype,
@@ -145,19 +151,32 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             return hf.run(ids, max_new, is_assisted=name == "transformers_assisted")
         mode, names_used = arms[name]
         target = single if name.startswith("tp1_") else engine
+        if name.startswith(f"tree_n{args.samples}_"):
+            return run_samples(name.endswith("_shared"), ids, max_new, names_used)
         for member in target.source.speculator.model_free:  # no arm learns from another's outputs
             if hasattr(member, "cache"):
                 member.cache.clear()
-        r = target.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used)))
+        extra = {"num_logprobs": args.logprobs} if name == "tree_logprobs" else {}
+        r = target.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used), **extra))
         return r.output_ids, r.num_llm_steps, r.latency_s
+
+    def run_samples(is_shared: bool, ids: list[int], max_new: int, names_used) -> tuple[list[int], int, float, int]:
+        """Greedy samples are all the same output: sample 0's is returned when they agree."""
+        params = mode_params("tree", max_new, shape, ssm_names=tuple(names_used))
+        started = time.perf_counter()
+        gens = [engine.start(ids, params, prefix_group="bench" if is_shared else None) for _ in range(args.samples)]
+        results = engine.generate_batch(gens)
+        seconds = time.perf_counter() - started
+        same = all(r.output_ids == results[0].output_ids for r in results)
+        return ((results[0].output_ids if same else []), sum(r.num_llm_steps for r in results), seconds,
+                sum(len(r.output_ids) for r in results))
 
     for name in names:  # warm-up: allocators, caches, lazy inits
         run_arm(name, prompt_ids[0], min(8, args.max_new_tokens))
     for i, ids in enumerate(prompt_ids):
         order = names[i % len(names):] + names[: i % len(names)]
         for name in order:
-            output, steps, seconds = run_arm(name, ids, args.max_new_tokens)
-            results[name].add(output, steps, seconds)
+            results[name].add(*run_arm(name, ids, args.max_new_tokens))
         print(f"bench: prompt {i + 1}/{len(prompt_ids)} done", file=sys.stderr, flush=True)
 
     reference = results["incremental"].outputs
@@ -173,6 +192,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "min_path_prob": args.min_path_prob,
             "ssm_dtype": args.ssm_dtype or args.dtype,
             "tensor_parallel": args.tensor_parallel,
+            "logprobs": args.logprobs,
+            "samples": args.samples,
             "decoding": "greedy",
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
         },

@@ -57,9 +57,10 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     tokenizer = load_tokenizer(paths, llm_cfg)
     prompt_ids = encode_prompts(tokenizer, prompts)
     needed = check_context(llm_cfg, ssm_cfgs, prompt_ids, args.max_new_tokens)
-    # A request reserves one tree per SSM it speculates with (their merged tree is at most that).
-    engine = load_engine(paths, args.dtype, args.device,
-                         max_kv_tokens=needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64,
+    # A request reserves one tree per SSM it speculates with (their merged tree is at most that);
+    # `bench --samples N` runs N requests at once.
+    per_request = needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=per_request * max(1, getattr(args, "samples", 1)),
                          ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)),
                          parallel=tensor_parallel(args))
     return tokenizer, prompt_ids, engine

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_flags(b)
     b.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     b.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
+    b.add_argument("--logprobs", type=int, help="add a tree arm that returns logprobs with this many alternatives")
+    b.add_argument("--samples", type=int, default=1,
+                   help="N > 1 adds two tree arms of N samples per prompt: sharing the prompt's KV, and not")
     b.add_argument("--output", type=Path, help="also write the JSON result here")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: benchmark the services under load instead")
     b.add_argument("--requests-per-level", type=int, default=16, help="with --concurrency: requests per arm")
