@@ -374,6 +374,15 @@ def test_n_samples_are_choices_and_sample_0_is_the_single_request(client, model)
     assert [c.index for c in chat.choices] == [0, 1] and chat.usage.completion_tokens == 16
 
 
+def test_the_benchmarks_http_arm_answers_what_grpc_answers(stack, model):
+    from specinfer.cli.bench_serving import measure_http_overhead
+    from specinfer.client import GatewayClient
+
+    with GatewayClient(f"127.0.0.1:{stack.gateway.port}", timeout_s=60) as grpc_client:
+        out = measure_http_overhead(grpc_client, f"http://127.0.0.1:{stack.gateway.http_port}", model,
+                                    ["import os", "def add("], WIDTHS, 8)
+    assert out["greedy_equal"] and out["num_prompts"] == 2 and out["grpc_ms_per_token"] > 0 < out["http_ms_per_token"]
+
 # ---- configuration ------------------------------------------------------------------------------
 def test_http_port_flag_env_and_default(tmp_path):
     from services.gateway.config import config_from_args

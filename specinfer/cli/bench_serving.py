@@ -126,6 +126,39 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
             "ratio": round(ms["service"] / ms["in_process"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts)}
 
 
+def measure_http_overhead(client, http_url: str, model: str, prompts: list[str], widths: tuple[int, ...],
+                          max_tokens: int) -> dict:
+    """Per-token time of the same greedy requests through the gateway's gRPC API and its
+    OpenAI-compatible HTTP API (whole responses, one request at a time, prompt by prompt
+    alternating which goes first), and whether both answer the same text."""
+    import json
+    import urllib.request
+
+    totals = {"grpc": [0.0, 0], "http": [0.0, 0]}
+    is_equal = True
+    for i, prompt in enumerate(prompts):
+        texts = {}
+        for arm in (["grpc", "http"] if i % 2 == 0 else ["http", "grpc"]):
+            start = time.perf_counter()
+            if arm == "grpc":
+                reply = client.generate(prompt, max_tokens=max_tokens, tree_width=widths, ignore_eos=True)
+                texts[arm], num_tokens = reply.text, len(reply.token_ids)
+            else:
+                body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                   "tree_width": list(widths), "ignore_eos": True}).encode()
+                request = urllib.request.Request(f"{http_url}/v1/completions", body,
+                                                 {"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    out = json.loads(response.read())
+                texts[arm], num_tokens = out["choices"][0]["text"], out["usage"]["completion_tokens"]
+            totals[arm][0] += time.perf_counter() - start
+            totals[arm][1] += num_tokens
+        is_equal = is_equal and texts["grpc"] == texts["http"]
+    ms = {arm: 1000 * t / max(1, n) for arm, (t, n) in totals.items()}
+    return {"grpc_ms_per_token": round(ms["grpc"], 3), "http_ms_per_token": round(ms["http"], 3),
+            "ratio": round(ms["http"] / ms["grpc"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts)}
+
+
 def run_serving_bench(args, cache_dir: Path) -> int:
     from specinfer.cli.client import GatewayClient
     from specinfer.cli.commands import bench_prompts, resolve_paths
@@ -141,7 +174,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     check_models(paths)
     prompts = bench_prompts(args, demo_prompts)
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
-    stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port,
+    stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port, http_port=args.port + 3,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 2, dtype=args.dtype,
                               ssm_dtype=args.ssm_dtype, verifier_threads=args.verifier_threads,
                               speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
@@ -163,6 +196,9 @@ def run_serving_bench(args, cache_dir: Path) -> int:
             run_load(client, prompts, 2, 4, arm, min(16, args.max_new_tokens), 0.0)
         report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
                                                       args.max_new_tokens, args.dtype, args.ssm_dtype)
+        report["http_overhead"] = measure_http_overhead(client, f"http://127.0.0.1:{args.port + 3}", paths.llm.name,
+                                                        prompts[: args.requests_per_level], widths,
+                                                        args.max_new_tokens)
         for temperature in temperatures:
             table = {}
             single: dict[str, dict[int, list[int]]] = {}
