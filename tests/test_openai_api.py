@@ -430,3 +430,15 @@ def test_chat_template_is_rendered_in_a_sandbox(tmp_path):
         renderer("{% for %}").render(messages)
     (tmp_path / "tokenizer_config.json").write_text("{}")
     assert ChatTemplate.from_dir(tmp_path) is None
+
+
+def test_demo_models_get_the_chat_template_and_keep_their_own(tmp_path):
+    from services.gateway.chat_template import ChatTemplate
+    from specinfer.pool.demo_training import add_chat_template
+
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    add_chat_template(tmp_path)  # a cache built before demo models had a template
+    assert ChatTemplate.from_dir(tmp_path).source == DEMO_CHAT_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    add_chat_template(tmp_path)
+    assert ChatTemplate.from_dir(tmp_path).source == "{{ messages }}"
