@@ -70,8 +70,8 @@ def extra_gateway(model_dir, verifier_addr: str, **cfg):
     from specinfer.serving.metrics import new_registry
     from specinfer.serving.tracing import setup_tracing
 
-    cfg = GatewayConfig(port=0, http_port=free_port(), verifier_addr=verifier_addr, model_dir=model_dir, grace_s=0,
-                        **cfg)
+    cfg = GatewayConfig(**{"port": 0, "http_port": free_port(), "verifier_addr": verifier_addr, "model_dir": model_dir,
+                           "grace_s": 0, **cfg})
     return serve(cfg, setup_tracing("specinfer-gateway", None), new_registry())
 
 
@@ -315,6 +315,30 @@ def test_disconnect_while_waiting_for_a_whole_response_frees_the_verifier(stack,
     assert wait_until(lambda: core.registry.get(request_id) is None, timeout=3.0)
     record = core.get_request(request_id)
     assert record.status == "interrupted" and len(record.generated_ids) < 500
+
+
+def test_draining_stops_http_with_grpc(text_pair, stack, executor):
+    """SIGTERM's drain: the HTTP API stops taking requests as the gRPC API's drain begins, not
+    after it, while a gRPC request in flight runs on to its end."""
+    from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+    server = extra_gateway(text_pair[0], f"127.0.0.1:{stack.verifier.port}", grace_s=10.0)
+    port = server.http_port
+    stub = pb_grpc.GatewayStub(stack.channel(server.port))
+    stream = stub.GenerateStream(pb.GenerateRequest(prompt="import os", max_tokens=500, speculate=False), timeout=60)
+    next(stream)
+    assert request(port, "/health")[0] == 200
+    stopping = executor.submit(server.stop)
+
+    def is_refused() -> bool:
+        try:
+            return request(port, "/health")[0] != 200
+        except (urllib.error.URLError, ConnectionError):
+            return True
+
+    assert wait_until(is_refused, timeout=1.0)
+    assert server.core.registry.all(), "the gRPC request should still be running"
+    assert sum(len(c.token_ids) for c in stream) > 0 and stopping.result(timeout=30) is None
 
 
 def test_health_and_metrics(stack, client, model):

@@ -564,10 +564,15 @@ class HttpServer:
                 raise OSError("the HTTP API did not start")
             time.sleep(0.01)
 
-    def stop(self) -> None:
-        """Stops taking requests; streams in progress get the grace period to end."""
+    def begin_stop(self) -> None:
+        """Stops taking requests (/health answers 503); requests in progress get the grace period
+        to end, alongside the gRPC API's drain."""
         self.api.is_draining = True
         self._server.should_exit = True
+
+    def stop(self) -> None:
+        """Stops (if not begun already) and waits for the server to end."""
+        self.begin_stop()
         self._thread.join(self._server.config.timeout_graceful_shutdown + 5.0)
         self._sock.close()
 

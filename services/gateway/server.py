@@ -275,7 +275,8 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
     running = start_server(
         ServerConfig(host=cfg.host, port=cfg.port, max_workers=cfg.num_server_workers, grace_s=cfg.grace_s,
                      max_message_bytes=cfg.max_message_bytes, security=cfg.server_security),
-        [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop)
+        [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop,
+        on_drain=http.begin_stop if http else None)
     log.info("gateway %s: verifier %s, store %s", cfg.gateway_id, cfg.verifier_addr,
              "redis" if cfg.redis_url else "in-memory")
     return GatewayServer(running, core, metrics_server, http)

@@ -228,13 +228,15 @@ class RunningServer:
     """A started gRPC server with its health service; `stop` drains within the grace period."""
 
     def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
-                 service_names: list[str], grace_s: float, on_stop: Callable[[], None] | None):
+                 service_names: list[str], grace_s: float, on_stop: Callable[[], None] | None,
+                 on_drain: Callable[[], None] | None = None):
         self.server = server
         self.port = port
         self.health = health_servicer
         self.service_names = service_names
         self.grace_s = grace_s
         self._on_stop = on_stop
+        self._on_drain = on_drain  # called as draining starts (another API of the process drains alongside)
         self._stopped = threading.Event()
         self.run_worker: Callable[[], None] | None = None  # a model service's unthreaded worker loop
 
@@ -247,6 +249,8 @@ class RunningServer:
         if self._stopped.is_set():
             return
         self.set_serving(False)
+        if self._on_drain:
+            self._on_drain()
         done = self.server.stop(self.grace_s if grace_s is None else grace_s)
         done.wait()
         if self._on_stop:
@@ -273,6 +277,7 @@ def start_server(
     service_names: list[str],
     on_stop: Callable[[], None] | None = None,
     rpc_metrics: RpcMetrics | None = None,
+    on_drain: Callable[[], None] | None = None,
 ) -> RunningServer:
     """Builds, starts and returns a server with the error interceptor, health and reflection;
     with a token configured every call but health checks must carry it, with a certificate the
@@ -301,7 +306,7 @@ def start_server(
     if port == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     server.start()
-    running = RunningServer(server, port, health_servicer, service_names, cfg.grace_s, on_stop)
+    running = RunningServer(server, port, health_servicer, service_names, cfg.grace_s, on_stop, on_drain)
     running.set_serving(True)
     log.info("serving %s on %s:%d (%s, %s)", ", ".join(service_names), cfg.host, port,
              "mTLS" if cfg.security.tls_client_ca else "TLS" if cfg.security.is_tls else "plaintext",
