@@ -10,6 +10,7 @@ that flags which cannot apply are refused with a clear error.
 
 from __future__ import annotations
 
+import json
 import os
 
 from specinfer.engine.kernels import use_interpreter
@@ -160,3 +161,55 @@ def test_exec_config_under_tensor_parallel_and_offload_refuses_graphs():
     assert resolve_exec(ExecConfig(), "cuda", is_parallel=True).cuda_graphs is False
     with pytest.raises(UserError, match="--cuda-graphs"):
         resolve_exec(ExecConfig(cuda_graphs=True, offload=True), "cuda")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
+    (["--offload", "--device", "cpu"], "--offload streams"),
+    (["--attention", "flash"], "invalid choice"),
+])
+def test_cli_refuses_what_cannot_apply_with_exit_code_2(text_pair, capsys, flags, message):
+    from specinfer.cli.main import main
+
+    llm, ssm = text_pair
+    assert main(["generate", "--llm", str(llm), "--ssm", str(ssm), "--prompt", "def", "--max-new-tokens", "2",
+                 *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_generate_on_each_backend_gives_one_output(text_pair, capsys):
+    from specinfer.cli.main import main
+
+    llm, ssm = text_pair
+    outputs = []
+    for attention in ("sdpa", "triton"):
+        assert main(["generate", "--llm", str(llm), "--ssm", str(ssm), "--prompt", "import os", "--max-new-tokens",
+                     "6", "--device", "cpu", "--attention", attention, "--no-cuda-graphs"]) == 0
+        outputs.append({k: v for k, v in json.loads(capsys.readouterr().out).items() if "latency" not in k})
+    assert outputs[0] == outputs[1] and outputs[0]["text"]
+
+
+def test_up_refuses_cuda_graphs_without_cuda_before_building_anything(capsys, tmp_path):
+    from specinfer.cli.main import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine may use CUDA graphs")
+    assert main(["up", "--cuda-graphs", "--cache-dir", str(tmp_path)]) == 2
+    assert "--cuda-graphs" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # no demo models were built
+
+
+def test_service_flags_and_environment():
+    from services.speculator.config import parse_config as speculator_config
+    from services.verifier.config import parse_config as verifier_config
+
+    env = {"SPECINFER_MODEL_DIR": "/m", "SPECINFER_ATTENTION": "triton", "SPECINFER_CUDA_GRAPHS": "off",
+           "SPECINFER_OFFLOAD": "1"}
+    assert verifier_config([], env).execution == ExecConfig("triton", False, True)
+    assert verifier_config(["--cuda-graphs", "on", "--attention", "sdpa"], env).execution == ExecConfig(
+        "sdpa", True, True)  # flags over the environment (resolving refuses this pair later)
+    assert verifier_config([], {"SPECINFER_MODEL_DIR": "/m"}).execution == ExecConfig()
+    assert speculator_config(["--ssm", "/s", "--cuda-graphs", "on"], {}).execution == ExecConfig("auto", True)
+    for bad in ({"SPECINFER_ATTENTION": "flash"}, {"SPECINFER_CUDA_GRAPHS": "sometimes"}):
+        with pytest.raises(UserError):
+            verifier_config([], {"SPECINFER_MODEL_DIR": "/m", **bad})

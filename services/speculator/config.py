@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
+from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_cuda_graphs
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES
 from specinfer.serving.settings import (
@@ -38,6 +39,7 @@ class SpeculatorConfig:
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's bound
     server_security: ServerSecurity = field(default_factory=ServerSecurity)  # the internal token, TLS
+    execution: ExecConfig = field(default_factory=ExecConfig)  # the SSMs' attention backend and CUDA graphs
 
 
 def _flags() -> list[Flag]:
@@ -53,6 +55,10 @@ def _flags() -> list[Flag]:
              is_positive=True),
         Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
              is_positive=True),
+        Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
+             "attention backend: triton, sdpa, or auto (triton on CUDA when importable, else sdpa)"),
+        Flag("--cuda-graphs", "SPECINFER_CUDA_GRAPHS", parse_cuda_graphs, None,
+             "replay captured SSM steps: auto (on with CUDA and the Triton backend), on or off", shown_default="auto"),
         *common_flags(d),
         *security_flags(has_channels=False),
     ]
@@ -76,4 +82,5 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env),
+        execution=ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"]),
     )

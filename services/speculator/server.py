@@ -117,7 +117,8 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
     from specinfer.engine.runner import ModelRunner
 
     device = resolve_device(cfg.device)
-    runners = [ModelRunner.from_dir(d, dtype=cfg.dtype, device=device, max_kv_tokens=cfg.max_kv_tokens)
+    runners = [ModelRunner.from_dir(d, dtype=cfg.dtype, device=device, max_kv_tokens=cfg.max_kv_tokens,
+                                    exec_cfg=cfg.execution)
                for d in cfg.ssm_dirs]
     if len({r.cfg.vocab_size for r in runners}) != 1:
         raise UserError("all SSMs of one speculator must share a vocabulary")

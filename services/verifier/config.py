@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_cuda_graphs
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES,
@@ -63,6 +64,7 @@ class VerifierConfig:
     speculator_security: ChannelSecurity = field(default_factory=ChannelSecurity)  # sends the same token
     tensor_parallel: int = 1  # ranks the LLM is sharded over (spawned here, or started by torchrun)
     parallel: Any = None  # the parallel.ParallelConfig of this process (None: spawn a group if needed)
+    execution: ExecConfig = field(default_factory=ExecConfig)  # attention backend, CUDA graphs, offloading
 
 
 def _flags() -> list[Flag]:
@@ -105,6 +107,7 @@ def _flags() -> list[Flag]:
              "longest wait for KV memory", is_positive=True),
         Flag("--tensor-parallel", "SPECINFER_TENSOR_PARALLEL", int, d["tensor_parallel"],
              "shard the LLM over this many ranks (GPUs); under torchrun, its WORLD_SIZE", is_positive=True),
+        *exec_flags(llm=True),
         Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
              "prompt tokens per request, session history included (as at the gateway)", is_positive=True),
         Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens,
@@ -132,6 +135,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     from specinfer.engine.parallel import ParallelConfig
 
     parallel = ParallelConfig.from_env(a["tensor_parallel"], env)
+    execution = ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"], offload=a["offload"])
     co_located = tuple(a["ssm"])
     if co_located and a["speculator"]:
         raise UserError("--ssm (a pool in this process) and --speculator (speculator services): choose one")
@@ -152,5 +156,21 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=security,
         speculator_security=channel_security(a, env, security.token),
-        tensor_parallel=parallel.num_ranks, parallel=parallel,
+        tensor_parallel=parallel.num_ranks, parallel=parallel, execution=execution,
     )
+
+
+def exec_flags(llm: bool) -> list[Flag]:
+    """How the models execute (engine.config.ExecConfig); `llm` adds offloading, which only the LLM has."""
+    flags = [
+        Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
+             "attention backend: triton (one fused tree-attention launch per layer over the paged KV cache), "
+             "sdpa, or auto: triton on CUDA when importable, else sdpa"),
+        Flag("--cuda-graphs", "SPECINFER_CUDA_GRAPHS", parse_cuda_graphs, None,
+             "replay captured decode/verify steps: auto (on with CUDA and the Triton backend), on or off",
+             shown_default="auto"),
+    ]
+    if llm:
+        flags.append(Flag("--offload", "SPECINFER_OFFLOAD", parse_bool, False,
+                          "keep the LLM's layer weights in pinned host memory, streamed to the GPU per layer"))
+    return flags

@@ -162,7 +162,7 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes,
                                  shard_config(ModelConfig.from_dir(cfg.model_dir), num_ranks), cfg.dtype)
     runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                                  max_kv_tokens=kv_tokens, parallel=parallel)
+                                  max_kv_tokens=kv_tokens, parallel=parallel, exec_cfg=cfg.execution)
     try:
         server, servicer = _serve(cfg, runner, exporter, is_worker_threaded)
     except BaseException:
@@ -188,7 +188,7 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
                                      cfg.max_message_bytes, cfg.speculator_security)
                    if cfg.speculators else co_located_pool(cfg.co_located, runner, cfg.ssm_dtype or cfg.dtype,
-                                                                   resolve_device(cfg.device)))
+                                                                   resolve_device(cfg.device), cfg.execution))
     engine_cfg = EngineConfig(default_shape=TreeShape(cfg.tree_width, cfg.max_tree_nodes),
                               is_load_aware=cfg.is_load_aware, is_guarded=True,
                               scheduler=SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget,
@@ -255,7 +255,11 @@ def _serve_rank(argv: list[str] | None) -> int:
         shard = shard_config(ModelConfig.from_dir(cfg.model_dir), cfg.parallel.num_ranks)
         kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, shard, cfg.dtype)
         num_slots = -(-kv_tokens // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
-        serve_rank(ShardSpec(str(cfg.model_dir), cfg.dtype, resolve_device(cfg.device), num_slots), cfg.parallel)
+        from specinfer.engine.backend import resolve_exec
+
+        device = resolve_device(cfg.device)
+        attention = resolve_exec(cfg.execution, device, is_parallel=True).attention  # as rank 0 resolves it
+        serve_rank(ShardSpec(str(cfg.model_dir), cfg.dtype, device, num_slots, attention), cfg.parallel)
     except UserError as exc:
         print(f"specinfer-verifier: error: {exc}", file=sys.stderr)
         return 2

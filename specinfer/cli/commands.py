@@ -62,8 +62,16 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     per_request = needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64
     engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=per_request * max(1, getattr(args, "samples", 1)),
                          ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)),
-                         parallel=tensor_parallel(args))
+                         parallel=tensor_parallel(args), exec_cfg=exec_config(args))
     return tokenizer, prompt_ids, engine
+
+
+def exec_config(args: argparse.Namespace):
+    """`--attention`, `--cuda-graphs` and `--offload` as the engine's `ExecConfig`."""
+    from specinfer.engine.config import ExecConfig
+
+    return ExecConfig(attention=getattr(args, "attention", "auto"), cuda_graphs=getattr(args, "cuda_graphs", None),
+                      offload=getattr(args, "offload", False))
 
 
 def tensor_parallel(args: argparse.Namespace):

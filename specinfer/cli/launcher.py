@@ -44,6 +44,9 @@ class StackConfig:
     metrics_base_port: int = 0
     verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
     tensor_parallel: int = 1  # processes the verifier shards the LLM over (it spawns them)
+    attention: str = "auto"  # the models' attention backend (engine.config.ExecConfig)
+    cuda_graphs: bool | None = None  # None: on wherever it can be
+    is_offloaded: bool = False  # the LLM's layer weights streamed from host memory
     speculator_threads: int = 0  # 0 = `default_speculator_threads()`
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     otlp_endpoint: str | None = None
@@ -125,6 +128,7 @@ class Stack:
             args = [a for ssm in group + (cfg.model_free if i == 0 else ()) for a in ("--ssm", str(ssm))]
             args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype,
                      "--threads", str(cfg.speculator_threads or default_speculator_threads(cfg.num_speculators))]
+            args += _exec_args(cfg)
             env = dict(common_env)
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 2 + i)
@@ -139,6 +143,7 @@ class Stack:
             args += ["--ssm-dtype", cfg.ssm_dtype or cfg.dtype]
         if cfg.tensor_parallel > 1:
             args += ["--tensor-parallel", str(cfg.tensor_parallel)]
+        args += _exec_args(cfg) + (["--offload", "on"] if cfg.is_offloaded else [])
         env = dict(common_env)
         if cfg.metrics_base_port:
             env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1)
@@ -201,6 +206,11 @@ def _split(items: tuple[Path, ...], num_groups: int) -> list[tuple[Path, ...]]:
     return [items] * num_groups
 
 
+def _exec_args(cfg: StackConfig) -> list[str]:
+    graphs = [] if cfg.cuda_graphs is None else ["--cuda-graphs", "on" if cfg.cuda_graphs else "off"]
+    return ["--attention", cfg.attention] + graphs
+
+
 def add_up_parser(sub) -> None:
     up = sub.add_parser("up", help="start speculator(s), verifier and gateway on localhost")
     up.add_argument("--llm", type=Path, help="LLM directory (default: demo models)")
@@ -221,6 +231,9 @@ def add_up_parser(sub) -> None:
     up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
+    from specinfer.cli.main import add_exec_flags
+
+    add_exec_flags(up)
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, print the reply")
     up.add_argument("--max-tokens", type=int, default=64)
     up.add_argument("--once", action="store_true", help="exit after answering --prompt")
@@ -237,6 +250,11 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
     if args.once and not args.prompt:
         raise UserError("--once needs --prompt")
+    from specinfer.cli.commands import exec_config
+    from specinfer.engine.backend import resolve_exec
+    from specinfer.engine.load import resolve_device
+
+    resolve_exec(exec_config(args), resolve_device("auto"), args.tensor_parallel > 1)  # before any model is built or process starts
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
     from specinfer.engine.load import check_models
 
@@ -251,6 +269,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         speculator_base_port=args.speculator_port, num_speculators=args.num_speculators,
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
+        attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"),
     )
     stack = Stack(cfg)

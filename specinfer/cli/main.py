@@ -33,6 +33,20 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the LLM over N processes on this host (GPUs with NCCL, else CPU with gloo)")
+    add_exec_flags(p)
+
+
+def add_exec_flags(p: argparse.ArgumentParser) -> None:
+    """How the models execute (engine.config.ExecConfig): attention backend, CUDA graphs, offloading."""
+    from specinfer.engine.config import ATTENTION_BACKENDS
+
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
+                   help="triton: one fused tree-attention launch per layer over the paged KV cache; sdpa: torch "
+                        "per request with a dense mask; auto (default): triton on CUDA when importable, else sdpa")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay captured decode/verify steps (default: on with CUDA and the Triton backend)")
+    p.add_argument("--offload", action="store_true",
+                   help="keep the LLM's layer weights in pinned host memory, streamed to the GPU per layer")
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:

@@ -150,6 +150,15 @@ class ExecConfig:
             raise UserError(f"unknown attention backend {self.attention!r}: use {', '.join(ATTENTION_BACKENDS)}")
 
 
+def parse_cuda_graphs(text: str) -> bool | None:
+    """A service's --cuda-graphs value: auto (None: on wherever it can be), on or off."""
+    value = str(text).strip().lower()
+    choices = {"auto": None, "on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
+    if value not in choices:
+        raise UserError(f"CUDA graphs {text!r}: use auto, on or off")
+    return choices[value]
+
+
 def _parse_rope(raw: dict) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
     params = dict(raw.get("rope_parameters") or {})
