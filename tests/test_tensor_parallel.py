@@ -271,3 +271,29 @@ def test_torchrun_launches_the_verifier(models):
         channel.close()
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun stops both ranks
         proc.wait(timeout=60)
+
+
+def test_a_step_survives_its_trip_as_plain_tensors():
+    """What ranks > 0 receive is the batch rank 0 ran: scattered context slots, index writes,
+    and every kind of mask (none, causal, a tree under a visible prefix, a tree alone)."""
+    from specinfer.engine.model import ForwardBatch, SeqAttention
+    from specinfer.engine.parallel import decode_batch, encode_batch
+
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    with_prefix = torch.cat([torch.ones(3, 5, dtype=torch.bool), tree], dim=1)
+    seqs = [SeqAttention(0, 1, slice(0, 9)), SeqAttention(1, 4, slice(16, 19), is_causal=True),
+            SeqAttention(4, 7, torch.tensor([40, 41, 7, 8, 9, 50, 51, 52]), with_prefix),
+            SeqAttention(7, 10, slice(60, 63), tree)]
+    batch = ForwardBatch(torch.arange(100, 110), torch.arange(10) * 3, torch.tensor([8, 16, 17, 18, 50, 51, 52,
+                                                                                     60, 61, 62]), seqs)
+    ints, bits = encode_batch(batch)
+    assert bits.numel() == 6 + 6  # columns every query sees (the prefix, the tree's root) do not travel
+    got = decode_batch(ints, bits, "cpu")
+    assert torch.equal(got.token_ids, batch.token_ids) and torch.equal(got.positions, batch.positions)
+    assert torch.equal(got.write, batch.write) and got.logit_rows.numel() == 0
+    for a, b in zip(got.seqs, seqs):
+        assert (a.q_start, a.q_end, a.is_causal) == (b.q_start, b.q_end, b.is_causal)
+        assert torch.equal(a.context, b.context) if isinstance(b.context, torch.Tensor) else a.context == b.context
+        assert (a.mask is None) == (b.mask is None) and (a.mask is None or torch.equal(a.mask, b.mask))
+    single = ForwardBatch(batch.token_ids[:1], batch.positions[:1], slice(3, 4), seqs[:1])
+    assert decode_batch(*encode_batch(single), "cpu").write == slice(3, 4)
