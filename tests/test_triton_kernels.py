@@ -354,8 +354,11 @@ def test_graph_runner_padding_matches_runner(tiny_pair):
     backend, runner.model.attention_backend = runner.model.attention_backend, None
     expected = [t.clone() for t in runner.run(works)]  # the SDPA reference path
     runner.model.attention_backend = backend
+    counted = []
+    runner.on_forward = counted.append
     got = graphs.run(works)
     assert graphs.num_replays == 1 and graphs.num_fallbacks == 0
+    assert counted == [5 + 1 + 6]  # the step's real tokens, as the eager path reports them
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     graphs.close()

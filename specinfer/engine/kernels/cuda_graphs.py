@@ -250,6 +250,8 @@ class GraphRunner:
             self.backend.set_metadata(bucket.key, bucket.meta)
             logits = self.model.forward(bucket.batch_obj, self.runner.kv)
         self.num_replays += 1
+        if self.runner.on_forward is not None:  # as `ModelRunner.run` reports it: the real tokens, not padding
+            self.runner.on_forward(sum(len(w.token_ids) for w in works))
         out = []
         for b, w in enumerate(works):
             first = b * bucket.tokens
