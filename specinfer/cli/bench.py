@@ -192,6 +192,9 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "min_path_prob": args.min_path_prob,
             "ssm_dtype": args.ssm_dtype or args.dtype,
             "tensor_parallel": args.tensor_parallel,
+            "attention": "sdpa" if engine.verifier.runner.model.attention_backend is None else "triton",  # resolved
+            "cuda_graphs": engine.verifier.runner.graphs is not None,
+            "offload": args.offload,
             "logprobs": args.logprobs,
             "samples": args.samples,
             "decoding": "greedy",
