@@ -49,7 +49,7 @@ if ARGS.tiny:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from specinfer.engine.config import ModelConfig  # noqa: E402
+from specinfer.engine.config import ExecConfig, ModelConfig  # noqa: E402
 from specinfer.engine.llm_engine import Engine, mode_params  # noqa: E402
 from specinfer.engine.kernels import enable_triton, is_interpreted  # noqa: E402
 from specinfer.engine.kernels.commit import fused_commit  # noqa: E402
@@ -739,13 +739,20 @@ def section_offload():
         if time_left() < 45:
             REPORT.add(f"(stopped before {name}: budget)")
             break
-        model = build_model(llm_spec, "cpu")  # the full weights never touch the GPU
-        nbytes = weight_bytes(model.w)
-        cap = OffloadConfig(gpu_memory_cap=nbytes // 2)  # a cap below the weights forces offloading
-        forced = should_offload(nbytes, cap)
-        if forced:
-            model = offload_model(model, DEV)
-        llm = make_runner(model)
+        if llm_spec[0] == "dir" and CUDA:  # the serving path's --offload, as the CLI and the verifier load it
+            llm = ModelRunner.from_dir(llm_spec[1], dtype="bfloat16", device=DEV, max_kv_tokens=4096, block_size=16,
+                                       exec_cfg=ExecConfig(attention="triton", cuda_graphs=False, offload=True))
+            streamed = llm.model.w
+            nbytes = weight_bytes(streamed.resident) + sum(weight_bytes(layer) for layer in streamed.cpu_layers)
+            forced = True
+        else:
+            model = build_model(llm_spec, "cpu")  # the full weights never touch the GPU
+            nbytes = weight_bytes(model.w)
+            cap = OffloadConfig(gpu_memory_cap=nbytes // 2)  # a cap below the weights forces offloading
+            forced = should_offload(nbytes, cap)
+            if forced:
+                model = offload_model(model, DEV)
+            llm = make_runner(model)
         ssm = make_runner(build_model(ssm_spec, DEV))
         for r in (llm, ssm):
             set_backend(r, "sdpa" if TINY else "triton")
