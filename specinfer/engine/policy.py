@@ -16,7 +16,8 @@ from its own steps).
 
 A choice cannot stick. Speculation costs are refitted with weights that halve every
 `half_life_s` of (injectable) clock time, and an arm the policy stopped choosing is probed with
-one step every `probe_interval_s`: a cost measured under a noisy neighbour is re-measured and
+two steps every `probe_interval_s` (less often when probes are slow: they take at most
+`PROBE_SHARE` of the time): a cost measured under a noisy neighbour is re-measured and
 forgotten once the neighbour leaves, instead of keeping speculation off for good. Plain Python;
 the one tensor-touching part, calibration, only times a runner.
 """
@@ -37,6 +38,7 @@ MODEL_FREE_ONLY: tuple[int, ...] = (0,)
 PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
 PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
 PROBE_INTERVAL_S = 0.5  # an arm not chosen is still measured with one step this often
+PROBE_SHARE = 0.1  # and probes take at most this share of the time
 COST_HALF_LIFE_S = 2.0  # speculation-cost observations this old weigh half
 PRIOR_MODEL_FREE = (0.3, 3.0)  # (accepted tokens, nodes) of a model-free-only step before any evidence
 SSM, MODEL_FREE = "ssm", "model_free"  # the arms that get probed (plain decoding needs no probe)
@@ -192,6 +194,8 @@ class LoadAwarePolicy:
         # the second measures a steady step's speculation cost.
         self._probe: tuple[tuple[int, ...], int] = ((), 0)
         self.num_probe_steps = 2
+        self._probe_started: float | None = None
+        self._probe_seconds = 0.0  # how long the last probe took
         # Model-free-only steps, greedy and sampled apart: decayed sums of (steps, accepted, nodes).
         self._model_free = {g: [PRIOR_WEIGHT / 4, PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[0],
                                 PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[1]] for g in (True, False)}
@@ -223,11 +227,16 @@ class LoadAwarePolicy:
             probe, num_left = self._probe
             if num_left and probe in arms:
                 best, self._probe = probe, (probe, num_left - 1)
+            elif self._probe_started is not None:  # the probe is over: what it cost
+                self._probe_seconds, self._probe_started = now - self._probe_started, None
+            # Probes take at most PROBE_SHARE of the time, however slow their steps are (a loaded machine).
+            interval = max(self.probe_interval_s, self._probe_seconds / PROBE_SHARE)
             for widths in arms:  # continuous re-measurement: an arm left out too long gets probed
                 arm = self._arm(widths)
                 last = self._measured_at.get(arm, self._created_at)
-                if arm is not None and widths != best and now - last >= self.probe_interval_s:
+                if arm is not None and widths != best and now - last >= interval and not num_left:
                     best, self._probe = widths, (widths, self.num_probe_steps - 1)
+                    self._probe_started = now
                     break
             arm = self._arm(best)
             if arm is not None:
