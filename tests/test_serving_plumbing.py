@@ -467,7 +467,12 @@ def test_config_defaults_are_the_product_constants():
     assert (v.max_batch, v.token_budget, v.max_waiting, v.admission_timeout_s, v.max_sessions) == (
         sc.max_batch, sc.token_budget, sc.max_waiting, sc.admission_timeout_s, sc.max_sessions)
     assert v.is_load_aware and v.speculators == () and v.otlp_endpoint is None
-    assert v == VerifierConfig(Path("/models/llm"))
+    from services.verifier.config import DEFAULT_CO_LOCATED
+
+    # Without speculators the command line co-locates the model-free members (a verifier alone
+    # still speculates); every other field is the dataclass's default.
+    assert v.co_located == DEFAULT_CO_LOCATED == limits.MODEL_FREE_NAMES
+    assert v == VerifierConfig(Path("/models/llm"), co_located=DEFAULT_CO_LOCATED)
     assert s == SpeculatorConfig((Path("/models/ssm"),))
 
 

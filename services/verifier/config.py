@@ -156,7 +156,8 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=security,
         speculator_security=channel_security(a, env, security.token),
-        tensor_parallel=parallel.num_ranks, parallel=parallel, execution=execution,
+        tensor_parallel=parallel.num_ranks, execution=execution,
+        parallel=None if parallel == ParallelConfig() else parallel,  # one process: the field's default
     )
 
 
