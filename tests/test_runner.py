@@ -151,3 +151,17 @@ def test_importing_the_kernels_leaves_the_environment_alone():
     proc = subprocess.run([sys.executable, "-c", _IMPORT_KERNELS], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "changed: []"
+
+
+def test_cost_model_calibrates_within_a_short_context(tmp_path):
+    """A model whose context is shorter than the default calibration prefix plus its largest
+    size still calibrates (the load-aware verifier starts on it) and frees what it used."""
+    from specinfer.engine.policy import CostModel
+
+    path = save_tiny_llama(tmp_path / "m", seed=8, max_pos=64)
+    runner = ModelRunner.from_dir(path, max_kv_tokens=1024, block_size=4)
+    num_free = runner.allocator.num_free
+    model = CostModel.calibrate(runner, repeats=1)
+    sizes = [n for n, _ in model.points]
+    assert sizes and max(sizes) <= 32 and all(t > 0 for _, t in model.points)
+    assert runner.allocator.num_free == num_free

@@ -69,9 +69,11 @@ class CostModel:
         every larger size (costs are made monotone below)."""
         from specinfer.engine.runner import Work
 
-        free_slots = runner.allocator.num_free * runner.allocator.block_size
-        context = max(1, min(context, free_slots // 2))
-        sizes = [n for n in sizes if context + n <= free_slots] or [1]
+        # Within the free KV slots and the model's own context (a small model may hold fewer
+        # positions than the default prefix plus the largest size).
+        room = min(runner.allocator.num_free * runner.allocator.block_size, runner.max_context)
+        context = max(1, min(context, room // 2))
+        sizes = [n for n in sizes if context + n <= room] or [1]
         seq = runner.new_sequence()
         try:
             seq.ensure_capacity(context + max(sizes))
