@@ -111,9 +111,9 @@ finish() {
   exit 1
 }
 
-# The smoke's own settings on top of the offline stack: the tiny demo models have a 256-token
-# context, shorter than the passes that calibrate the load-aware tree policy, so the verifier
-# runs the fixed default tree (which also means every request speculates).
+# The smoke's own settings on top of the offline stack: the verifier runs the fixed default tree,
+# so every request speculates (on a busy CPU the load-aware policy may choose plain decoding),
+# which the killed-speculator check needs to show a fall-back.
 out=$(mktemp -d)
 cat >"$out/compose.smoke.yml" <<'YAML'
 services:
