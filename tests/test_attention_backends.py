@@ -29,7 +29,7 @@ from specinfer.engine.runner import ModelRunner, Work
 from specinfer.engine.scheduler import SchedulerConfig
 from specinfer.errors import UserError
 from specinfer.params import SamplingParams, TreeShape
-from tests.util import perturbed_copy, save_tiny_llama
+from util import perturbed_copy, save_tiny_llama
 
 pytest.importorskip("triton")
 
