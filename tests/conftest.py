@@ -34,6 +34,16 @@ def tiny_pair(tmp_path_factory) -> TinyPair:
     return TinyPair(llm, (ssm1, ssm2), 128)
 
 
+@pytest.fixture(scope="module")
+def pair_runners(tiny_pair):
+    """(LLM runner, [SSM runners]) over the tiny pair, one set per test module (they hold KV)."""
+    from specinfer.engine.runner import ModelRunner
+
+    llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=8192)
+    ssms = [ModelRunner.from_dir(p, max_kv_tokens=8192) for p in tiny_pair.ssms]
+    return llm, ssms
+
+
 @pytest.fixture(scope="session")
 def text_pair(tmp_path_factory) -> tuple[Path, Path]:
     """(llm, ssm) with a BPE tokenizer trained on a little Python and no EOS, for the services

@@ -15,15 +15,8 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def runners(tiny_pair):
-    llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=8192)
-    ssms = [ModelRunner.from_dir(p, max_kv_tokens=8192) for p in tiny_pair.ssms]
-    return llm, ssms
-
-
-@pytest.fixture(scope="module")
-def incremental_outputs(runners, greedy_prompts):
-    llm, _ = runners
+def incremental_outputs(pair_runners, greedy_prompts):
+    llm, _ = pair_runners
     engine = Engine.from_runners(llm)
     return [engine.generate(p, mode_params("incremental", NEW_TOKENS)).output_ids for p in greedy_prompts]
 
@@ -46,8 +39,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_speculative_greedy_equals_incremental(runners, greedy_prompts, incremental_outputs, case):
-    llm, ssms = runners
+def test_speculative_greedy_equals_incremental(pair_runners, greedy_prompts, incremental_outputs, case):
+    llm, ssms = pair_runners
     mode, shape, num_ssms = CASES[case]
     engine = Engine.from_runners(llm, ssms[:num_ssms])
     params = mode_params(mode, NEW_TOKENS, shape)
@@ -64,9 +57,9 @@ def test_speculative_greedy_equals_incremental(runners, greedy_prompts, incremen
     assert llm.allocator.num_used == 0 and all(s.allocator.num_used == 0 for s in ssms)
 
 
-def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outputs):
+def test_batched_greedy_equals_single(pair_runners, greedy_prompts, incremental_outputs):
     """Several requests stepping together (one forward per level / step) change nothing."""
-    llm, ssms = runners
+    llm, ssms = pair_runners
     engine = Engine.from_runners(llm, ssms)
     reqs = [engine.start(p, mode_params("tree", NEW_TOKENS - i, TreeShape((2, 1, 2, 1))))
             for i, p in enumerate(greedy_prompts)]
@@ -76,9 +69,9 @@ def test_batched_greedy_equals_single(runners, greedy_prompts, incremental_outpu
     assert llm.allocator.num_used == 0
 
 
-def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_prompts, incremental_outputs):
+def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, pair_runners, greedy_prompts, incremental_outputs):
     """The SSM's dtype changes what it proposes, never what comes out."""
-    llm, _ = runners
+    llm, _ = pair_runners
     engine = Engine.from_runners(llm, [ModelRunner.from_dir(tiny_pair.ssms[0], dtype="bfloat16", max_kv_tokens=8192)])
     accepted = 0
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
@@ -88,8 +81,8 @@ def test_half_precision_ssm_keeps_fp32_llm_output(tiny_pair, runners, greedy_pro
     assert accepted > 0
 
 
-def test_auto_mode_picks_shapes_and_stays_exact(runners, greedy_prompts, incremental_outputs):
-    llm, ssms = runners
+def test_auto_mode_picks_shapes_and_stays_exact(pair_runners, greedy_prompts, incremental_outputs):
+    llm, ssms = pair_runners
     engine = Engine.from_runners(llm, ssms[:1], EngineConfig(default_shape=TreeShape((3, 3, 1, 1, 1, 1), max_nodes=32)))
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
         assert engine.generate(prompt, mode_params("auto", NEW_TOKENS)).output_ids == expected

@@ -11,7 +11,6 @@ from transformers import LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runner import ModelRunner
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, SamplingParams, TreeShape
 
@@ -19,13 +18,6 @@ NEW_TOKENS = 24
 NUM_TOP = 5
 TOL = 1e-4
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7)
-
-
-@pytest.fixture(scope="module")
-def runners(tiny_pair):
-    llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=8192)
-    ssms = [ModelRunner.from_dir(p, max_kv_tokens=8192) for p in tiny_pair.ssms]
-    return llm, ssms
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +52,8 @@ def check_against_transformers(hf, prompt, result, sampling) -> None:
 
 
 @pytest.mark.parametrize("mode", ["incremental", "tree"])
-def test_greedy_logprobs_are_transformers_log_softmax(runners, hf, greedy_prompts, mode):
-    llm, ssms = runners
+def test_greedy_logprobs_are_transformers_log_softmax(pair_runners, hf, greedy_prompts, mode):
+    llm, ssms = pair_runners
     engine = Engine.from_runners(llm, ssms[:1])
     params = mode_params(mode, NEW_TOKENS, TreeShape((1, 1, 3, 1, 1)), num_logprobs=NUM_TOP)
     accepted = 0
@@ -74,8 +66,8 @@ def test_greedy_logprobs_are_transformers_log_softmax(runners, hf, greedy_prompt
 
 
 @pytest.mark.parametrize("mode", ["incremental", "tree"])
-def test_sampled_logprobs_are_of_the_warped_distribution(runners, hf, greedy_prompts, mode):
-    llm, ssms = runners
+def test_sampled_logprobs_are_of_the_warped_distribution(pair_runners, hf, greedy_prompts, mode):
+    llm, ssms = pair_runners
     engine = Engine.from_runners(llm, ssms[:1])
     params = mode_params(mode, NEW_TOKENS, TreeShape((2, 2, 1, 1)), sampling=SAMPLED, num_logprobs=NUM_TOP)
     accepted = 0
@@ -88,8 +80,8 @@ def test_sampled_logprobs_are_of_the_warped_distribution(runners, hf, greedy_pro
         assert accepted > 0
 
 
-def test_logprobs_change_nothing_else_and_cost_no_forward_pass(runners, greedy_prompts, monkeypatch):
-    llm, ssms = runners
+def test_logprobs_change_nothing_else_and_cost_no_forward_pass(pair_runners, greedy_prompts, monkeypatch):
+    llm, ssms = pair_runners
     engine = Engine.from_runners(llm, ssms[:1])
     calls = []
     run = llm.run
@@ -107,8 +99,8 @@ def test_logprobs_change_nothing_else_and_cost_no_forward_pass(runners, greedy_p
         assert a.output_logprobs == [] and len(b.output_logprobs) == len(b.output_ids)
 
 
-def test_zero_alternatives_still_gives_each_tokens_logprob(runners, hf, greedy_prompts):
-    llm, _ = runners
+def test_zero_alternatives_still_gives_each_tokens_logprob(pair_runners, hf, greedy_prompts):
+    llm, _ = pair_runners
     result = Engine.from_runners(llm).generate(greedy_prompts[1], mode_params("incremental", 8, num_logprobs=0))
     assert [lp.top for lp in result.output_logprobs] == [()] * 8
     ref = reference_logprobs(hf, greedy_prompts[1], result.output_ids, SamplingParams())
