@@ -209,9 +209,11 @@ class SpeculatorWorker:
         return SpecSession(states, params, shape, make_generator(params.seed, 1))
 
     def step(self, session: SpecSession, feedback: tuple[list[int], int] | None, max_depth: int,
-             shape: TreeShape | None = None, timeout: float | None = None) -> tuple[TokenTree, float]:
-        """Applies the verifier's feedback, then returns the next tree and the seconds it took."""
-        return self.worker.call("step", session, feedback, max_depth, shape, timeout=timeout)
+             shape: TreeShape | None = None, timeout: float | None = None, is_model_free_only: bool = False
+             ) -> tuple[TokenTree, float]:
+        """Applies the verifier's feedback, then returns the next tree and the seconds it took;
+        `is_model_free_only` asks for the model-free members' drafts alone (no SSM pass)."""
+        return self.worker.call("step", session, feedback, max_depth, shape, is_model_free_only, timeout=timeout)
 
     def close(self, session: SpecSession) -> None:
         try:
@@ -237,7 +239,7 @@ class SpeculatorWorker:
                     self.num_open -= 1
                 job.future.set_result(None)
                 continue
-            session, feedback, max_depth, shape, = job.args
+            session, feedback, max_depth, shape, _ = job.args
             if feedback is not None:
                 self.speculator.feedback(session.states, session.last_trees, *feedback)
             session.last_trees = None
@@ -253,7 +255,8 @@ class SpeculatorWorker:
         # One speculator's merged tree stays within the request's shape (the verifier reserved KV for
         # that much per speculator); model-free members draft as deep as the request's bound allows.
         batch = [Proposal(j.args[0].states, j.args[0].shape.clipped(j.args[2]), j.args[0].params,
-                          j.args[0].generator, j.args[2], max_nodes=j.args[0].shape.max_nodes)
+                          j.args[0].generator, j.args[2], is_model_free_only=j.args[4],
+                          max_nodes=j.args[0].shape.max_nodes)
                  for j in proposing]
         for job, (tree, ssm_trees) in zip(proposing, self.speculator.propose(batch)):
             job.args[0].last_trees = ssm_trees
