@@ -14,10 +14,10 @@ from typing import Mapping
 
 from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_cuda_graphs
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, common_flags, one_of, port_flag,
-    read_flags, security_flags,
+    parse_bool, read_flags, security_flags,
 )
 from specinfer.serving.security import ServerSecurity, server_security
 
@@ -32,6 +32,7 @@ class SpeculatorConfig:
     device: str = "auto"
     max_kv_tokens: int = DEFAULT_KV_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
+    is_pipelined: bool = DEFAULT_PIPELINE  # draft greedy requests' next trees while the verifier verifies
     otlp_endpoint: str | None = None
     metrics_port: int = 0
     log_level: str = "info"
@@ -55,6 +56,9 @@ def _flags() -> list[Flag]:
              is_positive=True),
         Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
              is_positive=True),
+        Flag("--pipeline", "SPECINFER_PIPELINE", parse_bool, d["is_pipelined"],
+             "draft a greedy request's next tree while the verifier verifies this one (on/off)",
+             shown_default="on" if d["is_pipelined"] else "off"),
         Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
              "attention backend: triton, sdpa, or auto (triton on CUDA when importable, else sdpa)"),
         Flag("--cuda-graphs", "SPECINFER_CUDA_GRAPHS", parse_cuda_graphs, None,
@@ -79,7 +83,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         raise UserError("the speculator needs at least one SSM directory: --ssm or SPECINFER_SSM_DIRS")
     return SpeculatorConfig(
         ssm_dirs=ssm_dirs, model_free=model_free, host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
-        max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], otlp_endpoint=a["otlp_endpoint"],
+        max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], is_pipelined=a["pipeline"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env),
         execution=ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"]),

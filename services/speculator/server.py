@@ -75,6 +75,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                         step_span.set_attribute("tree_depth", tree.max_depth)
                         step_span.set_attribute("step", step)
                         step_span.set_attribute("batch_size", session.last_batch_size)
+                        step_span.set_attribute("drafted_ahead", session.is_last_ahead)
                     yield pb.SpeculateResponse(tree=tree_to_proto(tree, params.is_greedy), step=step,
                                                speculate_s=seconds)
                     step += 1
@@ -127,7 +128,8 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
 
     def create(tracer, registry):
         worker = SpeculatorWorker(Speculator(runners, model_free), max_batch=cfg.max_batch,
-                                  metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded)
+                                  metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded,
+                                  is_pipelined=cfg.is_pipelined)
         return SpeculatorServicer(worker, names, tracer), worker.worker
 
     return start_model_service("speculator", cfg, exporter, create, pb_grpc.add_SpeculatorServicer_to_server,

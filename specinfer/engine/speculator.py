@@ -209,6 +209,10 @@ class Speculator:
         model-free members add their point-mass drafts after the SSMs' at every node (a draft's
         existence may depend on earlier drafts, never on later ones: verification stays exact)."""
         batch = [b if isinstance(b, Proposal) else Proposal(*b) for b in batch]
+        return [(self.merge(p, ssm_trees), ssm_trees) for p, ssm_trees in zip(batch, self.expand(batch))]
+
+    def expand(self, batch: list[Proposal]) -> list[list[SSMTree | None]]:
+        """Each request's tree in each SSM it uses (None elsewhere), one forward per level per SSM."""
         per_item: list[list[SSMTree | None]] = [[None] * len(self.runners) for _ in batch]
         for m, runner in enumerate(self.runners):
             users = [b for b, p in enumerate(batch) if p.states[m] is not None and not p.is_model_free_only
@@ -222,22 +226,23 @@ class Speculator:
             ]
             for b, built in zip(users, self._expand(runner, expansions)):
                 per_item[b][m] = built
-        out = []
+        return per_item
+
+    def merge(self, p: Proposal, ssm_trees: list[SSMTree | None]) -> TokenTree:
+        """The request's tree: its SSMs' trees merged by path, then its model-free members' drafts."""
+        trees = [t.tree for t in ssm_trees if t is not None]
+        merged = trees[0] if len(trees) == 1 else (merge_trees(trees)[0] if trees else None)
+        depth = min(p.max_depth, MODEL_FREE_MAX_DEPTH)
         base = len(self.runners)
-        for p, ssm_trees in zip(batch, per_item):
-            trees = [t.tree for t in ssm_trees if t is not None]
-            merged = trees[0] if len(trees) == 1 else (merge_trees(trees)[0] if trees else None)
-            depth = min(p.max_depth, MODEL_FREE_MAX_DEPTH)
-            free = [(d, p.states[base + i]) for i, d in enumerate(self.model_free) if p.states[base + i] is not None]
-            if depth > 0 and free:
-                # A copy: the SSMs' own trees stay as built (feedback maps them to their caches).
-                merged = merge_trees([merged])[0] if merged is not None else TokenTree.with_root(self.root(p.states))
-                cap = min(p.shape.max_nodes, MODEL_FREE_MAX_NODES)
-                bound = p.max_nodes if p.max_nodes is not None else len(merged) + cap * len(free)
-                for d, state in free:
-                    graft(merged, d.propose(state, depth, cap), bound)
-            out.append((merged if merged is not None else TokenTree.with_root(self.root(p.states)), ssm_trees))
-        return out
+        free = [(d, p.states[base + i]) for i, d in enumerate(self.model_free) if p.states[base + i] is not None]
+        if depth > 0 and free:
+            # A copy: the SSMs' own trees stay as built (feedback maps them to their caches).
+            merged = merge_trees([merged])[0] if merged is not None else TokenTree.with_root(self.root(p.states))
+            cap = min(p.shape.max_nodes, MODEL_FREE_MAX_NODES)
+            bound = p.max_nodes if p.max_nodes is not None else len(merged) + cap * len(free)
+            for d, state in free:
+                graft(merged, d.propose(state, depth, cap), bound)
+        return merged if merged is not None else TokenTree.with_root(self.root(p.states))
 
     @staticmethod
     def _expand(runner: ModelRunner, expansions: list[_Expansion]) -> list[SSMTree]:
@@ -271,17 +276,21 @@ class Speculator:
             if m >= len(self.runners):
                 self.model_free[m - len(self.runners)].extend(state, accepted + [bonus])
                 continue
-            st = ssm_trees[m] if ssm_trees else None
-            if st is None:
-                state.pending.extend(accepted + [bonus])
-                continue
-            fed = []
-            for node in st.tree.find_path(accepted)[1:]:
-                if st.scratch_of[node] < 0:
-                    break
-                fed.append(st.scratch_of[node])
-            self.runners[m].commit(state.seq, fed)
-            state.pending = accepted[len(fed) :] + [bonus]
+            self.commit_path(m, state, ssm_trees[m] if ssm_trees else None, accepted)
+            state.pending.append(bonus)
+
+    def commit_path(self, m: int, state: SSMState, st: SSMTree | None, accepted: list[int]) -> None:
+        """SSM `m` commits what it computed of `accepted` in its last tree `st`; the rest is queued."""
+        if st is None:
+            state.pending.extend(accepted)
+            return
+        fed = []
+        for node in st.tree.find_path(accepted)[1:]:
+            if st.scratch_of[node] < 0:
+                break
+            fed.append(st.scratch_of[node])
+        self.runners[m].commit(state.seq, fed)
+        state.pending = accepted[len(fed) :]
 
 
 def _first_used(states: list[Any]) -> int:

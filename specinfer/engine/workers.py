@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from specinfer.engine.pipeline import Ahead, build_ahead, settle
 from specinfer.engine.sampling import make_generator
 from specinfer.engine.speculator import Proposal, SSMState, SSMTree, Speculator
 from specinfer.engine.tree import TokenTree
@@ -76,6 +77,11 @@ class BatchWorker:
         self.is_inline = is_inline and not is_threaded
         if is_threaded:
             threading.Thread(target=self.run, name=name, daemon=True).start()
+
+    @property
+    def has_waiting(self) -> bool:
+        """Whether jobs are queued for the next iteration."""
+        return not self._queue.empty()
 
     def submit(self, kind: str, *args) -> Future:
         job = Job(kind, args)
@@ -185,15 +191,24 @@ class SpecSession:
     generator: torch.Generator
     last_trees: list[SSMTree | None] | None = None
     last_batch_size: int = 0  # requests whose trees were built together with this one's last
+    last_proposal: Proposal | None = None  # what the tree handed out last was asked as
+    ahead: Ahead | None = None  # the next tree, drafted while the last one is verified
+    is_last_ahead: bool = False  # the tree handed out last had been drafted ahead
 
 
 class SpeculatorWorker:
     """Builds token trees for many requests at once (one batched SSM pass per tree level)."""
 
     def __init__(self, speculator: Speculator, max_batch: int = DEFAULT_MAX_BATCH, metrics: WorkerMetrics | None = None,
-                 is_threaded: bool = True):
+                 is_threaded: bool = True, is_pipelined: bool = False):
         self.speculator = speculator
         self.metrics = metrics
+        # Pipelined: while the verifier verifies a greedy request's tree, this worker, when idle,
+        # drafts the request's next tree from the outcome its SSMs believe (`engine.pipeline`).
+        self.is_pipelined = is_pipelined and bool(speculator.runners)
+        self.max_context = min((r.max_context for r in speculator.runners), default=0)
+        self.num_ahead = {"stood": 0, "dropped": 0}
+        self._wanted: dict[int, SpecSession] = {}  # sessions whose next tree may be drafted ahead
         self.num_open = 0
         self._count_lock = threading.Lock()
         if metrics is not None:
@@ -221,44 +236,85 @@ class SpeculatorWorker:
         except UnavailableError:  # shutting down: the whole cache goes with the process
             pass
 
-    def _process(self, jobs: list[Job]) -> None:
+    def _process(self, jobs: list[Job]) -> tuple[list[Job], bool] | None:
         self._propose(jobs)
         if self.metrics is not None:
             used = sum(r.allocator.num_used for r in self.speculator.runners)
             free = sum(r.allocator.num_free for r in self.speculator.runners)
             self.metrics.observe_kv(used, free)
             self.metrics.requests_running.set(self.num_open)
+        if not self._wanted:
+            return None
+        if self.worker.has_waiting:  # trees asked for come first; drafting ahead waits for a lull
+            return [_AHEAD_JOB], True
+        self._draft_ahead()
+        return None
+
+    def _draft_ahead(self) -> None:
+        sessions, self._wanted = list(self._wanted.values()), {}
+        items = [(s.last_proposal, s.last_trees) for s in sessions]
+        for session, ahead in zip(sessions, build_ahead(self.speculator, items, self.max_context)):
+            session.ahead = ahead
+
+    def _settle(self, session: SpecSession, feedback: tuple[list[int], int], proposal: Proposal
+                ) -> list[SSMTree | None] | None:
+        """Applies the verifier's feedback; the SSM trees of a tree drafted ahead that stands."""
+        ahead, session.ahead = session.ahead, None
+        if ahead is None:
+            self.speculator.feedback(session.states, session.last_trees, *feedback)
+            return None
+        trees = settle(self.speculator, session.states, ahead, *feedback, proposal.shape.widths,
+                       proposal.is_model_free_only or not proposal.max_depth)
+        outcome = "stood" if trees is not None else "dropped"
+        self.num_ahead[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.ahead_trees.labels("speculator", outcome).inc()
+        return trees
 
     def _propose(self, jobs: list[Job]) -> None:
         start = time.perf_counter()
         proposing: list[Job] = []
+        served: list[SpecSession] = []
         for job in jobs:
+            if job.kind == "ahead":
+                continue
+            session = job.args[0]
+            self._wanted.pop(id(session), None)
             if job.kind == "close":
-                self.speculator.release(job.args[0].states)
+                self.speculator.release(session.states)
                 with self._count_lock:
                     self.num_open -= 1
                 job.future.set_result(None)
                 continue
-            session, feedback, max_depth, shape, _ = job.args
-            if feedback is not None:
-                self.speculator.feedback(session.states, session.last_trees, *feedback)
-            session.last_trees = None
+            _, feedback, max_depth, shape, is_model_free_only = job.args
             if shape is not None:
                 session.shape = shape
-            if max_depth > 0:
+            # One speculator's merged tree stays within the request's shape (the verifier reserved KV for
+            # that much per speculator); model-free members draft as deep as the request's bound allows.
+            proposal = Proposal(session.states, session.shape.clipped(max_depth), session.params, session.generator,
+                                max_depth, is_model_free_only=is_model_free_only, max_nodes=session.shape.max_nodes)
+            ready = self._settle(session, feedback, proposal) if feedback is not None else None
+            session.last_trees, session.last_proposal, session.is_last_ahead = ready, proposal, ready is not None
+            if ready is not None:
+                session.last_batch_size = 0
+                served.append(session)
+                job.future.set_result((self.speculator.merge(proposal, ready), time.perf_counter() - start))
+            elif max_depth > 0:
                 proposing.append(job)
             else:
                 root = self.speculator.root(session.states)
                 job.future.set_result((TokenTree.with_root(root), time.perf_counter() - start))
-        if not proposing:
-            return
-        # One speculator's merged tree stays within the request's shape (the verifier reserved KV for
-        # that much per speculator); model-free members draft as deep as the request's bound allows.
-        batch = [Proposal(j.args[0].states, j.args[0].shape.clipped(j.args[2]), j.args[0].params,
-                          j.args[0].generator, j.args[2], is_model_free_only=j.args[4],
-                          max_nodes=j.args[0].shape.max_nodes)
-                 for j in proposing]
-        for job, (tree, ssm_trees) in zip(proposing, self.speculator.propose(batch)):
-            job.args[0].last_trees = ssm_trees
-            job.args[0].last_batch_size = len(proposing)
-            job.future.set_result((tree, time.perf_counter() - start))
+        if proposing:
+            batch = [j.args[0].last_proposal for j in proposing]
+            for job, (tree, ssm_trees) in zip(proposing, self.speculator.propose(batch)):
+                job.args[0].last_trees = ssm_trees
+                job.args[0].last_batch_size = len(proposing)
+                served.append(job.args[0])
+                job.future.set_result((tree, time.perf_counter() - start))
+        if self.is_pipelined:
+            for session in served:
+                if session.params.is_greedy:
+                    self._wanted[id(session)] = session
+
+
+_AHEAD_JOB = Job("ahead", ())

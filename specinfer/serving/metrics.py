@@ -7,6 +7,7 @@ Names follow vLLM's speculative-decoding metrics where one exists (`*_spec_decod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from http.server import ThreadingHTTPServer
 from threading import Thread
 
@@ -53,6 +54,7 @@ class ModelMetrics:
     kv_usage: Gauge
     requests_running: Gauge
     requests_waiting: Gauge
+    ahead_trees: Any  # trees drafted ahead, by whether they stood (speculator)
 
     @classmethod
     def create(cls, registry: CollectorRegistry, service: str) -> "ModelMetrics":
@@ -71,6 +73,8 @@ class ModelMetrics:
             kv_usage=gauge("specinfer_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
             requests_running=gauge("specinfer_num_requests_running", "Requests being served"),
             requests_waiting=gauge("specinfer_num_requests_waiting", "Jobs queued for the model worker"),
+            ahead_trees=Counter("specinfer_ahead_trees", "Trees drafted while the previous one was verified, by "
+                                "whether the verdict let them stand", ["service", "outcome"], registry=registry),
         )
 
     def observe_kv(self, num_used: int, num_free: int) -> None:
