@@ -66,14 +66,17 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
             try:
                 step = 0
                 feedback, max_depth, shape_override = None, int(start.max_depth), None
+                is_model_free_only = start.model_free_only  # the model-free members' drafts alone
                 num_tokens = len(context_ids)  # verified tokens so far: a tree may not outgrow the context
                 while True:
                     depth = max(0, min(max_depth, MAX_TREE_DEPTH, self.max_context - num_tokens - 1))
                     with self.tracer.start_as_current_span("speculator.build_tree") as step_span:
-                        tree, seconds = self.worker.step(session, feedback, depth, shape_override)
+                        tree, seconds = self.worker.step(session, feedback, depth, shape_override,
+                                                         is_model_free_only=is_model_free_only)
                         step_span.set_attribute("tree_nodes", len(tree))
                         step_span.set_attribute("tree_depth", tree.max_depth)
                         step_span.set_attribute("step", step)
+                        step_span.set_attribute("model_free_only", is_model_free_only)
                         step_span.set_attribute("batch_size", session.last_batch_size)
                         step_span.set_attribute("drafted_ahead", session.is_last_ahead)
                     yield pb.SpeculateResponse(tree=tree_to_proto(tree, params.is_greedy), step=step,
@@ -90,6 +93,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                     num_tokens += len(feedback[0]) + 1
                     max_depth = int(fb.max_depth)
                     shape_override = shape_from_proto(fb.shape) if fb.HasField("shape") and fb.shape.widths else None
+                    is_model_free_only = fb.model_free_only
                 span.set_attribute("steps", step)
             finally:
                 self.worker.close(session)
