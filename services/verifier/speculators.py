@@ -196,6 +196,11 @@ class RemoteSpeculation:
     def num_sources(self, ssm_names: tuple[str, ...]) -> int:
         return len(self.chosen(ssm_names))
 
+    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int:
+        """Nodes beyond the root a step's merged tree may hold: each speculator's tree (model-free
+        drafts included) has at most `shape.max_nodes` nodes, root included."""
+        return self.num_sources(ssm_names) * (shape.max_nodes - 1)
+
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> "SpeculationDriver":
         speculators = self.chosen(params.ssm_names)

@@ -48,6 +48,9 @@ class DraftSource(Protocol):
 
     def num_sources(self, ssm_names: tuple[str, ...]) -> int: ...  # trees merged per step (0 = none)
 
+    # Nodes beyond the root that one step's merged tree may hold (the request's KV reservation).
+    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int: ...
+
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> Drafts: ...
 
@@ -82,6 +85,14 @@ class LocalSpeculation:
 
     def num_sources(self, ssm_names: tuple[str, ...]) -> int:
         return len(self.pool(ssm_names))
+
+    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int:
+        """Each SSM's tree holds at most `shape.max_nodes` nodes, root included; each model-free
+        member adds at most `min(shape.max_nodes, MODEL_FREE_MAX_NODES)` (`Speculator.merge`)."""
+        pool = self.pool(ssm_names)
+        num_ssms = sum(1 for m in pool if m < len(self.speculator.runners))
+        free_nodes = min(shape.max_nodes, limits.MODEL_FREE_MAX_NODES)
+        return num_ssms * (shape.max_nodes - 1) + (len(pool) - num_ssms) * free_nodes
 
     def all_names(self) -> list[str]:
         return list(self.names)
@@ -194,7 +205,8 @@ class Engine:
         limits.check_stop_token_ids(params.stop_token_ids, llm_cfg.vocab_size)
         num_sources = self.source.num_sources(params.ssm_names) if self.source and params.is_speculative else 0
         shape = self.cfg.default_shape if params.shape.is_default else params.shape
-        num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens, shape, num_sources)
+        num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens,
+                                   self.source.max_draft_nodes(params.ssm_names, shape) if num_sources else 0)
         session = self.scheduler.open(list(prompt_ids), session_id, num_slots, timeout_s, prefix_group)
         session.state.num_logprobs = params.num_logprobs
         try:

@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 from specinfer.engine.guard import SpeculationGuard
 from specinfer.engine.policy import MODEL_FREE_ONLY, LoadAwarePolicy
 from specinfer.engine.tree import TokenTree
-from specinfer.params import GenerationParams, TreeShape
+from specinfer.params import GenerationParams
 from specinfer.stats import GenerationStats
 
 
@@ -146,10 +146,11 @@ def speculation_depth(remaining: int, context: int, max_context: int) -> int:
     return max(0, min(remaining - 1, max_context - context - 1))
 
 
-def reserved_slots(num_prompt: int, max_new_tokens: int, shape: TreeShape, num_sources: int) -> int:
-    """KV slots a request may ever need: its prompt, every new token, and the merged trees of all
-    its draft sources (each at most `shape.max_nodes` nodes)."""
-    return num_prompt + max_new_tokens + 1 + shape.max_nodes * num_sources
+def reserved_slots(num_prompt: int, max_new_tokens: int, max_draft_nodes: int) -> int:
+    """KV slots a request may ever need: its prompt, every new token, and the draft nodes (a
+    tree's nodes beyond its root, the last verified token) of the largest tree its draft sources
+    may merge in one step (`DraftSource.max_draft_nodes`)."""
+    return num_prompt + max_new_tokens + 1 + max_draft_nodes
 
 
 class Generation:
