@@ -25,7 +25,7 @@ from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeShape
 from specinfer.serving.convert import sampling_to_proto, shape_to_proto
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, SPECULATOR_INFO_RETRY_S
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MODEL_FREE_NAMES, SPECULATOR_INFO_RETRY_S
 from specinfer.serving.security import ChannelSecurity, open_channel
 from specinfer.serving.settings import message_options, reconnect_options
 from specinfer.serving.tracing import outgoing_metadata
@@ -91,8 +91,10 @@ class SpeculatorLink:
         self.fail(f"stream ended: {item if item is not _CLOSED else 'closed'}")
         raise ConnectionError(f"speculator {self.name} stream ended")
 
-    def send_feedback(self, accepted: list[int], bonus: int, max_depth: int, shape: pb.TreeShape | None = None) -> None:
-        feedback = pb.SpeculateFeedback(accepted=accepted, bonus=bonus, max_depth=max_depth)
+    def send_feedback(self, accepted: list[int], bonus: int, max_depth: int, shape: pb.TreeShape | None = None,
+                      is_model_free_only: bool = False) -> None:
+        feedback = pb.SpeculateFeedback(accepted=accepted, bonus=bonus, max_depth=max_depth,
+                                        model_free_only=is_model_free_only)
         if shape is not None:
             feedback.shape.CopyFrom(shape)
         self._outbox.put(pb.SpeculateRequest(feedback=feedback))
@@ -201,6 +203,11 @@ class RemoteSpeculation:
         drafts included) has at most `shape.max_nodes` nodes, root included."""
         return self.num_sources(ssm_names) * (shape.max_nodes - 1)
 
+    def hosts_model_free(self, speculators: list[tuple[str, object]], ssm_names: tuple[str, ...]) -> bool:
+        """Whether one of `speculators` hosts a model-free member of the pool `ssm_names` names."""
+        return any(name in MODEL_FREE_NAMES and (not ssm_names or name in ssm_names)
+                   for target, stub in speculators for name in self.hosted_names(target, stub) or ())
+
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> "SpeculationDriver":
         speculators = self.chosen(params.ssm_names)
@@ -218,7 +225,7 @@ class RemoteSpeculation:
             return links
 
         return SpeculationDriver(open_links, prompt_ids, shape, self.vocab_size, params.sampling.is_greedy,
-                                 self.step_timeout_s)
+                                 self.step_timeout_s, self.hosts_model_free(speculators, params.ssm_names))
 
 
 class SpeculationDriver:
@@ -227,11 +234,13 @@ class SpeculationDriver:
     Streams to the speculators open only when the first tree is wanted, so a request that never
     speculates costs the speculators nothing. A step that should not speculate asks nothing; the
     tokens it verifies reach the speculators with the next request for a tree (their caches
-    catch up then), so switching speculation off and on costs no extra round trip.
+    catch up then), so switching speculation off and on costs no extra round trip. A step may ask
+    for the pool's model-free drafts alone (no widths, a depth) when a speculator hosts one: every
+    stream is asked, and one that hosts none answers with a root-only tree.
     """
 
     def __init__(self, open_links, context_ids: list[int], shape: TreeShape, vocab_size: int, is_greedy: bool,
-                 step_timeout_s: float):
+                 step_timeout_s: float, has_model_free: bool = False):
         self.open_links = open_links  # (start message) -> links
         self.links: list[SpeculatorLink] = []
         self.history = list(context_ids)  # every verified token so far, prompt included
@@ -239,13 +248,16 @@ class SpeculationDriver:
         self.vocab_size = vocab_size
         self.is_greedy = is_greedy
         self.step_timeout_s = step_timeout_s
+        self.has_model_free = has_model_free  # a chosen speculator hosts a model-free member of the pool
         self.unsent: list[int] = []  # verified tokens the open streams have not been told about
         self.is_awaiting = False
         self.asked_depth = 0
         self.num_unsent_steps = 0  # verified steps whose tokens the streams have not been told about
-        # Whether the tree asked last costs what a steady step costs: not the first (which opens the
-        # streams and prefills the SSMs on the whole context) nor one after plain steps (catch-up).
+        # Whether the tree asked last costs what a steady step costs: an SSM tree right after one
+        # (not the first, which prefills the SSMs on the whole context, nor one after plain or
+        # model-free-only steps, whose tokens the SSMs catch up on first).
         self.is_steady = False
+        self._is_ssm_current = False  # the SSMs built the tree asked last
 
     @property
     def is_usable(self) -> bool:
@@ -253,23 +265,28 @@ class SpeculationDriver:
 
     def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
         """Requests the next tree (opening the streams with the whole context the first time).
-        `max_depth` (at least the widths' depth) bounds the speculators' model-free drafts."""
-        if not widths or not self.is_usable:
+        `max_depth` (at least the widths' depth) bounds the speculators' model-free drafts; no
+        widths but a depth asks for the model-free drafts alone."""
+        is_model_free_only = not widths and bool(max_depth) and self.has_model_free
+        if not (widths or is_model_free_only) or not self.is_usable:
             return
         depth = max(len(widths), max_depth or 0)
-        shape = shape_to_proto(replace(self.shape, widths=widths))
-        self.is_steady = bool(self.links) and self.num_unsent_steps == 1
+        # A model-free-only ask keeps the request's shape: its node bound bounds the drafts.
+        shape = shape_to_proto(replace(self.shape, widths=widths) if widths else self.shape)
+        self.is_steady = bool(widths) and self._is_ssm_current and self.num_unsent_steps == 1
+        self._is_ssm_current = bool(widths)
         if not self.links:
-            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth)
+            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth,
+                                      model_free_only=is_model_free_only)
             self.links = self.open_links(start)
         else:
             for link in self.links:
                 if link.is_alive:
-                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape)
+                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape, is_model_free_only)
         self.unsent = []
         self.num_unsent_steps = 0
         self.is_awaiting = True
-        self.asked_depth = len(widths)
+        self.asked_depth = len(widths)  # SSM levels: 0 for model-free drafts, which cost no SSM pass
 
     def tree(self, root: int) -> DraftTree:
         """The tree for this step (root-only when none was asked) and the speculators that failed."""
