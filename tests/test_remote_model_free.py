@@ -93,13 +93,24 @@ def generate(stack, ssm_names=()) -> tuple[list[int], pb.GenerationStats]:
 def test_model_free_only_steps_through_the_services_keep_greedy_output(stack, incremental, monkeypatch):
     engine = stack.verifier_servicer.engine
     observed = force_model_free_only(monkeypatch, engine)
-    hosting = spy_steps(monkeypatch, stack.speculators[0][1].worker)
+    worker = stack.speculators[0][1].worker
+    hosting = spy_steps(monkeypatch, worker)
+    ssm = worker.speculator.runners[0]
+    ssm_passes: list[int] = []
+    run = ssm.run
+
+    def counted(works, *args, **kwargs):
+        ssm_passes.append(len(works))
+        return run(works, *args, **kwargs)
+
+    monkeypatch.setattr(ssm, "run", counted)
     runs = [generate(stack) for _ in range(2)]  # the second time the suffix cache holds the first output
     for tokens, stats in runs:
         assert tokens == incremental
         assert not stats.fell_back
     assert hosting and all(is_model_free_only for is_model_free_only, _ in hosting)
     assert any(nodes > 1 for _, nodes in hosting)  # model-free trees, really built
+    assert not ssm_passes  # and not one SSM pass
     assert runs[1][1].tokens_per_step > 2  # and their drafts accepted
     assert not observed  # a model-free-only step teaches the policy no SSM level cost
 
