@@ -199,6 +199,23 @@ def test_model_free_only_proposals_skip_the_ssms(runners):
     speculator.release(states)
 
 
+def test_an_ssm_tree_after_a_model_free_only_step_is_not_steady(runners):
+    """The SSMs sat the model-free-only step out, so the next SSM tree includes their catch-up:
+    the policy must not learn a steady step's speculation cost from it."""
+    llm, ssm = runners
+    engine = Engine.from_runners(llm, [ssm], model_free=[PromptLookup()])
+    drafts = engine.source.drafts("r", [3, 4, 5, 6, 3, 4], mode_params("tree", 8, TreeShape((1,))), TreeShape((1,)),
+                                  None)
+    steady = []
+    for widths, depth in [((1,), 1), ((1,), 1), ((), 2), ((1,), 1), ((1,), 1)]:
+        drafts.ask(widths, depth)
+        steady.append(drafts.is_steady)
+        root = drafts.tree(4).tree.tokens[0]
+        drafts.after_step([root + 1])  # any verified token will do: the bookkeeping is what is tested
+    drafts.close()
+    assert steady == [False, True, True, False, True]
+
+
 def test_the_speculator_service_hosts_model_free_members_next_to_its_ssm(tiny_pair):
     from specinfer.v1 import specinfer_pb2 as pb
     from util import start_stack

@@ -131,7 +131,7 @@ class LocalDrafts:
         self.last_trees: list[SSMTree | None] | None = None
         self.is_steady = False
         self.has_model_free = any(s is not None for s in states[len(local.speculator.runners):])
-        self._has_built = False
+        self._has_built_ssm_tree = False  # the tree built last came from the SSMs (not the model-free alone)
         self._num_plain_steps = 0
 
     def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
@@ -142,8 +142,9 @@ class LocalDrafts:
             return
         self.asked_shape = replace(self.shape, widths=widths)
         self.asked_depth = max_depth
-        # Steady: the SSMs only catch up on the last step's tokens (not the prompt, not a plain run).
-        self.is_steady = self._has_built and self._num_plain_steps == 0
+        # Steady: the SSMs only catch up on the last step's tokens (not the prompt, not a plain run,
+        # not a model-free-only step, which they sat out).
+        self.is_steady = self._has_built_ssm_tree and self._num_plain_steps == 0
         with self.local.lock:
             self.local._asked.append(self)
 
@@ -155,7 +156,8 @@ class LocalDrafts:
             self.local.build_asked()
         tree, self.last_trees, seconds = self.built
         depth = len(self.asked_shape.widths)
-        self.asked_shape, self.built, self._has_built, self._num_plain_steps = None, None, True, 0
+        self._has_built_ssm_tree = bool(self.asked_shape.widths)
+        self.asked_shape, self.built, self._num_plain_steps = None, None, 0
         return DraftTree(tree, [], depth, seconds)
 
     def after_step(self, verified: list[int]) -> None:
