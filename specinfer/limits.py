@@ -44,7 +44,9 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 # ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
 DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
 DEFAULT_MAX_BATCH = 256  # requests in one forward pass
-DEFAULT_PIPELINE = True  # speculators draft a greedy request's next tree while its tree is verified
+# Speculators draft a greedy request's next tree while its tree is verified: None = where the SSMs
+# run on an accelerator (on a CPU the drafts ahead compete with the LLM's pass for cores).
+DEFAULT_PIPELINE: bool | None = None
 DEFAULT_TOKEN_BUDGET = 512  # tokens per LLM pass: trees first, then prompt chunks
 DEFAULT_MAX_WAITING = 64  # requests queued for KV memory before RESOURCE_EXHAUSTED
 DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory

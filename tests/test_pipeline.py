@@ -115,3 +115,21 @@ def test_pipelining_off_drafts_nothing_ahead(tiny_pair, greedy_prompts):
                      speculator={"is_pipelined": False}) as stack:
         _generate(stack.verifier_stub, greedy_prompts[0], 24)
         assert stack.speculators[0][1].worker.num_ahead == {"stood": 0, "dropped": 0}
+
+
+def test_pipelining_is_on_where_the_ssms_have_their_own_device(tiny_pair, greedy_prompts):
+    """auto (the default) drafts ahead only off the CPU; on, off and bad values are read as such."""
+    from services.speculator.config import parse_config
+    from specinfer.errors import UserError
+
+    ssm = str(tiny_pair.ssms[0])
+    assert parse_config(["--ssm", ssm]).is_pipelined is None
+    assert parse_config(["--ssm", ssm, "--pipeline", "on"]).is_pipelined is True
+    assert parse_config(["--ssm", ssm], env={"SPECINFER_PIPELINE": "off"}).is_pipelined is False
+    with pytest.raises(UserError, match="pipeline"):
+        parse_config(["--ssm", ssm], env={"SPECINFER_PIPELINE": "sometimes"})
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--ssm", ssm, "--pipeline", "sometimes"])
+    assert exited.value.code == 2
+    with start_stack(tiny_pair.llm, [tiny_pair.ssms[0]], tree_width=WIDTHS, is_load_aware=False) as stack:
+        assert stack.speculators[0][1].worker.is_pipelined is False  # this host's SSMs run on its CPU

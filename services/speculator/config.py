@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
-from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_cuda_graphs
+from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_auto_switch, parse_cuda_graphs
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, common_flags, one_of, port_flag,
-    parse_bool, read_flags, security_flags,
+    read_flags, security_flags,
 )
 from specinfer.serving.security import ServerSecurity, server_security
 
@@ -32,7 +32,7 @@ class SpeculatorConfig:
     device: str = "auto"
     max_kv_tokens: int = DEFAULT_KV_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
-    is_pipelined: bool = DEFAULT_PIPELINE  # draft greedy requests' next trees while the verifier verifies
+    is_pipelined: bool | None = DEFAULT_PIPELINE  # draft ahead (None: where the SSMs run on an accelerator)
     otlp_endpoint: str | None = None
     metrics_port: int = 0
     log_level: str = "info"
@@ -56,9 +56,9 @@ def _flags() -> list[Flag]:
              is_positive=True),
         Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
              is_positive=True),
-        Flag("--pipeline", "SPECINFER_PIPELINE", parse_bool, d["is_pipelined"],
-             "draft a greedy request's next tree while the verifier verifies this one (on/off)",
-             shown_default="on" if d["is_pipelined"] else "off"),
+        Flag("--pipeline", "SPECINFER_PIPELINE", lambda text: parse_auto_switch(text, "pipeline"),
+             d["is_pipelined"], "draft a greedy request's next tree while the verifier verifies this one: auto "
+             "(on where the SSMs run on an accelerator), on or off", shown_default="auto"),
         Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
              "attention backend: triton, sdpa, or auto (triton on CUDA when importable, else sdpa)"),
         Flag("--cuda-graphs", "SPECINFER_CUDA_GRAPHS", parse_cuda_graphs, None,

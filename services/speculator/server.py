@@ -128,12 +128,14 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
     if len({r.cfg.vocab_size for r in runners}) != 1:
         raise UserError("all SSMs of one speculator must share a vocabulary")
     names = [d.name for d in cfg.ssm_dirs] + list(cfg.model_free)
+    # Drafting ahead overlaps the verifier's pass only where the SSMs do not share its CPU cores.
+    is_pipelined = cfg.is_pipelined if cfg.is_pipelined is not None else str(device).startswith("cuda")
     model_free = [model_free_member(name) for name in cfg.model_free]
 
     def create(tracer, registry):
         worker = SpeculatorWorker(Speculator(runners, model_free), max_batch=cfg.max_batch,
                                   metrics=ModelMetrics.create(registry, "speculator"), is_threaded=is_worker_threaded,
-                                  is_pipelined=cfg.is_pipelined)
+                                  is_pipelined=is_pipelined)
         return SpeculatorServicer(worker, names, tracer), worker.worker
 
     return start_model_service("speculator", cfg, exporter, create, pb_grpc.add_SpeculatorServicer_to_server,

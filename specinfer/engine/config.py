@@ -150,13 +150,18 @@ class ExecConfig:
             raise UserError(f"unknown attention backend {self.attention!r}: use {', '.join(ATTENTION_BACKENDS)}")
 
 
-def parse_cuda_graphs(text: str) -> bool | None:
-    """A service's --cuda-graphs value: auto (None: on wherever it can be), on or off."""
+def parse_auto_switch(text: str, what: str) -> bool | None:
+    """A switch whose default depends on the host: auto (None), on or off."""
     value = str(text).strip().lower()
     choices = {"auto": None, "on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
     if value not in choices:
-        raise UserError(f"CUDA graphs {text!r}: use auto, on or off")
+        raise UserError(f"{what} {text!r}: use auto, on or off")
     return choices[value]
+
+
+def parse_cuda_graphs(text: str) -> bool | None:
+    """A service's --cuda-graphs value: auto (None: on wherever it can be), on or off."""
+    return parse_auto_switch(text, "CUDA graphs")
 
 
 def _parse_rope(raw: dict) -> RopeConfig:
