@@ -38,6 +38,18 @@ def test_stack_spawns_each_service_with_its_threads(monkeypatch):
     assert speculator_args[speculator_args.index("--threads") + 1] == "3"  # an explicit count wins
 
 
+def test_each_speculator_may_be_told_whether_to_draft_ahead(monkeypatch):
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.append((name, args)))
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"), Path("/m/b")), num_speculators=2,
+                      speculator_pipeline=(False, True))).start()
+    args = dict(spawned)
+    assert [args[f"speculator-{i}"][args[f"speculator-{i}"].index("--pipeline") + 1] for i in (0, 1)] == ["off", "on"]
+    spawned.clear()
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"),))).start()
+    assert "--pipeline" not in dict(spawned)["speculator-0"]  # the speculator's own default
+
+
 def _supervise_until(stack: Stack, predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

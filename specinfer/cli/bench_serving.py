@@ -26,6 +26,7 @@ class ArmSpec:
     name: str
     speculate: bool
     widths: tuple[int, ...]  # () = the verifier's choice (load-aware)
+    ssm_names: tuple[str, ...] = ()  # the pool it speculates with (default: the verifier's)
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -54,6 +55,8 @@ def run_load(client, prompts: list[str], concurrency: int, num_requests: int, ar
                           speculate=arm.speculate)
             if arm.widths:
                 params["tree_width"] = arm.widths
+            if arm.ssm_names:
+                params["ssm_names"] = arm.ssm_names
             start = time.perf_counter()
             try:
                 reply = client.generate(prompts[i % len(prompts)], **params)
@@ -90,7 +93,7 @@ def summarize(loads: list[dict]) -> dict:
 
 
 def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...], max_tokens: int, dtype: str,
-                     ssm_dtype: str | None) -> dict:
+                     ssm_dtype: str | None, ssm_names: tuple[str, ...] = ()) -> dict:
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
@@ -117,7 +120,7 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
                 outputs[arm] = engine.generate(ids, params).output_ids
             else:
                 outputs[arm] = list(client.generate(prompt, max_tokens=max_tokens, tree_width=widths,
-                                                    ignore_eos=True).token_ids)
+                                                    ignore_eos=True, ssm_names=ssm_names).token_ids)
             totals[arm][0] += time.perf_counter() - start
             totals[arm][1] += len(outputs[arm])
         is_equal = is_equal and outputs["in_process"] == outputs["service"]
@@ -169,6 +172,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     levels = _parse_levels(args.concurrency)
     if args.rounds < 1 or args.requests_per_level < 1:
         raise UserError("--rounds and --requests-per-level must be >= 1")
+    if args.compare_pipeline and args.co_located:
+        raise UserError("--compare-pipeline compares speculator processes: leave out --co-located")
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="the serving benchmark")
     check_models(paths)
@@ -182,11 +187,16 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     if paths.model_free or args.co_located:  # model-free pool members; the verifier hosting the pool itself
         stack = Stack(replace(stack.cfg, model_free=paths.model_free, is_co_located=args.co_located or not paths.ssms))
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
+    plain_pool: tuple[str, ...] = ()
+    if args.compare_pipeline:
+        stack, plain_pool, ahead_pool = _pipeline_stack(stack, cache_dir)
+        arms = [arms[0], replace(arms[1], ssm_names=plain_pool), ArmSpec("fixed_tree_ahead", True, widths, ahead_pool),
+                replace(arms[2], ssm_names=plain_pool), ArmSpec("load_aware_ahead", True, (), ahead_pool)]
     report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "model_free": list(paths.model_free),
                          "co_located": stack.cfg.is_co_located, "concurrency": levels,
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
-                         "temperatures": temperatures},
+                         "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline)},
               "results": {}}
     try:
         stack.start()
@@ -195,7 +205,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
         for arm in arms:  # warm-up: lazy allocations, first calibration of acceptance
             run_load(client, prompts, 2, 4, arm, min(16, args.max_new_tokens), 0.0)
         report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
-                                                      args.max_new_tokens, args.dtype, args.ssm_dtype)
+                                                      args.max_new_tokens, args.dtype, args.ssm_dtype, plain_pool)
         report["http_overhead"] = measure_http_overhead(client, f"http://127.0.0.1:{args.port + 3}", paths.llm.name,
                                                         prompts[: args.requests_per_level], widths,
                                                         args.max_new_tokens)
@@ -233,6 +243,22 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     report["machine"] = machine_info(args.dtype)
     print_report(report, args.output)
     return 0
+
+
+def _pipeline_stack(stack, cache_dir: Path):
+    """The stack with two speculators hosting the same SSM under two names: one drafts ahead,
+    one does not; returns it and the two pools' names (plain, ahead)."""
+    ssm = stack.cfg.ssms[0].resolve()
+    links = cache_dir / "pipeline-arms"
+    links.mkdir(parents=True, exist_ok=True)
+    plain, ahead = links / f"{ssm.name}-plain", links / f"{ssm.name}-ahead"
+    for link in (plain, ahead):
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(ssm, target_is_directory=True)
+    cfg = replace(stack.cfg, ssms=(plain, ahead), num_speculators=2, speculator_pipeline=(False, True),
+                  model_free=(), speculator_base_port=stack.cfg.http_port + 1)  # past every other port
+    return type(stack)(cfg), (plain.name,), (ahead.name,)
 
 
 def _parse_levels(text: str) -> list[int]:

@@ -48,6 +48,7 @@ class StackConfig:
     cuda_graphs: bool | None = None  # None: on wherever it can be
     is_offloaded: bool = False  # the LLM's layer weights streamed from host memory
     speculator_threads: int = 0  # 0 = `default_speculator_threads()`
+    speculator_pipeline: tuple[bool, ...] = ()  # per speculator: draft ahead or not (empty: their default)
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
@@ -129,6 +130,8 @@ class Stack:
             args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype,
                      "--threads", str(cfg.speculator_threads or default_speculator_threads(cfg.num_speculators))]
             args += _exec_args(cfg)
+            if cfg.speculator_pipeline:
+                args += ["--pipeline", "on" if cfg.speculator_pipeline[i] else "off"]
             env = dict(common_env)
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 2 + i)

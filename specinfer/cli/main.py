@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --concurrency: interleave the arms in this many rounds per level (noisy machines)")
     b.add_argument("--temperatures", default="0,1", help="with --concurrency: comma-separated temperatures")
     b.add_argument("--co-located", action="store_true", help="with --concurrency: the verifier hosts the SSMs itself")
+    b.add_argument("--compare-pipeline", action="store_true",
+                   help="with --concurrency: add arms whose speculator drafts ahead, against one that does not "
+                        "(two speculator processes)")
     b.add_argument("--port", type=int, default=50151, help="with --concurrency: first port of the stack")
     b.add_argument("--verifier-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
     b.add_argument("--speculator-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
