@@ -101,3 +101,27 @@ def test_up_co_located_starts_no_speculator_and_hands_the_pool_to_the_verifier(m
     assert [name for name, _ in spawned] == ["speculator-0", "verifier", "gateway"]
     speculator = dict(spawned)["speculator-0"]
     assert [speculator[i + 1] for i, a in enumerate(speculator) if a == "--ssm"] == [str(tmp_path / "ssm"), "lookup"]
+
+
+def test_co_located_ssms_run_on_the_llms_thread(tiny_pair):
+    """Every SSM pass and every LLM pass of a co-located verifier runs on one thread (the model's),
+    however many request threads ask for trees: no second OpenMP team spins against the first."""
+    import threading
+
+    stack = start_stack(tiny_pair.llm, co_located=(str(tiny_pair.ssms[0]),))
+    try:
+        engine = stack.verifier_servicer.engine
+        threads: dict[str, set[int]] = {"llm": set(), "ssm": set()}
+        for name, runner in (("llm", engine.verifier.runner), ("ssm", engine.source.speculator.runners[0])):
+            def run(works, _run=runner.run, _name=name):
+                threads[_name].add(threading.get_ident())
+                return _run(works)
+            runner.run = run
+        request_threads = [threading.Thread(target=generate, args=(stack, p)) for p in PROMPTS]
+        for t in request_threads:
+            t.start()
+        for t in request_threads:
+            t.join()
+        assert threads["ssm"] and threads["ssm"] == threads["llm"] and len(threads["llm"]) == 1, threads
+    finally:
+        stack.stop()

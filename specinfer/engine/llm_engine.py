@@ -73,6 +73,8 @@ class LocalSpeculation:
             raise ValueError(f"{len(self.names)} names for {speculator.num_members} pool members")
         self._asked: list[LocalDrafts] = []
         self.lock = threading.RLock()
+        # Where trees are built: on the calling thread, or (in the verifier) on the model's thread.
+        self.run_drafting: Callable[[Callable[[], None]], None] = lambda build: build()
 
     def pool(self, ssm_names: tuple[str, ...]) -> list[int]:
         """Indices of the members a request speculates with (all of them when it names none)."""
@@ -106,6 +108,8 @@ class LocalSpeculation:
         with self.lock:
             asked, self._asked = self._asked, []
             started = time.perf_counter()
+            for drafts in asked:
+                drafts.apply_feedback()
             batch = [Proposal(d.states, d.asked_shape, d.sampling, d.generator, d.asked_depth,
                               not d.asked_shape.widths) for d in asked]
             built = self.speculator.propose(batch)
@@ -129,6 +133,7 @@ class LocalDrafts:
         self.asked_depth = 0
         self.built: tuple[TokenTree, list[SSMTree | None], float] | None = None
         self.last_trees: list[SSMTree | None] | None = None
+        self._feedback: list[tuple[list[SSMTree | None] | None, list[int]]] = []  # verified steps not yet read
         self.is_steady = False
         self.has_model_free = any(s is not None for s in states[len(local.speculator.runners):])
         self._has_built_ssm_tree = False  # the tree built last came from the SSMs (not the model-free alone)
@@ -153,7 +158,7 @@ class LocalDrafts:
             self._num_plain_steps += 1
             return DraftTree(TokenTree.with_root(root), [], 0, 0.0)
         if self.built is None:
-            self.local.build_asked()
+            self.local.run_drafting(self.local.build_asked)
         tree, self.last_trees, seconds = self.built
         depth = len(self.asked_shape.widths)
         self._has_built_ssm_tree = bool(self.asked_shape.widths)
@@ -161,9 +166,15 @@ class LocalDrafts:
         return DraftTree(tree, [], depth, seconds)
 
     def after_step(self, verified: list[int]) -> None:
-        with self.local.lock:
-            self.local.speculator.feedback(self.states, self.last_trees, verified[:-1], verified[-1])
+        """Records a verified step; the SSMs read it when the next tree is built (on the thread
+        that builds trees, as their cache updates are model work)."""
+        self._feedback.append((self.last_trees, verified))
         self.last_trees = None
+
+    def apply_feedback(self) -> None:
+        for trees, verified in self._feedback:
+            self.local.speculator.feedback(self.states, trees, verified[:-1], verified[-1])
+        self._feedback = []
 
     def close(self) -> None:
         with self.local.lock:
@@ -185,6 +196,8 @@ class Engine:
         self.policies: dict[tuple, LoadAwarePolicy] = {}  # per width bound, built on first load-aware use
         self.cost_model: CostModel | None = None
         self.guard = SpeculationGuard() if cfg.is_guarded else None
+        if isinstance(source, LocalSpeculation):  # a co-located pool drafts on the LLM's thread
+            source.run_drafting = self.scheduler.run_drafting
 
     @classmethod
     def from_runners(cls, llm: ModelRunner, ssms: list[ModelRunner] | None = None, cfg: EngineConfig = EngineConfig(),

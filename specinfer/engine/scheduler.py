@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -98,6 +99,14 @@ class Scheduler:
         wait_s = self.cfg.admission_timeout_s if timeout_s is None else min(timeout_s, self.cfg.admission_timeout_s)
         return self.worker.call("open", prompt_ids, session_id, num_slots, time.monotonic() + wait_s, prefix_group)
 
+    def run_drafting(self, build: Callable[[], Any]) -> Any:
+        """Runs `build` (a co-located pool's tree building) on the model's thread and returns what
+        it returns: one thread, one OpenMP team for every model of the process, none spinning
+        against another between passes."""
+        if self.worker.is_inline:
+            return build()
+        return self.worker.call("draft", build)
+
     def verify(self, session: VerifySession, tree: TokenTree, params: SamplingParams,
                generator: torch.Generator | None) -> Future:
         return self.worker.submit("verify", session, tree, params, generator)
@@ -134,16 +143,18 @@ class Scheduler:
         return carried, is_busy
 
     def _iterate(self, jobs: list[Job]) -> tuple[list[Job], bool]:
-        by_kind: dict[str, list[Job]] = {"open": [], "verify": [], "close": [], "release_session": []}
+        by_kind: dict[str, list[Job]] = {"open": [], "verify": [], "close": [], "release_session": [], "draft": []}
         for job in jobs:
             by_kind[job.kind].append(job)
+        for job in by_kind["draft"]:  # a co-located pool's trees, on this thread too (`run_drafting`)
+            _settle(job, job.args[0])
         for job in by_kind["close"]:  # free memory before admitting anyone
             _settle(job, lambda: self._close(*job.args))
         for job in by_kind["release_session"]:
             _settle(job, lambda: self._release(job.args[0]))
         waiting = self._admit(by_kind["open"])
         prefilling, did_run = self._run_step(by_kind["verify"])
-        is_busy = did_run or bool(by_kind["close"] or by_kind["release_session"])
+        is_busy = did_run or bool(by_kind["close"] or by_kind["release_session"] or by_kind["draft"])
         return waiting + prefilling, is_busy
 
     def _admit(self, opens: list[Job]) -> list[Job]:
