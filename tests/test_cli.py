@@ -114,7 +114,9 @@ def test_real_entry_point_has_no_traceback(cli_models):
 @pytest.mark.parametrize("extra, fragment", [(["--concurrency", "1,x"], "comma-separated"),
                                              (["--concurrency", "1", "--rounds", "0"], "--rounds"),
                                              (["--concurrency", "1", "--compare-pipeline", "--co-located"],
-                                              "--compare-pipeline")])
+                                              "--compare-pipeline"),
+                                             (["--concurrency", "1", "--noisy-phase-s", "-1"], "--noisy-phase-s"),
+                                             (["--concurrency", "1", "--num-speculators", "-1"], "--num-speculators")])
 def test_bad_serving_bench_flags_exit_2_before_starting_a_stack(cli_models, capsys, extra, fragment):
     code, out, err = run_cli(["bench", "--llm", str(cli_models["llm"]), "--ssm", str(cli_models["ssm"])] + extra, capsys)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""

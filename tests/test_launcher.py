@@ -88,3 +88,22 @@ def test_backoff_resets_once_a_child_stayed_up_a_while(capfd):
         stack.stop(grace_s=5)
     delays = re.findall(r"gateway exited with code 0; restarting it in ([0-9.]+)s", capfd.readouterr().err)
     assert delays[:2] == ["0.05", "0.05"]  # each run lasted past stable_after_s: no growth
+
+
+def test_up_hosts_the_pool_in_the_verifier_unless_asked_for_speculator_processes(monkeypatch, tiny_pair, tmp_path):
+    from specinfer.cli.main import main
+
+    started = []
+
+    def start(self):
+        started.append(self.cfg)
+        raise KeyboardInterrupt  # nothing is launched: only the stack's configuration is looked at
+
+    monkeypatch.setattr(Stack, "start", start)
+    base = ["up", "--llm", str(tiny_pair.llm), "--ssm", str(tiny_pair.ssms[0]), "--cache-dir", str(tmp_path)]
+    assert main(base) == 0
+    assert main(base + ["--num-speculators", "2"]) == 0
+    assert main(base + ["--co-located"]) == 0
+    assert [(cfg.is_co_located, cfg.num_speculators) for cfg in started] == [(True, 1), (False, 2), (True, 1)]
+    assert main(base + ["--co-located", "--num-speculators", "2"]) == 2
+    assert main(base + ["--num-speculators", "-1"]) == 2

@@ -76,6 +76,31 @@ def run_load(client, prompts: list[str], concurrency: int, num_requests: int, ar
     return {"wall_s": time.perf_counter() - start, "records": records, "errors": errors}
 
 
+def noisy_phase(client, prompts: list[str], seconds: float, max_tokens: int) -> dict:
+    """Busies every CPU with spinning processes for `seconds` while load-aware requests run, greedy
+    and sampled in turn, so the policy and the guard learn under load the measurement will not
+    have; returns what ran."""
+    import os
+    import subprocess
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+    num_requests, errors = 0, []
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            for temperature in (0.0, 1.0):
+                load = run_load(client, prompts, 2, 2, ArmSpec("load_aware", True, ()), max_tokens, temperature,
+                                num_requests)
+                num_requests += len(load["records"])
+                errors += load["errors"]
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    return {"seconds": seconds, "num_busy_processes": len(burners), "num_requests": num_requests,
+            "errors": errors[:3]}
+
+
 def summarize(loads: list[dict]) -> dict:
     """One arm's figures over its rounds: tokens/s over the summed wall time, per-request p50/p99."""
     records = [r for load in loads for r in load["records"]]
@@ -172,6 +197,10 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     levels = _parse_levels(args.concurrency)
     if args.rounds < 1 or args.requests_per_level < 1:
         raise UserError("--rounds and --requests-per-level must be >= 1")
+    if args.noisy_phase_s < 0:
+        raise UserError("--noisy-phase-s must be >= 0")
+    if args.num_speculators < 0:
+        raise UserError("--num-speculators must be >= 0 (0 = the verifier hosts the SSMs itself)")
     if args.compare_pipeline and args.co_located:
         raise UserError("--compare-pipeline compares speculator processes: leave out --co-located")
     widths = parse_tree_width(args.tree_width)
@@ -180,12 +209,13 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     prompts = bench_prompts(args, demo_prompts)
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port, http_port=args.port + 3,
-                              verifier_port=args.port + 1, speculator_base_port=args.port + 2, dtype=args.dtype,
+                              verifier_port=args.port + 1, speculator_base_port=args.port + 4, dtype=args.dtype,
                               ssm_dtype=args.ssm_dtype, verifier_threads=args.verifier_threads,
                               speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
                               tree_width=args.tree_width))
-    if paths.model_free or args.co_located:  # model-free pool members; the verifier hosting the pool itself
-        stack = Stack(replace(stack.cfg, model_free=paths.model_free, is_co_located=args.co_located or not paths.ssms))
+    # As `specinfer up` starts it: the verifier hosts the pool unless speculator processes are asked for.
+    stack = Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
+                          is_co_located=args.co_located or not args.num_speculators or not paths.ssms))
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
     plain_pool: tuple[str, ...] = ()
     if args.compare_pipeline:
@@ -196,7 +226,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                          "co_located": stack.cfg.is_co_located, "concurrency": levels,
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
-                         "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline)},
+                         "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline),
+                         "noisy_phase_s": args.noisy_phase_s},
               "results": {}}
     try:
         stack.start()
@@ -204,6 +235,9 @@ def run_serving_bench(args, cache_dir: Path) -> int:
         client = GatewayClient(f"127.0.0.1:{args.port}", timeout_s=600)
         for arm in arms:  # warm-up: lazy allocations, first calibration of acceptance
             run_load(client, prompts, 2, 4, arm, min(16, args.max_new_tokens), 0.0)
+        if args.noisy_phase_s:
+            print(f"bench: a noisy phase of {args.noisy_phase_s:g}s", file=sys.stderr, flush=True)
+            report["noisy_phase"] = noisy_phase(client, prompts, args.noisy_phase_s, args.max_new_tokens)
         report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
                                                       args.max_new_tokens, args.dtype, args.ssm_dtype, plain_pool)
         report["http_overhead"] = measure_http_overhead(client, f"http://127.0.0.1:{args.port + 3}", paths.llm.name,
@@ -257,7 +291,7 @@ def _pipeline_stack(stack, cache_dir: Path):
             link.unlink()
         link.symlink_to(ssm, target_is_directory=True)
     cfg = replace(stack.cfg, ssms=(plain, ahead), num_speculators=2, speculator_pipeline=(False, True),
-                  model_free=(), speculator_base_port=stack.cfg.http_port + 1)  # past every other port
+                  model_free=(), is_co_located=False)
     return type(stack)(cfg), (plain.name,), (ahead.name,)
 
 

@@ -220,9 +220,11 @@ def add_up_parser(sub) -> None:
     up.add_argument("--ssm", type=Path, action="append", default=[],
                     help="SSM directory, or lookup / suffix (model-free speculators); repeatable")
     up.add_argument("--co-located", action="store_true",
-                    help="the verifier hosts the SSMs itself (one host: no speculator process, no hop per step)")
+                    help="the verifier hosts the SSMs itself (the default: --num-speculators 0)")
     up.add_argument("--cache-dir", type=Path)
-    up.add_argument("--num-speculators", type=int, default=1)
+    up.add_argument("--num-speculators", type=int, default=0,
+                    help="speculator processes hosting the SSMs; 0 (the default) = the verifier hosts them itself: "
+                         "one host, no process hop per step")
     up.add_argument("--gateway-port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=HTTP_PORT, help="OpenAI-compatible HTTP API; 0 = off")
     up.add_argument("--verifier-port", type=int, default=50052)
@@ -247,8 +249,10 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.limits import parse_tree_width
 
     parse_tree_width(args.tree_width)
-    if args.num_speculators < 1:
-        raise UserError("--num-speculators must be >= 1")
+    if args.num_speculators < 0:
+        raise UserError("--num-speculators must be >= 0 (0 = the verifier hosts the SSMs itself)")
+    if args.co_located and args.num_speculators:
+        raise UserError("--co-located hosts the SSMs in the verifier: leave out --num-speculators")
     if not 0 <= args.http_port <= 65535:
         raise UserError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
     if args.once and not args.prompt:
@@ -267,9 +271,9 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
         llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free,
-        is_co_located=args.co_located or not paths.ssms, gateway_port=args.gateway_port, http_port=args.http_port,
-        verifier_port=args.verifier_port,
-        speculator_base_port=args.speculator_port, num_speculators=args.num_speculators,
+        is_co_located=args.co_located or not args.num_speculators or not paths.ssms, gateway_port=args.gateway_port,
+        http_port=args.http_port, verifier_port=args.verifier_port,
+        speculator_base_port=args.speculator_port, num_speculators=max(1, args.num_speculators),
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,

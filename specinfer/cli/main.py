@@ -93,7 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=int, default=1,
                    help="with --concurrency: interleave the arms in this many rounds per level (noisy machines)")
     b.add_argument("--temperatures", default="0,1", help="with --concurrency: comma-separated temperatures")
-    b.add_argument("--co-located", action="store_true", help="with --concurrency: the verifier hosts the SSMs itself")
+    b.add_argument("--co-located", action="store_true",
+                   help="with --concurrency: the verifier hosts the SSMs itself (the default: --num-speculators 0)")
+    b.add_argument("--num-speculators", type=int, default=0,
+                   help="with --concurrency: speculator processes hosting the SSMs; 0 = the verifier hosts them, as "
+                        "`specinfer up` does by default")
+    b.add_argument("--noisy-phase-s", type=float, default=0.0,
+                   help="with --concurrency: first busy every CPU for this long while load-aware requests run, "
+                        "then measure (the policy starts from verdicts made under other load)")
     b.add_argument("--compare-pipeline", action="store_true",
                    help="with --concurrency: add arms whose speculator drafts ahead, against one that does not "
                         "(two speculator processes)")
