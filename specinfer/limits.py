@@ -58,7 +58,7 @@ PREFIX_GROUP_WAIT_S = 2.0  # longest a sample waits for another to read the prom
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64  # hard cap on requests running through one gateway
 DEFAULT_MIN_RUNNING = 4  # the measured limit never goes below this
 DEFAULT_INITIAL_RUNNING = 8  # the limit before anything is measured
-DEFAULT_ADMISSION_LATENCY_FACTOR = 3.0  # admit while a step takes <= this x the unloaded step
+DEFAULT_ADMISSION_LATENCY_FACTOR = 3.0  # admit while time per output token <= this x the unloaded one
 DEFAULT_MAX_QUEUED_REQUESTS = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
 DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot
 ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses

@@ -311,6 +311,22 @@ def test_admission_queues_briefly_then_refuses(fake_server, tok_dir, tokenizer):
         gw.stop(0)
 
 
+def test_admission_measures_time_per_output_token(fake_server, tok_dir, tokenizer):
+    """A speculative step brings several tokens in one longer step: admission sees its time per
+    token, so a speculating request does not look like a slower, more loaded verifier."""
+    fake, server = fake_server
+    fake.reset(delay_s=0.2, tokens_per_step=4)  # 0.2 s per step, 0.05 s per token
+    gw = serve(gateway_config(server.port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+            pb_grpc.GatewayStub(ch).Generate(gen_request(max_tokens=24), timeout=10)
+        samples = sorted(seconds for _, seconds in gw.core.admission.model.samples)
+        assert len(samples) == 5  # 6 steps of 4 tokens: the first has no step before it
+        assert 0.045 < samples[len(samples) // 2] < 0.15, samples  # per token, not the 0.2 s step
+    finally:
+        gw.stop(0)
+
+
 class GatedStore(MemoryStore):
     """A store whose running-progress writes wait for `gate` (a slow or stalled Redis)."""
 

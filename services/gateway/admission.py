@@ -5,11 +5,12 @@ Verification batches every running request into one LLM pass (SpecInfer Section 
 gets slower as more requests share it. Past the point where the pass is compute-bound, admitting
 more requests adds no throughput, only latency. The gateway therefore measures it:
 
-- Every running request reports the time between its verified steps, with the number of requests
-  running when the step arrived. `LatencyModel` fits `step_s = a + b * num_running` to these by
-  least squares over a sliding window of recent samples, so a verdict measured under other load
-  does not stick.
-- The limit tends to the largest `num_running` whose predicted step time stays within
+- Every running request reports the time between its verified steps per output token of the
+  step (a speculative step brings several tokens in one longer step: per token it compares with a
+  plain step), with the number of requests running when the step arrived. `LatencyModel` fits
+  `step_s = a + b * num_running` to these by least squares over a sliding window of recent
+  samples, so a verdict measured under other load does not stick.
+- The limit tends to the largest `num_running` whose predicted time per token stays within
   `latency_factor` times the unloaded one (`a + b`), between `min_running` and `max_running`.
   It drops at once when the fit says so, and rises by one per few new samples while requests
   are waiting and the fit allows more or cannot tell (too few samples, all at one load, or no

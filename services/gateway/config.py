@@ -81,7 +81,7 @@ def _flags() -> list[Flag]:
         Flag("--min-running-requests", "SPECINFER_MIN_RUNNING_REQUESTS", int, da.min_running,
              "the measured limit never goes below this", is_positive=True),
         Flag("--admission-latency-factor", "SPECINFER_ADMISSION_LATENCY_FACTOR", float, da.latency_factor,
-             "admit while a verifier step takes at most this many times the unloaded step; "
+             "admit while the verifier's time per output token is at most this many times the unloaded one; "
              "0 = a fixed limit of --max-concurrent-requests", low=0),
         Flag("--max-queued-requests", "SPECINFER_MAX_QUEUED_REQUESTS", int, da.max_queued,
              "requests that may wait for a slot before RESOURCE_EXHAUSTED", low=0),

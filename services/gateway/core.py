@@ -207,8 +207,8 @@ class GatewayCore:
             return True
         return rec.is_leased and rec.owner != self.cfg.gateway_id and not self.store.has_lease(rec.owner)
 
-    def _observe_step(self, step_s: float) -> None:
-        self.admission.observe_step(step_s, self.admission.num_running)
+    def _observe_step(self, token_s: float) -> None:
+        self.admission.observe_step(token_s, self.admission.num_running)
 
     # -- generate ----------------------------------------------------------------------------
     def generate(self, req: NewRequest, call: CallContext, prefix_group: str = "") -> Iterator[Chunk]:

@@ -71,7 +71,9 @@ class RunDeps:
     verifier: VerifierClient
     metrics: GatewayMetrics
     on_exit: Callable[["RequestRun"], None]
-    on_step: Callable[[float], None] = lambda step_s: None  # time between two verified steps
+    # Seconds per output token between two verified steps: a speculative step brings several tokens
+    # in one longer step, so per token its cost compares with a plain step's.
+    on_step: Callable[[float], None] = lambda token_s: None
 
 
 @dataclass(frozen=True)
@@ -270,7 +272,7 @@ class RequestRun:
             if step.token_ids:
                 now = time.monotonic()
                 if self._last_token_at is not None:
-                    self.deps.on_step(now - self._last_token_at)
+                    self.deps.on_step((now - self._last_token_at) / len(step.token_ids))
                 self._last_token_at = now
                 self._num_steps += 1
             if step.stats is not None:
