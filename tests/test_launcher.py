@@ -50,6 +50,18 @@ def test_each_speculator_may_be_told_whether_to_draft_ahead(monkeypatch):
     assert "--pipeline" not in dict(spawned)["speculator-0"]  # the speculator's own default
 
 
+def test_the_gateway_may_be_given_a_fixed_admission_limit(monkeypatch):
+    """The serving benchmark compares its arms under one fixed limit: the measured one is shared by
+    all arms, so a slow arm would set the limit the next arm runs under."""
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.append((name, env)))
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(), admission_latency_factor=0.0)).start()
+    assert dict(spawned)["gateway"]["SPECINFER_ADMISSION_LATENCY_FACTOR"] == "0.0"
+    spawned.clear()
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=())).start()
+    assert "SPECINFER_ADMISSION_LATENCY_FACTOR" not in dict(spawned)["gateway"]  # the gateway's own default
+
+
 def _supervise_until(stack: Stack, predicate, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

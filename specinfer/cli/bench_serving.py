@@ -8,6 +8,10 @@ machine's drifts hit all arms alike): incremental decoding (the verifier batches
 fixed token tree, and load-aware speculation (the verifier picks each step's tree, or none). It
 reports output tokens/s, p50/p99 per-token latency (request latency / output tokens), and whether
 every greedy output equals the single-request output.
+
+The gateway admits against a fixed limit here unless `--adaptive-admission` is given: its measured
+limit is one for all arms, so a slow arm (a fixed tree at temperature 1) would lower the limit the
+next arm runs under, and the arms would no longer compare decoding alone.
 """
 
 from __future__ import annotations
@@ -212,7 +216,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                               verifier_port=args.port + 1, speculator_base_port=args.port + 4, dtype=args.dtype,
                               ssm_dtype=args.ssm_dtype, verifier_threads=args.verifier_threads,
                               speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
-                              tree_width=args.tree_width))
+                              tree_width=args.tree_width,
+                              admission_latency_factor=None if args.adaptive_admission else 0.0))
     # As `specinfer up` starts it: the verifier hosts the pool unless speculator processes are asked for.
     stack = Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
                           is_co_located=args.co_located or not args.num_speculators or not paths.ssms))
@@ -227,7 +232,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
                          "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline),
-                         "noisy_phase_s": args.noisy_phase_s},
+                         "noisy_phase_s": args.noisy_phase_s, "adaptive_admission": bool(args.adaptive_admission)},
               "results": {}}
     try:
         stack.start()

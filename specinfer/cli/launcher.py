@@ -50,6 +50,7 @@ class StackConfig:
     speculator_threads: int = 0  # 0 = `default_speculator_threads()`
     speculator_pipeline: tuple[bool, ...] = ()  # per speculator: draft ahead or not (empty: their default)
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
+    admission_latency_factor: float | None = None  # the gateway's (0 = a fixed limit); None: its default
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
     # a child that exits is restarted after restart_backoff_s, doubling up to max_restart_backoff_s,
@@ -156,6 +157,8 @@ class Stack:
                    SPECINFER_VERIFIER_ADDR=f"{cfg.host}:{cfg.verifier_port}", SPECINFER_MODEL_DIR=str(cfg.llm))
         if cfg.redis_url:
             env["SPECINFER_REDIS_URL"] = cfg.redis_url
+        if cfg.admission_latency_factor is not None:
+            env["SPECINFER_ADMISSION_LATENCY_FACTOR"] = str(cfg.admission_latency_factor)
         if cfg.metrics_base_port:
             env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port)
         self._spawn("gateway", "services.gateway", [], cfg.gateway_port, env)

@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-pipeline", action="store_true",
                    help="with --concurrency: add arms whose speculator drafts ahead, against one that does not "
                         "(two speculator processes)")
+    b.add_argument("--adaptive-admission", action="store_true",
+                   help="with --concurrency: keep the gateway's measured admission limit (one limit for all arms, "
+                        "so one arm's latencies set the next arm's); default: a fixed limit, so the arms compare "
+                        "decoding alone")
     b.add_argument("--port", type=int, default=50151, help="with --concurrency: first port of the stack")
     b.add_argument("--verifier-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
     b.add_argument("--speculator-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
