@@ -214,6 +214,62 @@ def test_speculation_comes_back_within_seconds_after_a_noisy_phase(probe_interva
         assert share_speculated([s for s in quiet if s[0] > quiet_from + 5]) > 0.9  # and it stays
 
 
+# A small, fast LLM (2.5 ms a pass) whose SSM agrees with it 93% of the time but costs 1.7 ms a
+# level, and steps that cost 1.2 ms beyond their pass (sampling, bookkeeping): speculation pays
+# about 1.5x, though a pass is cheap next to an SSM level.
+SMALL_LLM = CostModel([(1, 0.0025), (16, 0.0045), (64, 0.009)])
+
+
+def run_fresh_policy(prior_weight: float, is_overhead_seen: bool, seconds: float = 10.0) -> list:
+    """A fresh policy deciding for one request; its SSM's drafts are accepted with probability 0.93
+    at every level. Returns (time, widths) per step."""
+    import random
+
+    from specinfer.engine import policy as policy_module
+
+    rng, clock, level_s, overhead_s = random.Random(0), FakeClock(), 0.0017, 0.0012
+    saved = policy_module.PRIOR_WEIGHT
+    policy_module.PRIOR_WEIGHT = prior_weight
+    try:
+        policy = LoadAwarePolicy(SMALL_LLM, max_depth=4, max_width=2, clock=clock)
+    finally:
+        policy_module.PRIOR_WEIGHT = saved
+    policy.observe_speculation(1, 2 * level_s)  # an early probe that paid its catch-up too
+    steps, was_speculated = [], False
+    while clock.now < seconds:
+        widths = policy.choose(1)
+        if widths:
+            for w in widths:  # the accepted path, level by level, until the LLM disagrees
+                is_hit = rng.random() < 0.93
+                policy.stats.observe_node(w, 0 if is_hit else None)
+                if not is_hit:
+                    break
+            if was_speculated:
+                policy.observe_speculation(len(widths), level_s * len(widths))
+            step_s = SMALL_LLM.seconds(num_nodes(widths)) + overhead_s + level_s * len(widths)
+        else:
+            step_s = SMALL_LLM.seconds(1) + overhead_s
+            if is_overhead_seen:
+                policy.observe_plain_step(1, step_s)
+        was_speculated = bool(widths)
+        clock.now += step_s
+        steps.append((clock.now, widths))
+    return steps
+
+
+def test_a_fresh_policy_learns_within_a_second_that_speculation_pays():
+    """From its pessimistic prior, a policy must learn an SSM's worth from the few steps it probes,
+    and under the guard it decides only a small share of the steps (its phases), so every second of
+    its own time counts. With a light prior and a model of a step's time beyond its pass it takes
+    about a second; with a heavy prior and no such model, over four."""
+
+    def learnt_at(steps) -> float:  # when a half-second window was first > 90% speculated
+        return next(t for t, _ in steps if t > 0.5 and share_speculated([s for s in steps if t - 0.5 <= s[0] <= t]) > 0.9)
+
+    assert learnt_at(run_fresh_policy(prior_weight=4.0, is_overhead_seen=True)) < 1.2
+    assert learnt_at(run_fresh_policy(prior_weight=20.0, is_overhead_seen=False)) > 4.0
+
+
 def test_probes_take_a_bounded_share_of_the_time_however_slow_they_are():
     """On a loaded machine a probe's steps can cost ten plain steps: probes then come less often."""
     clock = FakeClock()

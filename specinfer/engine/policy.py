@@ -4,10 +4,12 @@ SpecInfer's gains shrink as the batch grows (Section 6.2, Figure 10: wide trees 
 widths 2-3 at batch >= 4), because verifying B trees of N nodes costs an LLM pass over B*N
 tokens. The policy maximises expected throughput
 
-    B * (1 + E[accepted | w]) / (t_llm(B * N(w)) + t_ssm * depth(w))
+    B * (1 + E[accepted | w]) / (t_llm(B * N(w)) + t_step + t_ssm * depth(w))
 
 over a family of width vectors w, where t_llm comes from a cost model calibrated at start-up
-(LLM forward time against tokens in the pass), t_ssm is the measured time per speculation level,
+(LLM forward time against tokens in the pass), t_step is what a step costs beyond its pass
+(sampling, bookkeeping, the request's own Python: measured on plain steps, and paid once per step
+however many tokens it brings), t_ssm is the measured time per speculation level,
 and E[accepted | w] follows from the measured top-k containment c(k) of the SSMs (the chance that
 the LLM's token is among a node's first k drafts): E = sum_i prod_{j<=i} c(w_j). Depth 0 (plain
 decoding) is a candidate, so speculation switches off when it would not pay; so is a tree of the
@@ -36,11 +38,14 @@ from specinfer.engine.tree import TokenTree
 # A choice of widths that asks the pool's model-free members alone (no SSM pass: it costs ~0).
 MODEL_FREE_ONLY: tuple[int, ...] = (0,)
 PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
-PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
+# Pseudo-observations behind the prior: few, so that a couple of probes outweigh it (a pessimistic
+# prior that many observations must overturn keeps speculation off while it is rarely probed).
+PRIOR_WEIGHT = 4.0
 PROBE_INTERVAL_S = 0.5  # an arm not chosen is still measured with one step this often
 PROBE_SHARE = 0.1  # and probes take at most this share of the time
 COST_HALF_LIFE_S = 2.0  # speculation-cost observations this old weigh half
 PRIOR_MODEL_FREE = (0.3, 3.0)  # (accepted tokens, nodes) of a model-free-only step before any evidence
+PRIOR_MODEL_FREE_WEIGHT = 5.0  # pseudo-steps behind it
 SSM, MODEL_FREE = "ssm", "model_free"  # the arms that get probed (plain decoding needs no probe)
 
 
@@ -187,6 +192,7 @@ class LoadAwarePolicy:
         # fitted online; until measured, a level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
         self.fixed_seconds = 0.0
+        self.step_overhead_s = 0.0  # a step's time beyond its LLM pass, fitted online from plain steps
         self._fit = [0.0] * 5  # decayed sums: n, depth, depth^2, seconds, depth*seconds
         self.clock, self.probe_interval_s, self.half_life_s = clock, probe_interval_s, half_life_s
         self._fitted_at: float | None = None
@@ -199,8 +205,8 @@ class LoadAwarePolicy:
         self._probe_started: float | None = None
         self._probe_seconds = 0.0  # how long the last probe took
         # Model-free-only steps, greedy and sampled apart: decayed sums of (steps, accepted, nodes).
-        self._model_free = {g: [PRIOR_WEIGHT / 4, PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[0],
-                                PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[1]] for g in (True, False)}
+        w = PRIOR_MODEL_FREE_WEIGHT
+        self._model_free = {g: [w, w * PRIOR_MODEL_FREE[0], w * PRIOR_MODEL_FREE[1]] for g in (True, False)}
         self._lock = threading.Lock()
 
     def choose(self, batch_size: int, is_greedy: bool = True, has_model_free: bool = False) -> tuple[int, ...]:
@@ -210,12 +216,13 @@ class LoadAwarePolicy:
         batch = max(1, batch_size)
         stats = self.stats if is_greedy else self.sampled_stats
         with self._lock:
-            plain_rate = batch / self.cost.seconds(batch)
+            overhead = self.step_overhead_s
+            plain_rate = batch / (self.cost.seconds(batch) + overhead)
             best_ssm, ssm_rate = (), 0.0
             for widths in self.candidates:
                 if not widths:
                     continue
-                step_s = (self.cost.seconds(batch * num_nodes(widths)) + self.fixed_seconds
+                step_s = (self.cost.seconds(batch * num_nodes(widths)) + overhead + self.fixed_seconds
                           + self.level_seconds * len(widths))
                 rate = batch * (1 + expected_accepted(widths, stats)) / step_s
                 if rate > ssm_rate:
@@ -223,7 +230,8 @@ class LoadAwarePolicy:
             arms = {(): plain_rate, best_ssm: ssm_rate} if best_ssm else {(): plain_rate}
             if has_model_free:
                 steps, accepted, nodes = self._model_free[is_greedy]
-                arms[MODEL_FREE_ONLY] = batch * (1 + accepted / steps) / self.cost.seconds(batch * nodes / steps)
+                arms[MODEL_FREE_ONLY] = batch * (1 + accepted / steps) / (self.cost.seconds(batch * nodes / steps)
+                                                                           + overhead)
             best = max(arms, key=arms.get)
             now = self.clock()
             probe, num_left = self._probe
@@ -256,6 +264,13 @@ class LoadAwarePolicy:
             sums = self._model_free[is_greedy]
             for i, value in enumerate((1.0, num_accepted, num_nodes)):
                 sums[i] = decay * sums[i] + value
+
+    def observe_plain_step(self, batch_size: int, seconds: float, weight: float = 0.05) -> None:
+        """One plain step's wall time (speculate to record) at this batch size: what it took beyond
+        the LLM pass the cost model predicts is the per-step overhead (an exponential average)."""
+        with self._lock:
+            sample = max(0.0, seconds - self.cost.seconds(max(1, batch_size)))
+            self.step_overhead_s += weight * (sample - self.step_overhead_s)
 
     def observe_step(self, tree: TokenTree, path: list[int], is_greedy: bool = True) -> None:
         if len(tree) > 1:
