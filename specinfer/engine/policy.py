@@ -8,8 +8,8 @@ tokens. The policy maximises expected throughput
 
 over a family of width vectors w, where t_llm comes from a cost model calibrated at start-up
 (LLM forward time against tokens in the pass), t_step is what a step costs beyond its pass
-(sampling, bookkeeping, the request's own Python: measured on plain steps, and paid once per step
-however many tokens it brings), t_ssm is the measured time per speculation level,
+(sampling, bookkeeping, the request's own Python: measured on plain steps of one request, and
+paid once per step however many tokens it brings), t_ssm is the measured time per speculation level,
 and E[accepted | w] follows from the measured top-k containment c(k) of the SSMs (the chance that
 the LLM's token is among a node's first k drafts): E = sum_i prod_{j<=i} c(w_j). Depth 0 (plain
 decoding) is a candidate, so speculation switches off when it would not pay; so is a tree of the
@@ -38,9 +38,7 @@ from specinfer.engine.tree import TokenTree
 # A choice of widths that asks the pool's model-free members alone (no SSM pass: it costs ~0).
 MODEL_FREE_ONLY: tuple[int, ...] = (0,)
 PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
-# Pseudo-observations behind the prior: few, so that a couple of probes outweigh it (a pessimistic
-# prior that many observations must overturn keeps speculation off while it is rarely probed).
-PRIOR_WEIGHT = 4.0
+PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
 PROBE_INTERVAL_S = 0.5  # an arm not chosen is still measured with one step this often
 PROBE_SHARE = 0.1  # and probes take at most this share of the time
 COST_HALF_LIFE_S = 2.0  # speculation-cost observations this old weigh half
