@@ -243,7 +243,7 @@ def run_fresh_policy(is_overhead_seen: bool, seconds: float = 10.0) -> list:
         else:
             step_s = SMALL_LLM.seconds(1) + overhead_s
             if is_overhead_seen:
-                policy.observe_plain_step(1, step_s)
+                policy.observe_plain_step(step_s)
         was_speculated = bool(widths)
         clock.now += step_s
         steps.append((clock.now, widths))
@@ -257,7 +257,8 @@ def test_a_fresh_policy_learns_quickly_that_speculation_pays():
     many tokens the step brings) it learns in about 1.5 s of its own time, against 4.5 s without."""
 
     def learnt_at(steps) -> float:  # when a half-second window was first > 90% speculated
-        return next(t for t, _ in steps if t > 0.5 and share_speculated([s for s in steps if t - 0.5 <= s[0] <= t]) > 0.9)
+        return next(t for t, _ in steps
+                    if t > 0.5 and share_speculated([s for s in steps if t - 0.5 <= s[0] <= t]) > 0.9)
 
     assert learnt_at(run_fresh_policy(is_overhead_seen=True)) < 2.0
     assert learnt_at(run_fresh_policy(is_overhead_seen=False)) > 4.0

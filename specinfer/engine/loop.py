@@ -232,7 +232,7 @@ class Generation:
         elif policy is not None and step and self.session.last_batch_size == 1:
             # A plain step alone in its pass (not the first: that one reads the prompt). In a batch,
             # a request's step may also wait for passes of other requests: not a step's own cost.
-            policy.observe_plain_step(1, time.perf_counter() - self._step_started)
+            policy.observe_plain_step(time.perf_counter() - self._step_started)
         kept = self.result.record_step(accepted, bonus, len(tree), self.params.max_new_tokens, self.stops)
         if self.params.num_logprobs is not None:
             self.result.output_logprobs.extend(self.session.state.last_logprobs[:len(kept)])

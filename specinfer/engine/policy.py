@@ -43,7 +43,6 @@ PROBE_INTERVAL_S = 0.5  # an arm not chosen is still measured with one step this
 PROBE_SHARE = 0.1  # and probes take at most this share of the time
 COST_HALF_LIFE_S = 2.0  # speculation-cost observations this old weigh half
 PRIOR_MODEL_FREE = (0.3, 3.0)  # (accepted tokens, nodes) of a model-free-only step before any evidence
-PRIOR_MODEL_FREE_WEIGHT = 5.0  # pseudo-steps behind it
 SSM, MODEL_FREE = "ssm", "model_free"  # the arms that get probed (plain decoding needs no probe)
 
 
@@ -203,8 +202,8 @@ class LoadAwarePolicy:
         self._probe_started: float | None = None
         self._probe_seconds = 0.0  # how long the last probe took
         # Model-free-only steps, greedy and sampled apart: decayed sums of (steps, accepted, nodes).
-        w = PRIOR_MODEL_FREE_WEIGHT
-        self._model_free = {g: [w, w * PRIOR_MODEL_FREE[0], w * PRIOR_MODEL_FREE[1]] for g in (True, False)}
+        self._model_free = {g: [PRIOR_WEIGHT / 4, PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[0],
+                                PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[1]] for g in (True, False)}
         self._lock = threading.Lock()
 
     def choose(self, batch_size: int, is_greedy: bool = True, has_model_free: bool = False) -> tuple[int, ...]:
@@ -263,11 +262,11 @@ class LoadAwarePolicy:
             for i, value in enumerate((1.0, num_accepted, num_nodes)):
                 sums[i] = decay * sums[i] + value
 
-    def observe_plain_step(self, batch_size: int, seconds: float, weight: float = 0.05) -> None:
-        """One plain step's wall time (speculate to record) at this batch size: what it took beyond
-        the LLM pass the cost model predicts is the per-step overhead (an exponential average)."""
+    def observe_plain_step(self, seconds: float, weight: float = 0.05) -> None:
+        """The wall time (speculate to record) of a plain step alone in its pass: what it took beyond
+        the one-token LLM pass the cost model predicts is the per-step overhead (an exponential average)."""
         with self._lock:
-            sample = max(0.0, seconds - self.cost.seconds(max(1, batch_size)))
+            sample = max(0.0, seconds - self.cost.seconds(1))
             self.step_overhead_s += weight * (sample - self.step_overhead_s)
 
     def observe_step(self, tree: TokenTree, path: list[int], is_greedy: bool = True) -> None:
