@@ -23,6 +23,13 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
 MAX_TREE_NODES = 1024
 
+# ---- dynamic token trees (specinfer/engine/dynamic.py): the default for requests naming no widths
+DYNAMIC_MAX_NODES = 32  # nodes beyond the root of one step's tree (each is a token in the LLM's pass)
+DYNAMIC_MAX_DEPTH = 8  # levels of one step's tree
+DYNAMIC_EXPAND_TOP_K = 4  # children an SSM proposes at each node it expands
+DYNAMIC_EXPAND_WIDTH = 4  # nodes of one level an SSM expands (the most valuable ones)
+DYNAMIC_MAX_ATTEMPTS = 2  # sampled drafts at one node of a sampled request's tree
+
 # ---- model-free pool members (specinfer/engine/lookup.py, suffix.py) --------------------------
 MODEL_FREE_NAMES = ("lookup", "suffix")  # pool names that need no checkpoint
 MODEL_FREE_MAX_DEPTH = 8  # draft depth of a model-free tree (within what the request has left)
@@ -161,6 +168,17 @@ def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, mi
         raise UserError(f"shape.min_path_prob: must be in [0, 1), got {min_path_prob}")
     if policy not in TREE_POLICIES:
         raise UserError(f"shape.policy: unknown tree policy {policy!r}: choose one of {', '.join(TREE_POLICIES)}")
+
+
+def check_budget(max_nodes: int, max_depth: int, node_cost: float, level_cost: float) -> None:
+    """TreeBudget: 0..MAX_TREE_NODES - 1 nodes beyond the root, 0..MAX_TREE_DEPTH levels, costs >= 0."""
+    if not 0 <= max_nodes < MAX_TREE_NODES:
+        raise UserError(f"budget.max_nodes: must be in [0, {MAX_TREE_NODES - 1}], got {max_nodes}")
+    if not 0 <= max_depth <= MAX_TREE_DEPTH:
+        raise UserError(f"budget.max_depth: must be in [0, {MAX_TREE_DEPTH}], got {max_depth}")
+    for name, value in (("node_cost", node_cost), ("level_cost", level_cost)):
+        if not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value < math.inf:
+            raise UserError(f"budget.{name}: must be a finite number >= 0, got {value}")
 
 
 def parse_tree_width(text: str) -> tuple[int, ...]:

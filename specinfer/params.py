@@ -1,9 +1,10 @@
 """What a request asks for, as one set of types on every hop: gateway, verifier, speculators, CLI.
 
 `SamplingParams` defines the LLM distribution that stochastic verification preserves (SpecInfer
-Section 4.3); `TreeShape` is the expansion config of a token tree (Section 3.1);
-`GenerationParams` is a whole request. Protobuf is converted to these once, at each service's
-edge (`specinfer.serving.convert`); everything past the edge passes them down as they are.
+Section 4.3); `TreeShape` is the expansion config of a token tree (Section 3.1); `TreeBudget` is
+what one step's dynamic token tree may cost; `GenerationParams` is a whole request. Protobuf is
+converted to these once, at each service's edge (`specinfer.serving.convert`); everything past
+the edge passes them down as they are.
 Each type validates itself on construction against `specinfer.limits`. Plain Python: no torch.
 """
 
@@ -62,6 +63,27 @@ class TreeShape:
         if self.policy == "merge" or is_primary:
             return self
         return replace(self, widths=(1,) * len(self.widths))
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    """One step's dynamic token tree, as the verifier asks its drafts for it (the default for
+    requests that name no widths). The drafts grow the tree node by node, each candidate valued
+    by its estimated chance of being accepted, and keep the nodes that raise the step's expected
+    rate (1 + expected accepted tokens) / (1 + node_cost * nodes + level_cost * SSM levels):
+    the costs are shares of the step's time that one more node in the LLM's pass, and one more
+    SSM level, would add, priced by the verifier's cost model for the current batch and device."""
+
+    max_nodes: int = limits.DYNAMIC_MAX_NODES  # nodes beyond the root
+    max_depth: int = limits.DYNAMIC_MAX_DEPTH
+    node_cost: float = 0.02
+    level_cost: float = 0.05
+
+    def __post_init__(self):
+        limits.check_budget(self.max_nodes, self.max_depth, self.node_cost, self.level_cost)
+
+    def clipped(self, max_depth: int) -> "TreeBudget":
+        return replace(self, max_depth=max(0, min(self.max_depth, max_depth)))
 
 
 @dataclass(frozen=True)

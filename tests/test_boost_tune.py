@@ -237,7 +237,7 @@ def test_mixed_policy_tree_shapes(tiny_pair):
     for policy in ("mixed", "merge"):
         states = speculator.start([5, 9, 17, 33])
         shape = TreeShape(widths, 64, policy=policy)
-        merged, trees = speculator.propose([(states, shape, SamplingParams(), None)])[0]
+        merged, trees, _, _ = speculator.propose([(states, shape, SamplingParams(), None)])[0]
         primary, other = trees[0].tree, trees[1].tree
         assert len(primary) == 1 + 2 + 4 + 4 + 4
         if policy == "mixed":  # a width-1 chain of the same depth

@@ -1,5 +1,6 @@
 """Greedy output is token-for-token the LLM's own: incremental == transformers == sequence ==
-tree == tree with two merged SSMs, on 20 prompts x 64 new tokens."""
+tree == tree with two merged SSMs == dynamic trees (one SSM, or two SSMs and the model-free
+members in one budget; alone and in batches), on 20 prompts x 64 new tokens."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.policy import PRIOR_WEIGHT
+from specinfer.engine.policy import PRIOR_WEIGHT, CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
-from specinfer.params import TreeShape
+from specinfer.engine.speculator import model_free_member
+from specinfer.params import TreeBudget, TreeShape
 
 NEW_TOKENS = 64
 
@@ -87,7 +89,62 @@ def test_auto_mode_picks_shapes_and_stays_exact(pair_runners, greedy_prompts, in
     engine = Engine.from_runners(llm, ssms[:1], EngineConfig(default_shape=TreeShape((3, 3, 1, 1, 1, 1), max_nodes=32)))
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
         assert engine.generate(prompt, mode_params("auto", NEW_TOKENS)).output_ids == expected
-    policy = next(iter(engine.policies.values()))
-    assert sum(policy.stats.trials) > 3 * PRIOR_WEIGHT  # it learnt from real steps, beyond its prior
+    policy = engine.load_policy
+    assert policy.stats(1).weight > PRIOR_WEIGHT + 1  # it learnt from real steps, beyond its prior
+    assert engine.source.speculator.calibration[True]._cells  # and so did the drafts' calibration
     # These test SSMs cost as much as the LLM, so the policy should mostly decide not to speculate.
     assert policy.choose(1) == ()
+
+
+class FixedBudget(LoadAwarePolicy):
+    """Every step gets the same dynamic-tree budget (the load-aware policy's pricing left out)."""
+
+    def __init__(self, budget: TreeBudget):
+        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
+        self.fixed = budget
+
+    def choose(self, batch_size, is_greedy=True):
+        return self.fixed
+
+
+BUDGETS = {
+    "cheap-nodes": TreeBudget(max_nodes=32, max_depth=8, node_cost=0.002, level_cost=0.01),
+    "pricey-nodes": TreeBudget(max_nodes=8, max_depth=4, node_cost=0.08, level_cost=0.05),
+    "shallow": TreeBudget(max_nodes=32, max_depth=2, node_cost=0.01, level_cost=0.01),
+}
+
+
+def dynamic_engine(llm, ssms, budget: TreeBudget, model_free=()) -> Engine:
+    engine = Engine.from_runners(llm, ssms, model_free=[model_free_member(n) for n in model_free])
+    engine.load_policy = FixedBudget(budget)
+    return engine
+
+
+@pytest.mark.parametrize("budget", list(BUDGETS))
+@pytest.mark.parametrize("pool", ["one-ssm", "two-ssms-lookup-suffix"])
+def test_dynamic_trees_keep_greedy_output(pair_runners, greedy_prompts, incremental_outputs, budget, pool):
+    """Trees grown node by node from calibrated estimates, of one SSM or of two SSMs and the
+    model-free members competing in one budget, leave the output the LLM's own."""
+    llm, ssms = pair_runners
+    engine = (dynamic_engine(llm, ssms[:1], BUDGETS[budget]) if pool == "one-ssm"
+              else dynamic_engine(llm, ssms, BUDGETS[budget], ("lookup", "suffix")))
+    accepted, sizes, depths = 0, set(), set()
+    for prompt, expected in zip(greedy_prompts, incremental_outputs):
+        r = engine.generate(prompt, mode_params("auto", NEW_TOKENS))
+        assert r.output_ids == expected
+        accepted += sum(r.accepted_per_step)
+        sizes |= set(r.tree_nodes_per_step)
+    # Dynamic: trees of many sizes (down to the root alone), and some accepted.
+    assert accepted > 0 and len(sizes) >= 3, sizes
+    assert max(sizes) - 1 <= BUDGETS[budget].max_nodes
+    assert llm.allocator.num_used == 0 and all(s.allocator.num_used == 0 for s in ssms)
+
+
+def test_batched_dynamic_trees_equal_single(pair_runners, greedy_prompts, incremental_outputs):
+    """Requests stepping together, their dynamic trees grown in one SSM pass per level, change nothing."""
+    llm, ssms = pair_runners
+    engine = dynamic_engine(llm, ssms, BUDGETS["cheap-nodes"], ("lookup", "suffix"))
+    reqs = [engine.start(p, mode_params("auto", NEW_TOKENS - i)) for i, p in enumerate(greedy_prompts)]
+    for i, (r, expected) in enumerate(zip(engine.generate_batch(reqs), incremental_outputs)):
+        assert r.output_ids == expected[: NEW_TOKENS - i]
+    assert llm.allocator.num_used == 0 and all(s.allocator.num_used == 0 for s in ssms)

@@ -177,11 +177,11 @@ def test_the_speculator_worker_serves_model_free_members_next_to_ssms(runners):
     context = [3, 4, 5, 6, 3, 4]
     shape = TreeShape((1,), max_nodes=6)
     session = worker.open(context, SamplingParams(), shape)
-    tree, _ = worker.step(session, None, 3)  # SSM widths (1,), lookup three deep
+    tree, _, _ = worker.step(session, None, 3)  # SSM widths (1,), lookup three deep
     assert (5, 6, 3) in {tuple(tree.path_tokens(n)) for n in range(len(tree))}
     assert len(tree) <= shape.max_nodes  # one speculator's tree stays within the request's shape
     lookup_only = worker.open(context, SamplingParams(), shape, [1])
-    tree, _ = worker.step(lookup_only, None, 3)
+    tree, _, _ = worker.step(lookup_only, None, 3)
     assert paths_of(tree) == {(5, 6, 3)}
     worker.close(session)
     worker.close(lookup_only)
@@ -192,8 +192,8 @@ def test_model_free_only_proposals_skip_the_ssms(runners):
     _, ssm = runners
     speculator = Speculator([ssm], [PromptLookup()])
     states = speculator.start([3, 4, 5, 6, 3, 4])
-    tree, ssm_trees = speculator.propose([Proposal(states, TreeShape(()), SamplingParams(), None, 2,
-                                                   is_model_free_only=True)])[0]
+    tree, ssm_trees, _, _ = speculator.propose([Proposal(states, TreeShape(()), SamplingParams(), None, 2,
+                                                         is_model_free_only=True)])[0]
     assert ssm_trees == [None] and paths_of(tree) == {(5, 6)}
     assert states[0].pending == [3, 4, 5, 6, 3, 4]  # the SSM did not even catch up
     speculator.release(states)

@@ -48,21 +48,22 @@ def test_a_tree_drafted_ahead_equals_the_tree_drafted_after_the_verdict(runners,
         for case in range(4):  # 0: the assumed verdict; 1-3: others
             a, b = ahead_spec.start(prompt), plain_spec.start(prompt)
             pa, pb_ = Proposal(a, SHAPE, params, None), Proposal(b, SHAPE, params, None)
-            (tree_a, trees_a), = ahead_spec.propose([pa])
-            (tree_b, trees_b), = plain_spec.propose([pb_])
+            (tree_a, trees_a, _, _), = ahead_spec.propose([pa])
+            built_b, = plain_spec.propose([pb_])
+            tree_b = built_b.tree
             assert tree_a.tokens == tree_b.tokens
             path = predicted_path(trees_a)
             ahead, = build_ahead(ahead_spec, [(pa, trees_a)], max_context=512)
             assert ahead is not None and ahead.path == path
             verdict = (ahead.path, ahead.bonus) if case == 0 else _other_verdicts(path, ahead.bonus, tiny_pair.vocab)[case - 1]
-            plain_spec.feedback(b, trees_b, *verdict)
-            (next_b, _), = plain_spec.propose([Proposal(b, SHAPE, params, None)])
+            plain_spec.feedback(b, built_b, *verdict)
+            next_b = plain_spec.propose([Proposal(b, SHAPE, params, None)])[0].tree
             stood = settle(ahead_spec, a, ahead, *verdict, WIDTHS)
             if stood is not None:
                 next_a = ahead_spec.merge(Proposal(a, SHAPE, params, None), stood)
                 checked["stood"] += 1
             else:
-                (next_a, _), = ahead_spec.propose([Proposal(a, SHAPE, params, None)])
+                next_a = ahead_spec.propose([Proposal(a, SHAPE, params, None)])[0].tree
                 checked["dropped"] += 1
             assert (stood is not None) == (case == 0)
             assert next_a.tokens == next_b.tokens and next_a.parents == next_b.parents
@@ -79,7 +80,7 @@ def test_sampled_requests_never_draft_ahead(runners, greedy_prompts):
     states = spec.start(greedy_prompts[0])
     p = Proposal(states, TreeShape(WIDTHS, policy="merge"), SamplingParams(temperature=1.0, seed=3),
                  torch.Generator().manual_seed(3))
-    (_, trees), = spec.propose([p])
+    trees = spec.propose([p])[0].ssm_trees
     assert build_ahead(spec, [(p, trees)], max_context=512) == [None]
     spec.release(states)
 

@@ -246,7 +246,7 @@ def test_the_largest_tree_fills_the_reservation_exactly(pair_runners, tiny_pair,
 
     states = source.speculator.start(PROMPT, source.pool(()))
     try:
-        tree, _ = source.speculator.propose([Proposal(states, shape, SamplingParams(), None, 4)])[0]
+        tree = source.speculator.propose([Proposal(states, shape, SamplingParams(), None, 4)])[0].tree
     finally:
         source.speculator.release(states)
     assert len(tree) - 1 == source.max_draft_nodes((), shape)  # the bound the tree hit is the one reserved

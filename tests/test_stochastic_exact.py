@@ -2,8 +2,10 @@
 
 On an 8-token vocabulary, the joint distribution of the first 3 generated tokens is computed
 exactly from transformers' model (8^3 cells, with the same warping), and compared by a
-chi-square test with 20,000 seeded speculative samples per configuration. The test has teeth:
-with the residual correction removed, it fails.
+chi-square test with 20,000 seeded speculative samples per configuration: static trees, merged
+pools, and dynamic trees that mix sampled SSM children with deterministic (model-free and top-k)
+picks. The test has teeth: with the residual correction removed, with point masses taken as
+certain, or with a dynamic tree pruning its own draws by their value, it fails.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 import specinfer.engine.verify
-from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.dynamic import Candidates
+from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
+from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import target_probs
 from specinfer.engine.speculator import model_free_member
-from specinfer.params import SamplingParams, TreeShape
+from specinfer.params import SamplingParams, TreeBudget, TreeShape
 from util import perturbed_copy, save_tiny_llama
 
 VOCAB = 8
@@ -58,11 +62,13 @@ def exact_joint(llm_dir, params: SamplingParams) -> dict[tuple[int, ...], float]
 
 
 def speculative_counts(engine: Engine, params: SamplingParams, shape: TreeShape) -> tuple[dict, float]:
+    """Counts of the first tokens; a dynamic-tree engine (`FixedBudget`) runs in auto mode."""
     counts: dict[tuple[int, ...], int] = {}
     accepted = steps = 0
+    mode = "auto" if isinstance(engine.load_policy, FixedBudget) else "tree"
     for start in range(0, NUM_SAMPLES, BATCH):
         reqs = [
-            engine.start(PROMPT, mode_params("tree", NUM_TOKENS, shape, SamplingParams(
+            engine.start(PROMPT, mode_params(mode, NUM_TOKENS, shape, SamplingParams(
                 params.temperature, params.top_p, params.top_k, seed=s)))
             for s in range(start, start + BATCH)
         ]
@@ -104,11 +110,31 @@ CONFIGS = {
     "t1-pruned-sampled-tree": (SamplingParams(1.0), TreeShape((3, 3), max_nodes=5, min_path_prob=0.2), 1),
     # Sampled SSM children and deterministic model-free children (point masses) in one tree.
     "t1-sampled-ssm+model-free": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=True), (1, "lookup", "suffix")),
+    # Dynamic trees: draws from q as many as each node's value pays for, then point masses.
+    "t1-dynamic-sampled+model-free": (SamplingParams(1.0), TreeShape((1,), is_sampled=True), (1, "lookup", "suffix"),
+                                      TreeBudget(max_nodes=12, max_depth=3, node_cost=0.01, level_cost=0.01)),
+    "t0.7-p0.9-dynamic-sampled-2-ssms": (SamplingParams(0.7, top_p=0.9), TreeShape((1,), proposal_top_k=4), 2,
+                                         TreeBudget(max_nodes=12, max_depth=3, node_cost=0.02, level_cost=0.01)),
+    "t1-dynamic-topk+model-free": (SamplingParams(1.0), TreeShape((1,), is_sampled=False), (1, "lookup", "suffix"),
+                                   TreeBudget(max_nodes=12, max_depth=3, node_cost=0.01, level_cost=0.01)),
 }
 
 
-def make_engine(models, num_ssms: int | tuple) -> Engine:
-    """`num_ssms`: how many SSMs, or (how many, model-free member names...)."""
+class FixedBudget(LoadAwarePolicy):
+    """Every step gets the same dynamic-tree budget."""
+
+    def __init__(self, budget: TreeBudget):
+        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
+        self.fixed = budget
+
+    def choose(self, batch_size, is_greedy=True):
+        return self.fixed
+
+
+def make_engine(models, num_ssms: int | tuple, shape: TreeShape | None = None, budget: TreeBudget | None = None
+                ) -> Engine:
+    """`num_ssms`: how many SSMs, or (how many, model-free member names...); with a `budget`,
+    dynamic trees with `shape`'s sampling settings."""
     num_ssms, *model_free = num_ssms if isinstance(num_ssms, tuple) else (num_ssms,)
     llm, *ssms = models
     # All BATCH requests are admitted at once, each with its worst case reserved: its prompt, its
@@ -119,15 +145,24 @@ def make_engine(models, num_ssms: int | tuple) -> Engine:
         if member.name == "suffix":  # earlier outputs: from the first step on, several point-mass branches
             for output in [[7, 1, 0]] * 3 + [[7, 5, 4]] * 3 + [[7, 4, 4], [7, 2, 6]] * 2:
                 member.cache.add(output)
-    return Engine.from_runners(ModelRunner.from_dir(llm, max_kv_tokens=kv, block_size=8),
-                               [ModelRunner.from_dir(s, max_kv_tokens=kv, block_size=8) for s in ssms[:num_ssms]],
-                               model_free=members)
+    cfg = EngineConfig(default_shape=shape) if shape is not None else EngineConfig()
+    engine = Engine.from_runners(ModelRunner.from_dir(llm, max_kv_tokens=kv, block_size=8),
+                                 [ModelRunner.from_dir(s, max_kv_tokens=kv, block_size=8) for s in ssms[:num_ssms]],
+                                 cfg, model_free=members)
+    if budget is not None:
+        engine.load_policy = FixedBudget(budget)
+    return engine
+
+
+def configured(models, name: str) -> tuple[Engine, SamplingParams, TreeShape]:
+    params, shape, pool, *budget = CONFIGS[name]
+    return make_engine(models, pool, shape, budget[0] if budget else None), params, shape
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_speculative_sampling_matches_llm_distribution(models, name):
-    params, shape, num_ssms = CONFIGS[name]
-    counts, mean_accepted = speculative_counts(make_engine(models, num_ssms), params, shape)
+    engine, params, shape = configured(models, name)
+    counts, mean_accepted = speculative_counts(engine, params, shape)
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert 0.2 < mean_accepted, mean_accepted  # trees were really accepted, not only rejected
     assert pvalue > 0.001, (name, pvalue)
@@ -137,8 +172,8 @@ def test_deterministic_drafts_taken_as_certain_fail_the_test(models, monkeypatch
     """A point-mass draft must be accepted with p[x], not always: treated as q = p (accepted
     whenever p[x] > 0), the mixed tree's distribution is wrong and the test says so."""
     monkeypatch.setattr(specinfer.engine.verify, "_point_mass", lambda p, x: p.clone())
-    params, shape, pool = CONFIGS["t1-sampled-ssm+model-free"]
-    counts, _ = speculative_counts(make_engine(models, pool), params, shape)
+    engine, params, shape = configured(models, "t1-sampled-ssm+model-free")
+    counts, _ = speculative_counts(engine, params, shape)
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert pvalue < 0.001, pvalue
 
@@ -146,10 +181,44 @@ def test_deterministic_drafts_taken_as_certain_fail_the_test(models, monkeypatch
 @pytest.mark.parametrize("name", ["t1-sampled-tree", "t1-topk-tree"])
 def test_without_residual_correction_the_test_fails(models, name, monkeypatch):
     monkeypatch.setattr(specinfer.engine.verify, "residual_distribution", lambda p, q: p)
-    params, shape, num_ssms = CONFIGS[name]
-    counts, _ = speculative_counts(make_engine(models, num_ssms), params, shape)
+    engine, params, shape = configured(models, name)
+    counts, _ = speculative_counts(engine, params, shape)
     pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
     assert pvalue < 0.001, (name, pvalue)
+
+
+def test_a_dynamic_tree_pruning_its_own_draws_fails_the_test(models, monkeypatch):
+    """A draw from q must stay in the tree whatever it drew: a dynamic tree that kept only its
+    most valuable draws (pruning the others with the point masses) would favour the tokens q
+    likes, and the test says so."""
+    original_build = Candidates.build
+
+    def prune_draws(self, chosen):
+        kept = set(chosen)
+        self.draws = [[(c, q) for c, q in draws if c in kept] for draws in self.draws]
+        return original_build(self, chosen)
+
+    monkeypatch.setattr(Candidates, "build", prune_draws)
+    # Draws compete with the other candidates by value instead of being fixed.
+    monkeypatch.setattr(Candidates, "select", _select_ignoring_fixed_draws)
+    engine, params, shape = configured(models, "t1-dynamic-sampled+model-free")
+    engine.load_policy.fixed = TreeBudget(max_nodes=12, max_depth=3, node_cost=0.12, level_cost=0.0)
+    counts, _ = speculative_counts(engine, params, shape)
+    pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
+    assert pvalue < 0.001, pvalue
+
+
+_original_select = Candidates.select
+
+
+def _select_ignoring_fixed_draws(self, budget, num_levels):
+    fixed = list(self.is_fixed)
+    drawn = {c for draws in self.draws for c, _ in draws}
+    self.is_fixed = [f and n not in drawn for n, f in enumerate(fixed)]
+    try:
+        return _original_select(self, budget, num_levels)
+    finally:
+        self.is_fixed = fixed
 
 
 def test_seeded_runs_are_reproducible(models):

@@ -17,7 +17,7 @@ import grpc
 
 from services.speculator.config import SpeculatorConfig, parse_config
 from specinfer.errors import UserError
-from specinfer.serving.convert import sampling_from_proto, shape_from_proto
+from specinfer.serving.convert import budget_from_proto, sampling_from_proto, shape_from_proto
 from specinfer.serving.trees import tree_to_proto
 from specinfer.serving.grpc_server import RunningServer, model_service_main, start_model_service
 from specinfer.serving.metrics import ModelMetrics
@@ -67,20 +67,23 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                 step = 0
                 feedback, max_depth, shape_override = None, int(start.max_depth), None
                 is_model_free_only = start.model_free_only  # the model-free members' drafts alone
+                budget = budget_from_proto(start.budget) if start.HasField("budget") else None
                 num_tokens = len(context_ids)  # verified tokens so far: a tree may not outgrow the context
                 while True:
                     depth = max(0, min(max_depth, MAX_TREE_DEPTH, self.max_context - num_tokens - 1))
                     with self.tracer.start_as_current_span("speculator.build_tree") as step_span:
-                        tree, seconds = self.worker.step(session, feedback, depth, shape_override,
-                                                         is_model_free_only=is_model_free_only)
+                        tree, seconds, num_levels = self.worker.step(session, feedback, depth, shape_override,
+                                                                     is_model_free_only=is_model_free_only,
+                                                                     budget=budget)
                         step_span.set_attribute("tree_nodes", len(tree))
                         step_span.set_attribute("tree_depth", tree.max_depth)
                         step_span.set_attribute("step", step)
                         step_span.set_attribute("model_free_only", is_model_free_only)
+                        step_span.set_attribute("ssm_levels", num_levels)
                         step_span.set_attribute("batch_size", session.last_batch_size)
                         step_span.set_attribute("drafted_ahead", session.is_last_ahead)
                     yield pb.SpeculateResponse(tree=tree_to_proto(tree, params.is_greedy), step=step,
-                                               speculate_s=seconds)
+                                               speculate_s=seconds, ssm_levels=num_levels)
                     step += 1
                     try:
                         msg = next(request_iterator, None)
@@ -94,6 +97,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                     max_depth = int(fb.max_depth)
                     shape_override = shape_from_proto(fb.shape) if fb.HasField("shape") and fb.shape.widths else None
                     is_model_free_only = fb.model_free_only
+                    budget = budget_from_proto(fb.budget) if fb.HasField("budget") else None
                 span.set_attribute("steps", step)
             finally:
                 self.worker.close(session)

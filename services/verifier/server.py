@@ -200,7 +200,7 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
                               is_threaded=is_worker_threaded)
         engine = Engine(runner, speculation, engine_cfg, scheduler, max_context=pool_context(speculation, runner))
         if speculation and cfg.is_load_aware:  # calibrate the cost model now, not on the first request
-            engine.policy(engine_cfg.default_shape)
+            engine.policy()
             log.info("calibrated LLM cost model: %s",
                      ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in engine.cost_model.points))
         return VerifierServicer(cfg, engine, tracer, SpecDecodeMetrics.create(registry)), scheduler

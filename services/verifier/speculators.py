@@ -23,8 +23,8 @@ from specinfer.engine.loop import DraftTree
 from specinfer.engine.speculator import Speculator, model_free_member
 from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
-from specinfer.params import GenerationParams, TreeShape
-from specinfer.serving.convert import sampling_to_proto, shape_to_proto
+from specinfer.params import GenerationParams, TreeBudget, TreeShape
+from specinfer.serving.convert import budget_to_proto, sampling_to_proto, shape_to_proto
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MODEL_FREE_NAMES, SPECULATOR_INFO_RETRY_S
 from specinfer.serving.security import ChannelSecurity, open_channel
 from specinfer.serving.settings import message_options, reconnect_options
@@ -59,6 +59,7 @@ class SpeculatorLink:
         self._outbox: queue.Queue = queue.Queue()
         self._inbox: queue.Queue = queue.Queue()
         self._call = None
+        self.last_levels = 0  # SSM levels of the tree received last
 
     def open(self, start: pb.SpeculateStart, metadata: list[tuple[str, str]]) -> None:
         """Starts the stream with its first message; the answer is the first tree."""
@@ -83,6 +84,7 @@ class SpeculatorLink:
             self.fail("timed out waiting for a tree")
             raise TimeoutError(f"speculator {self.name} timed out")
         if isinstance(item, pb.SpeculateResponse):
+            self.last_levels = int(item.ssm_levels)
             try:
                 return tree_from_proto(item.tree, vocab_size, is_greedy)
             except ValueError as exc:
@@ -92,11 +94,13 @@ class SpeculatorLink:
         raise ConnectionError(f"speculator {self.name} stream ended")
 
     def send_feedback(self, accepted: list[int], bonus: int, max_depth: int, shape: pb.TreeShape | None = None,
-                      is_model_free_only: bool = False) -> None:
+                      is_model_free_only: bool = False, budget: pb.TreeBudget | None = None) -> None:
         feedback = pb.SpeculateFeedback(accepted=accepted, bonus=bonus, max_depth=max_depth,
                                         model_free_only=is_model_free_only)
         if shape is not None:
             feedback.shape.CopyFrom(shape)
+        if budget is not None:
+            feedback.budget.CopyFrom(budget)
         self._outbox.put(pb.SpeculateRequest(feedback=feedback))
 
     def fail(self, reason: str) -> None:
@@ -119,6 +123,7 @@ class SpeculatorLink:
 def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_size: int,
                 is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str]]:
     """Merges the trees of all live links; returns it and the names of links that failed now.
+    (Each link keeps its tree's SSM levels in `last_levels`.)
 
     A tree over `max_nodes` breaks the contract (the verifier reserved KV for that many per
     speculator), so its speculator is dropped."""
@@ -198,10 +203,13 @@ class RemoteSpeculation:
     def num_sources(self, ssm_names: tuple[str, ...]) -> int:
         return len(self.chosen(ssm_names))
 
-    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int:
+    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape, max_dynamic_nodes: int | None = None
+                        ) -> int:
         """Nodes beyond the root a step's merged tree may hold: each speculator's tree (model-free
-        drafts included) has at most `shape.max_nodes` nodes, root included."""
-        return self.num_sources(ssm_names) * (shape.max_nodes - 1)
+        drafts included) has at most `shape.max_nodes` nodes, root included, or, dynamic, at most
+        `max_dynamic_nodes` beyond its root."""
+        per_source = shape.max_nodes - 1 if max_dynamic_nodes is None else max(shape.max_nodes - 1, max_dynamic_nodes)
+        return self.num_sources(ssm_names) * per_source
 
     def hosts_model_free(self, speculators: list[tuple[str, object]], ssm_names: tuple[str, ...]) -> bool:
         """Whether one of `speculators` hosts a model-free member of the pool `ssm_names` names."""
@@ -258,31 +266,42 @@ class SpeculationDriver:
         # model-free-only steps, whose tokens the SSMs catch up on first).
         self.is_steady = False
         self._is_ssm_current = False  # the SSMs built the tree asked last
+        self._is_dynamic = False  # the tree asked last is a dynamic one
+        self._max_nodes = shape.max_nodes  # the bound of one speculator's tree asked last
+        self._was_steady_ready = False  # a dynamic ask followed the last tree at once (one step's tokens)
 
     @property
     def is_usable(self) -> bool:
         return not self.links or any(link.is_alive for link in self.links)
 
-    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None) -> None:
         """Requests the next tree (opening the streams with the whole context the first time).
         `max_depth` (at least the widths' depth) bounds the speculators' model-free drafts; no
-        widths but a depth asks for the model-free drafts alone."""
-        is_model_free_only = not widths and bool(max_depth) and self.has_model_free
-        if not (widths or is_model_free_only) or not self.is_usable:
+        widths but a depth asks for the model-free drafts alone; a `budget`, a dynamic tree."""
+        is_model_free_only = budget is None and not widths and bool(max_depth) and self.has_model_free
+        if not (widths or is_model_free_only or budget is not None) or not self.is_usable:
             return
         depth = max(len(widths), max_depth or 0)
-        # A model-free-only ask keeps the request's shape: its node bound bounds the drafts.
+        # A model-free-only or dynamic ask keeps the request's shape: its sampling settings (and node
+        # bound) hold for the drafts.
         shape = shape_to_proto(replace(self.shape, widths=widths) if widths else self.shape)
-        self.is_steady = bool(widths) and self._is_ssm_current and self.num_unsent_steps == 1
-        self._is_ssm_current = bool(widths)
+        wire_budget = budget_to_proto(budget) if budget is not None else None
+        self._max_nodes = budget.max_nodes + 1 if budget is not None else self.shape.max_nodes
+        self._is_dynamic = budget is not None
+        if budget is None:
+            self.is_steady = bool(widths) and self._is_ssm_current and self.num_unsent_steps == 1
+            self._is_ssm_current = bool(widths)
+        else:  # whether its SSMs ran is known once the tree is in
+            self._was_steady_ready = self.num_unsent_steps == 1
         if not self.links:
             start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth,
-                                      model_free_only=is_model_free_only)
+                                      model_free_only=is_model_free_only, budget=wire_budget)
             self.links = self.open_links(start)
         else:
             for link in self.links:
                 if link.is_alive:
-                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape, is_model_free_only)
+                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape, is_model_free_only,
+                                       wire_budget)
         self.unsent = []
         self.num_unsent_steps = 0
         self.is_awaiting = True
@@ -291,12 +310,17 @@ class SpeculationDriver:
     def tree(self, root: int) -> DraftTree:
         """The tree for this step (root-only when none was asked) and the speculators that failed."""
         if not self.is_awaiting:
-            return DraftTree(TokenTree.with_root(root), [], 0, 0.0)
+            return DraftTree(TokenTree.with_root(root), [], 0, 0.0, False)
         self.is_awaiting = False
         started = time.perf_counter()
         tree, failed = gather_tree(self.links, root, self.step_timeout_s, self.vocab_size, self.is_greedy,
-                                   self.shape.max_nodes)
-        return DraftTree(tree, failed, self.asked_depth, time.perf_counter() - started)
+                                   self._max_nodes)
+        depth = self.asked_depth
+        if self._is_dynamic:  # the levels the speculators took; steady: SSM trees twice in a row
+            depth = max((link.last_levels for link in self.links if link.is_alive), default=0)
+            self.is_steady = bool(depth) and self._is_ssm_current and self._was_steady_ready
+            self._is_ssm_current = bool(depth)
+        return DraftTree(tree, failed, depth, time.perf_counter() - started)
 
     def after_step(self, verified: list[int]) -> None:
         """Records a verified step; its tokens go out with the next request for a tree."""

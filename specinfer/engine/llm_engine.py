@@ -27,17 +27,22 @@ from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import make_generator
 from specinfer.engine.scheduler import Scheduler, SchedulerConfig
-from specinfer.engine.speculator import Proposal, SSMTree, Speculator
+from specinfer.engine.speculator import Built, DraftSession, Proposal, Speculator
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verifier import Verifier
 from specinfer.errors import UserError
-from specinfer.params import GenerationParams, SamplingParams, TreeShape
+from specinfer.params import GenerationParams, SamplingParams, TreeBudget, TreeShape
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    default_shape: TreeShape = TreeShape(limits.PAPER_TREE_WIDTH)  # for requests that name no widths
-    is_load_aware: bool = True  # those requests get per-step widths within the default shape
+    # Requests that name no widths get dynamic trees priced per step by the load-aware policy (or
+    # none where speculation does not pay), of at most `max_tree_nodes` nodes beyond the root and
+    # `max_tree_depth` levels; not load-aware, they get `default_shape` (the paper's static expansion).
+    default_shape: TreeShape = TreeShape(limits.PAPER_TREE_WIDTH)
+    is_load_aware: bool = True
+    max_tree_nodes: int = limits.DYNAMIC_MAX_NODES
+    max_tree_depth: int = limits.DYNAMIC_MAX_DEPTH
     is_guarded: bool = False  # a measured guard keeps load-aware speculation from running slower than plain
     # Inline, nothing else can free memory, so a request that does not fit fails at once.
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(admission_timeout_s=0.0))
@@ -48,8 +53,10 @@ class DraftSource(Protocol):
 
     def num_sources(self, ssm_names: tuple[str, ...]) -> int: ...  # trees merged per step (0 = none)
 
-    # Nodes beyond the root that one step's merged tree may hold (the request's KV reservation).
-    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int: ...
+    # Nodes beyond the root that one step's merged tree may hold (the request's KV reservation):
+    # static trees of `shape`, or dynamic trees of at most `max_dynamic_nodes` per source.
+    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape, max_dynamic_nodes: int | None = None
+                        ) -> int: ...
 
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> Drafts: ...
@@ -88,9 +95,15 @@ class LocalSpeculation:
     def num_sources(self, ssm_names: tuple[str, ...]) -> int:
         return len(self.pool(ssm_names))
 
-    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int:
+    def max_draft_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape, max_dynamic_nodes: int | None = None
+                        ) -> int:
         """Each SSM's tree holds at most `shape.max_nodes` nodes, root included; each model-free
-        member adds at most `min(shape.max_nodes, MODEL_FREE_MAX_NODES)` (`Speculator.merge`)."""
+        member adds at most `min(shape.max_nodes, MODEL_FREE_MAX_NODES)` (`Speculator.merge`). A
+        dynamic tree is one tree of the whole pool, within its budget."""
+        static = self._max_static_nodes(ssm_names, shape)
+        return static if max_dynamic_nodes is None else max(static, max_dynamic_nodes)
+
+    def _max_static_nodes(self, ssm_names: tuple[str, ...], shape: TreeShape) -> int:
         pool = self.pool(ssm_names)
         num_ssms = sum(1 for m in pool if m < len(self.speculator.runners))
         free_nodes = min(shape.max_nodes, limits.MODEL_FREE_MAX_NODES)
@@ -101,8 +114,7 @@ class LocalSpeculation:
 
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> "LocalDrafts":
-        states = self.speculator.start(prompt_ids, self.pool(params.ssm_names))
-        return LocalDrafts(self, states, shape, params.sampling)
+        return LocalDrafts(self, self.speculator.open(prompt_ids, params.sampling, shape, self.pool(params.ssm_names)))
 
     def build_asked(self) -> None:
         with self.lock:
@@ -110,75 +122,75 @@ class LocalSpeculation:
             started = time.perf_counter()
             for drafts in asked:
                 drafts.apply_feedback()
-            batch = [Proposal(d.states, d.asked_shape, d.sampling, d.generator, d.asked_depth,
-                              not d.asked_shape.widths) for d in asked]
-            built = self.speculator.propose(batch)
+            built = self.speculator.propose([d.asked for d in asked])
             seconds = time.perf_counter() - started
-            for drafts, (tree, ssm_trees) in zip(asked, built):
-                drafts.built = (tree, ssm_trees, seconds)
+            for drafts, one in zip(asked, built):
+                drafts.built = (one, seconds)
 
 
 class LocalDrafts:
-    """One request's trees from the local pool (its KV caches in every SSM it uses)."""
+    """One request's trees from the local pool (its `DraftSession`: KV caches in every SSM it uses)."""
 
     is_usable = True
 
-    def __init__(self, local: LocalSpeculation, states: list, shape: TreeShape, sampling: SamplingParams):
+    def __init__(self, local: LocalSpeculation, session: DraftSession):
         self.local = local
-        self.states = states
-        self.shape = shape
-        self.sampling = sampling
-        self.generator = make_generator(sampling.seed, 1)
-        self.asked_shape: TreeShape | None = None
-        self.asked_depth = 0
-        self.built: tuple[TokenTree, list[SSMTree | None], float] | None = None
-        self.last_trees: list[SSMTree | None] | None = None
-        self._feedback: list[tuple[list[SSMTree | None] | None, list[int]]] = []  # verified steps not yet read
+        self.session = session
+        self.asked: Proposal | None = None
+        self.built: tuple[Built, float] | None = None
+        self._feedback: list[tuple[Built | None, list[int]]] = []  # verified steps not yet read
         self.is_steady = False
-        self.has_model_free = any(s is not None for s in states[len(local.speculator.runners):])
+        self.has_model_free = any(s is not None for s in session.states[len(local.speculator.runners):])
         self._has_built_ssm_tree = False  # the tree built last came from the SSMs (not the model-free alone)
         self._num_plain_steps = 0
 
-    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None) -> None:
         """Asks for a tree of `widths` (the SSMs') whose model-free drafts go `max_depth` deep
-        (default: as deep as the widths); no widths but a depth asks the model-free members only."""
+        (default: as deep as the widths); no widths but a depth asks the model-free members only;
+        a `budget` asks for a dynamic tree."""
         max_depth = len(widths) if max_depth is None else max_depth
-        if not widths and not (max_depth and self.has_model_free):
+        if budget is None and not widths and not (max_depth and self.has_model_free):
             return
-        self.asked_shape = replace(self.shape, widths=widths)
-        self.asked_depth = max_depth
+        session = self.session
+        self.asked = session.proposal(replace(session.shape, widths=widths), max_depth,
+                                      is_model_free_only=budget is None and not widths, budget=budget)
         # Steady: the SSMs only catch up on the last step's tokens (not the prompt, not a plain run,
-        # not a model-free-only step, which they sat out).
-        self.is_steady = self._has_built_ssm_tree and self._num_plain_steps == 0
+        # not a model-free-only step, which they sat out). A dynamic tree knows once it is built.
+        self.is_steady = budget is None and self._has_built_ssm_tree and self._num_plain_steps == 0
         with self.local.lock:
             self.local._asked.append(self)
 
     def tree(self, root: int) -> DraftTree:
-        if self.asked_shape is None:
+        if self.asked is None:
             self._num_plain_steps += 1
-            return DraftTree(TokenTree.with_root(root), [], 0, 0.0)
+            return DraftTree(TokenTree.with_root(root), [], 0, 0.0, False)
         if self.built is None:
             self.local.run_drafting(self.local.build_asked)
-        tree, self.last_trees, seconds = self.built
-        depth = len(self.asked_shape.widths)
-        self._has_built_ssm_tree = bool(self.asked_shape.widths)
-        self.asked_shape, self.built, self._num_plain_steps = None, None, 0
-        return DraftTree(tree, [], depth, seconds)
+        (built, seconds), is_dynamic = self.built, self.asked.budget is not None
+        self.session.last = built
+        if is_dynamic:
+            self.is_steady = bool(built.num_levels) and self._has_built_ssm_tree and self._num_plain_steps == 0
+        self._has_built_ssm_tree = bool(built.num_levels)
+        self.asked, self.built, self._num_plain_steps = None, None, 0
+        return DraftTree(built.tree, [], built.num_levels, seconds)
 
     def after_step(self, verified: list[int]) -> None:
         """Records a verified step; the SSMs read it when the next tree is built (on the thread
         that builds trees, as their cache updates are model work)."""
-        self._feedback.append((self.last_trees, verified))
-        self.last_trees = None
+        self._feedback.append((self.session.last, verified))
+        self.session.last = None
 
     def apply_feedback(self) -> None:
-        for trees, verified in self._feedback:
-            self.local.speculator.feedback(self.states, trees, verified[:-1], verified[-1])
+        for built, verified in self._feedback:
+            self.local.speculator.feedback(self.session.states, built, verified[:-1], verified[-1])
         self._feedback = []
 
     def close(self) -> None:
         with self.local.lock:
-            self.local.speculator.release(self.states)
+            for built, verified in self._feedback:  # the last steps' outcomes still calibrate
+                self.local.speculator.learn(built, verified[:-1], verified[-1])
+            self._feedback = []
+            self.local.speculator.release(self.session.states)
 
 
 class Engine:
@@ -193,7 +205,7 @@ class Engine:
         self.source = source
         self.scheduler = scheduler or Scheduler(self.verifier, cfg.scheduler, is_threaded=False, is_inline=True)
         self.max_context = max_context or llm.max_context
-        self.policies: dict[tuple, LoadAwarePolicy] = {}  # per width bound, built on first load-aware use
+        self.load_policy: LoadAwarePolicy | None = None  # built on first load-aware use
         self.cost_model: CostModel | None = None
         self.guard = SpeculationGuard() if cfg.is_guarded else None
         if isinstance(source, LocalSpeculation):  # a co-located pool drafts on the LLM's thread
@@ -220,8 +232,12 @@ class Engine:
         limits.check_stop_token_ids(params.stop_token_ids, llm_cfg.vocab_size)
         num_sources = self.source.num_sources(params.ssm_names) if self.source and params.is_speculative else 0
         shape = self.cfg.default_shape if params.shape.is_default else params.shape
+        is_load_aware = bool(num_sources) and params.shape.is_default and self.cfg.is_load_aware
+        # Under a guard, a load-aware request may also decode plainly, or get the static default.
+        dynamic_nodes = self.cfg.max_tree_nodes if is_load_aware else None
         num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens,
-                                   self.source.max_draft_nodes(params.ssm_names, shape) if num_sources else 0)
+                                   self.source.max_draft_nodes(params.ssm_names, shape, dynamic_nodes)
+                                   if num_sources else 0)
         session = self.scheduler.open(list(prompt_ids), session_id, num_slots, timeout_s, prefix_group)
         session.state.num_logprobs = params.num_logprobs
         try:
@@ -230,9 +246,8 @@ class Engine:
         except BaseException:
             self.scheduler.close(session, None)
             raise
-        is_load_aware = bool(num_sources) and params.shape.is_default and self.cfg.is_load_aware
-        choose = WidthChoice(shape.widths, self.policy(shape) if is_load_aware else None, self.guard,
-                             params.sampling.is_greedy, getattr(drafts, "has_model_free", False))
+        choose = WidthChoice(shape.widths, self.policy() if is_load_aware else None, self.guard,
+                             params.sampling.is_greedy)
         return Generation(prompt_ids, params, params.stop_tokens(llm_cfg.eos_token_ids), drafts, choose,
                           self.max_context, session, make_generator(params.sampling.seed, 2), observer)
 
@@ -276,17 +291,15 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
         return self.generate_batch([self.start(prompt_ids, params)])[0]
 
-    def policy(self, bound: TreeShape) -> LoadAwarePolicy:
-        """The load-aware policy for shapes within `bound` (the cost model calibrated once, then
-        refined by every measured pass of the scheduler)."""
-        key = (len(bound.widths), max(bound.widths), bound.max_nodes)
-        if key not in self.policies:
+    def policy(self) -> LoadAwarePolicy:
+        """The load-aware policy (its cost model calibrated once, then refined by every measured
+        pass of the scheduler)."""
+        if self.load_policy is None:
             if self.cost_model is None:
                 self.cost_model = CostModel.calibrate(self.verifier.runner)
                 self.scheduler.cost_model = self.cost_model
-            self.policies[key] = LoadAwarePolicy(self.cost_model, max_depth=key[0], max_width=key[1],
-                                                 max_nodes=key[2])
-        return self.policies[key]
+            self.load_policy = LoadAwarePolicy(self.cost_model, self.cfg.max_tree_nodes, self.cfg.max_tree_depth)
+        return self.load_policy
 
 
 POLL_S = 0.05
@@ -307,8 +320,9 @@ MODES = ("incremental", "sequence", "tree", "auto")
 def mode_params(mode: str, max_new_tokens: int, shape: TreeShape = TreeShape(limits.PAPER_TREE_WIDTH),
                 sampling: SamplingParams = SamplingParams(), **extra) -> GenerationParams:
     """The command line's modes as request parameters: `incremental` (no trees), `sequence` (a
-    chain as deep as `shape`), `tree` (`shape` itself) and `auto` (the engine's default shape,
-    load-aware: give the engine `EngineConfig(default_shape=shape)`)."""
+    chain as deep as `shape`), `tree` (`shape`'s static expansion) and `auto` (dynamic trees
+    priced per step by the load-aware policy; the engine's `default_shape` gives their sampling
+    settings)."""
     if mode not in MODES:
         raise UserError(f"unknown mode {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "sequence":

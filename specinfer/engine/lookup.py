@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specinfer.engine.tree import TokenTree, add_paths
-from specinfer.limits import LOOKUP_MAX_NGRAM, LOOKUP_MAX_PATHS, LOOKUP_MIN_NGRAM
+from specinfer.engine.tree import ScoredTree, TokenTree, add_paths, counted_tree
+from specinfer.limits import LOOKUP_MAX_NGRAM, LOOKUP_MAX_PATHS, LOOKUP_MIN_NGRAM, SUFFIX_MAX_SOURCES
 
 
 @dataclass
@@ -81,3 +81,13 @@ class PromptLookup:
                 add_paths(tree, paths, max_nodes)
                 break
         return tree
+
+    def scored(self, state: ContextIndex, max_depth: int, max_nodes: int) -> ScoredTree:
+        """The continuations of the longest matching n-gram, counted over its occurrences: each
+        node with the share of occurrences that continued with it."""
+        tree = TokenTree.with_root(state.tokens[-1])
+        for n in range(min(self.max_ngram, len(state.tokens) - 1), self.min_ngram - 1, -1):
+            paths = state.continuations(n, max_depth, SUFFIX_MAX_SOURCES, is_distinct=False)
+            if paths:
+                return ScoredTree(tree, counted_tree(tree, paths, max_nodes, 0.0), n)
+        return ScoredTree(tree, [1.0], 0)

@@ -8,7 +8,8 @@ happens: take the token tree the drafts built for this step (a root-only tree wh
 asked: plain decoding), verify it in the LLM (the caller's `verify`, the scheduler's batched pass
 in both the engine and the service), let the load-aware policy and the guard observe the step,
 record the accepted tokens and the bonus token (cut at a stop token or the budget), feed them back
-to the drafts, and ask for the next tree with widths that are fixed or chosen per step.
+to the drafts, and ask for the next tree: of fixed widths (SpecInfer's static expansion), or a
+dynamic tree within the load-aware policy's budget for this step (`engine.dynamic`), or none.
 
 Where trees come from is a `Drafts`: local SSMs (`specinfer.engine.llm_engine.LocalDrafts`, one
 batched SSM pass per level for all requests), remote speculators (the verifier service's
@@ -22,17 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol
 
 from specinfer.engine.guard import SpeculationGuard
-from specinfer.engine.policy import MODEL_FREE_ONLY, LoadAwarePolicy
+from specinfer.engine.policy import LoadAwarePolicy
 from specinfer.engine.tree import TokenTree
-from specinfer.params import GenerationParams
+from specinfer.params import GenerationParams, TreeBudget
 from specinfer.stats import GenerationStats
 
 
 class DraftTree(NamedTuple):
     tree: TokenTree
     failed: list[str]  # sources that failed while building it (the request goes on without them)
-    depth: int  # levels asked for; 0 = none was asked (a root-only tree)
+    depth: int  # SSM levels it took; 0 = none (model-free drafts alone, or none asked)
     seconds: float  # time spent building it
+    is_asked: bool = True  # a tree was asked for (False: a plain step)
 
 
 class Drafts(Protocol):
@@ -43,8 +45,9 @@ class Drafts(Protocol):
 
     # Requests the next tree: the SSMs expand `widths`, model-free members draft up to `max_depth`
     # levels (default: as deep as the widths). () with no depth asks nothing; () with a depth asks
-    # the model-free members alone.
-    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None: ...
+    # the model-free members alone; a `budget` asks for a dynamic tree `max_depth` deep at most.
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None
+            ) -> None: ...
 
     def tree(self, root: int) -> DraftTree: ...  # the tree asked for (root-only if none was)
 
@@ -59,11 +62,12 @@ class NoDrafts:
     is_usable = False
     is_steady = False
 
-    def ask(self, widths: tuple[int, ...], max_depth: int | None = None) -> None:
+    def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None
+            ) -> None:
         pass
 
     def tree(self, root: int) -> DraftTree:
-        return DraftTree(TokenTree.with_root(root), [], 0, 0.0)
+        return DraftTree(TokenTree.with_root(root), [], 0, 0.0, False)
 
     def after_step(self, verified: list[int]) -> None:
         pass
@@ -81,25 +85,26 @@ class StepObserver(Protocol):
                  started: float, ended: float) -> None: ...
 
 
+Plan = tuple[int, ...] | TreeBudget  # a step's tree: fixed widths, a dynamic tree's budget, or () for none
+
+
 class WidthChoice:
-    """One request's widths per step: fixed, or the load-aware policy's as the guard allows.
-    `ticket` is the guard's record of the latest guarded choice (None for fixed shapes)."""
+    """One request's tree per step: fixed widths, or the load-aware policy's budget as the guard
+    allows. `ticket` is the guard's record of the latest guarded choice (None for fixed shapes)."""
 
     def __init__(self, fixed: tuple[int, ...], policy: LoadAwarePolicy | None = None,
-                 guard: SpeculationGuard | None = None, is_greedy: bool = True, has_model_free: bool = False):
+                 guard: SpeculationGuard | None = None, is_greedy: bool = True):
         self.fixed, self.policy, self.guard, self.is_greedy = fixed, policy, guard, is_greedy
-        self.has_model_free = has_model_free  # the policy may choose a model-free-only tree
         self.ticket = None
 
-    def __call__(self, batch_size: int) -> tuple[int, ...]:
+    def __call__(self, batch_size: int) -> Plan:
         if self.policy is None:
             return self.fixed
-        extra = {"has_model_free": True} if self.has_model_free else {}
-        choose = lambda: self.policy.choose(batch_size, self.is_greedy, **extra)  # noqa: E731
+        choose = lambda: self.policy.choose(batch_size, self.is_greedy)  # noqa: E731
         if self.guard is None:  # the policy unchecked
             return choose()
-        widths, self.ticket = self.guard.plan(batch_size, choose)
-        return widths
+        plan, self.ticket = self.guard.plan(batch_size, choose)
+        return plan
 
 
 @dataclass
@@ -170,9 +175,9 @@ class Generation:
         self.result = GenerationResult(list(prompt_ids))
         self.is_done = False
         self._has_asked = False
-        self._is_model_free_step = False  # the tree asked last is the model-free members' alone
         self._measured = None  # (guard ticket, tokens, start) of the previous step
         self._ticket = None  # the guard's ticket for this step's widths
+        self._draft: DraftTree | None = None  # this step's
         self._step_started = 0.0
         self._started = time.perf_counter()
 
@@ -184,18 +189,19 @@ class Generation:
     def root(self) -> int:
         return self.session.state.pending[-1]
 
-    def _plan(self, batch_size: int) -> tuple[tuple[int, ...], int]:
-        """The next tree's widths, clipped to the depth the request has left, and that depth (the
-        bound of model-free drafts; 0 for a plain step)."""
+    def _plan(self, batch_size: int) -> tuple[tuple[int, ...], int, TreeBudget | None]:
+        """The next tree: widths clipped to the depth the request has left and that depth (the bound
+        of model-free drafts; 0 for a plain step), or a dynamic tree's budget within that depth."""
         context = len(self.result.prompt_ids) + len(self.result.output_ids)
         depth = speculation_depth(self.remaining, context, self.max_context)
         if not self.drafts.is_usable or depth <= 0:
-            return (), 0
-        widths = tuple(self.choose(batch_size))
-        self._is_model_free_step = widths == MODEL_FREE_ONLY
-        if self._is_model_free_step:
-            return (), depth
-        return widths[:depth], depth if widths else 0
+            return (), 0, None
+        plan = self.choose(batch_size)
+        if isinstance(plan, TreeBudget):
+            budget = plan.clipped(depth)
+            return (), budget.max_depth, budget
+        widths = tuple(plan)
+        return widths[:depth], depth if widths else 0, None
 
     def begin(self, batch_size: int) -> None:
         """Asks for the first tree (later trees are asked as each step is recorded)."""
@@ -211,8 +217,9 @@ class Generation:
             self.choose.guard.observe(ticket, num_tokens, started - since)
         self._ticket, self.choose.ticket = self.choose.ticket, None
         draft = self.drafts.tree(self.root)
+        self._draft = draft
         policy = self.choose.policy
-        if policy is not None and draft.depth and self.drafts.is_steady:
+        if policy is not None and draft.is_asked and self.drafts.is_steady:
             policy.observe_speculation(draft.depth, draft.seconds)
         if draft.failed:
             self.result.is_fell_back = True
@@ -225,10 +232,8 @@ class Generation:
         """Observe, record, feed back, and choose the next shape; returns the tokens kept."""
         step = self.result.num_llm_steps
         policy, is_greedy = self.choose.policy, self.params.sampling.is_greedy
-        if policy is not None and self._is_model_free_step:
-            policy.observe_model_free(len(accepted), len(tree), is_greedy)
-        elif policy is not None and len(tree) > 1:
-            policy.observe_step(tree, tree.find_path(accepted), is_greedy)
+        if policy is not None and self._draft.is_asked:
+            policy.observe_step(len(accepted), len(tree) - 1, self._draft.depth, batch_size, is_greedy)
         elif policy is not None and step and self.session.last_batch_size == 1:
             # A plain step alone in its pass (not the first: that one reads the prompt). In a batch,
             # a request's step may also wait for passes of other requests: not a step's own cost.

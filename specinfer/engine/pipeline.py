@@ -54,9 +54,10 @@ def predicted_path(ssm_trees: list[SSMTree | None] | None) -> list[int]:
 
 
 def can_draft_ahead(p: Proposal, ssm_trees: list[SSMTree | None] | None, num_ssms: int) -> bool:
-    """Whether tree t+1 may be drafted ahead: a greedy step in which every SSM the request uses
-    built a tree (so no SSM has tokens queued) and the primary one proposed a path."""
-    if not p.params.is_greedy or p.is_model_free_only or not ssm_trees:
+    """Whether tree t+1 may be drafted ahead: a greedy step of static widths in which every SSM
+    the request uses built a tree (so no SSM has tokens queued) and the primary one proposed a
+    path. (A dynamic tree's next budget is priced after the verdict.)"""
+    if not p.params.is_greedy or p.is_model_free_only or p.budget is not None or not ssm_trees:
         return False
     used = [m for m in range(num_ssms) if p.states[m] is not None]
     return bool(used) and all(ssm_trees[m] is not None and not p.states[m].pending for m in used) \

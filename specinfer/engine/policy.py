@@ -1,49 +1,55 @@
-"""Load-aware speculation: choose each step's tree shape from measured costs and acceptance.
+"""Load-aware speculation: each step's tree priced by measured costs, or no tree where it does not pay.
 
-SpecInfer's gains shrink as the batch grows (Section 6.2, Figure 10: wide trees pay at batch 1-2,
-widths 2-3 at batch >= 4), because verifying B trees of N nodes costs an LLM pass over B*N
-tokens. The policy maximises expected throughput
+SpecInfer's gains shrink as the batch grows (Section 6.2, Figure 10): verifying B trees of N
+nodes costs an LLM pass over B*N tokens. Trees are dynamic (`engine.dynamic`): the drafts keep a
+node, or run another SSM level, only while that raises the expected rate, given what one node
+and one level cost as shares of the step's time (`TreeBudget`). This policy prices them for the
+current batch and device, SmartSpec-style, from measured goodput:
 
-    B * (1 + E[accepted | w]) / (t_llm(B * N(w)) + t_step + t_ssm * depth(w))
+    step time T = t_llm(B * (1 + nodes)) + t_step + t_draft,   node_cost = B * t_llm'(.) / T,
+    level_cost = t_level / T
 
-over a family of width vectors w, where t_llm comes from a cost model calibrated at start-up
-(LLM forward time against tokens in the pass), t_step is what a step costs beyond its pass
-(sampling, bookkeeping, the request's own Python: measured on plain steps of one request, and
-paid once per step however many tokens it brings), t_ssm is the measured time per speculation level,
-and E[accepted | w] follows from the measured top-k containment c(k) of the SSMs (the chance that
-the LLM's token is among a node's first k drafts): E = sum_i prod_{j<=i} c(w_j). Depth 0 (plain
-decoding) is a candidate, so speculation switches off when it would not pay; so is a tree of the
-pool's model-free members alone (`MODEL_FREE_ONLY`: no SSM pass, its acceptance and size learnt
-from its own steps).
+where t_llm comes from a cost model calibrated at start-up (LLM forward time against tokens in
+the pass, refined by every measured pass), t_step is what a step costs beyond its pass
+(sampling, bookkeeping, the request's own Python: measured on plain steps of one request, paid
+once per step however many tokens it brings), t_draft = fixed + t_level * levels is the
+measured drafting time, and nodes are the tree sizes measured at this load. Node costs charge
+the whole batch (one more token in the pass slows every request in it), so trees shrink as the
+batch grows, down to none. Plain decoding is the other arm: the policy speculates while
 
-A choice cannot stick. Speculation costs are refitted with weights that halve every
-`half_life_s` of (injectable) clock time, and an arm the policy stopped choosing is probed with
-two steps every `probe_interval_s` (less often when probes are slow: they take at most
-`PROBE_SHARE` of the time): a cost measured under a noisy neighbour is re-measured and
-forgotten once the neighbour leaves, instead of keeping speculation off for good. Plain Python;
-the one tensor-touching part, calibration, only times a runner.
+    (1 + accepted) / T  >  1 / (t_llm(B) + t_step)
+
+with accepted, nodes and levels the decayed averages of the last speculative steps at this load
+(greedy and sampled apart: they accept at very different rates).
+
+A choice cannot stick. Costs are refitted with weights that halve every `half_life_s` of
+(injectable) clock time, and while plain decoding wins, speculation is probed with two steps
+every `probe_interval_s` (less often when probes are slow: at most `PROBE_SHARE` of the time),
+unless even an optimistic estimate of it (its acceptance plus its uncertainty, and a drafting
+cost that fades with the age of its measurement) could not win: probes are paid only where they
+could change the verdict. Plain Python; the one
+tensor-touching part, calibration, only times a runner.
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from specinfer.engine.tree import TokenTree
+from specinfer.limits import DYNAMIC_MAX_DEPTH, DYNAMIC_MAX_NODES
+from specinfer.params import TreeBudget
 
-# A choice of widths that asks the pool's model-free members alone (no SSM pass: it costs ~0).
-MODEL_FREE_ONLY: tuple[int, ...] = (0,)
-PRIOR_CONTAINMENT = (0.6, 0.7, 0.76, 0.8, 0.83, 0.85, 0.87, 0.88)  # c(1..8) before any evidence
-PRIOR_WEIGHT = 20.0  # pseudo-observations behind the prior
-PROBE_INTERVAL_S = 0.5  # an arm not chosen is still measured with one step this often
+PRIOR_GREEDY = (1.5, 6.0, 3.0)  # (accepted tokens, nodes, SSM levels) of a speculative step before any evidence
+PRIOR_SAMPLED = (0.8, 4.0, 2.0)
+PRIOR_WEIGHT = 4.0  # steps behind the prior
+STATS_DECAY = 0.98  # a speculative step's weight falls by this per later step
+PROBE_INTERVAL_S = 0.5  # speculation not chosen is still measured with a probe this often
 PROBE_SHARE = 0.1  # and probes take at most this share of the time
-COST_HALF_LIFE_S = 2.0  # speculation-cost observations this old weigh half
-PRIOR_MODEL_FREE = (0.3, 3.0)  # (accepted tokens, nodes) of a model-free-only step before any evidence
-SSM, MODEL_FREE = "ssm", "model_free"  # the arms that get probed (plain decoding needs no probe)
+NUM_PROBE_STEPS = 2  # the first step after plain ones also pays the SSMs' catch-up
+COST_HALF_LIFE_S = 2.0  # drafting-cost observations this old weigh half
 
 
 @dataclass
@@ -112,155 +118,133 @@ class CostModel:
 
 
 @dataclass
-class AcceptanceStats:
-    """Top-k containment of the speculated drafts, learnt from verified steps."""
+class StepStats:
+    """Decayed averages of speculative steps at one load: tokens accepted, nodes beyond the
+    root, SSM levels; and how many steps they stand for."""
 
-    max_width: int = 8
-    hits: list[float] = field(default_factory=list)  # hits[k-1]: accepted within the first k drafts
-    trials: list[float] = field(default_factory=list)  # nodes that had >= k drafts
+    accepted: float
+    nodes: float
+    levels: float
+    weight: float = PRIOR_WEIGHT
+    squares: float = 0.0  # decayed mean of accepted**2 (the uncertainty of `accepted`)
 
     def __post_init__(self):
-        if not self.hits:
-            self.hits = [PRIOR_WEIGHT * c for c in PRIOR_CONTAINMENT[: self.max_width]]
-            self.trials = [PRIOR_WEIGHT] * self.max_width
+        if not self.squares:
+            self.squares = self.accepted ** 2 + 1.0
 
-    def observe_node(self, num_drafts: int, accepted_rank: int | None) -> None:
-        """One visited node: how many drafts it had, and which one (0-based) was accepted."""
-        for k in range(1, min(num_drafts, self.max_width) + 1):
-            self.trials[k - 1] += 1
-            if accepted_rank is not None and accepted_rank < k:
-                self.hits[k - 1] += 1
+    def observe(self, accepted: int, nodes: int, levels: int, decay: float = STATS_DECAY) -> None:
+        w = 1.0 / (self.weight * decay + 1.0)
+        self.accepted += w * (accepted - self.accepted)
+        self.nodes += w * (nodes - self.nodes)
+        self.levels += w * (levels - self.levels)
+        self.squares += w * (accepted * accepted - self.squares)
+        self.weight = self.weight * decay + 1.0
 
-    def observe_step(self, tree: TokenTree, path: list[int]) -> None:
-        """Feeds the nodes a verification walked through (greedy or sampled trees alike)."""
-        for i, node in enumerate(path):
-            children = tree.children[node]
-            if not children:
-                continue
-            nxt = path[i + 1] if i + 1 < len(path) else None
-            self.observe_node(len(children), children.index(nxt) if nxt is not None else None)
-
-    def containment(self, k: int) -> float:
-        k = max(1, min(k, self.max_width))
-        values = [h / t for h, t in zip(self.hits, self.trials)]
-        return max(values[:k])  # c(k) never decreases with k
+    def optimistic(self) -> float:
+        """Accepted tokens plus two standard errors."""
+        variance = max(0.0, self.squares - self.accepted ** 2)
+        return self.accepted + 2.0 * math.sqrt(variance / max(1.0, self.weight)) + 0.25
 
 
-def candidate_widths(max_depth: int, max_width: int) -> list[tuple[int, ...]]:
-    """The shapes the policy considers: up to two branching levels, then a chain."""
-    out = {()}
-    for depth in range(1, max_depth + 1):
-        for w1, w2 in itertools.product(range(1, max_width + 1), range(1, max_width + 1)):
-            if depth == 1 and w2 > 1:
-                continue
-            widths = (w1,) + ((w2,) if depth > 1 else ()) + (1,) * (depth - 2)
-            out.add(widths)
-    return sorted(out, key=lambda w: (len(w), w))
-
-
-def expected_accepted(widths: tuple[int, ...], stats: AcceptanceStats) -> float:
-    total, reach = 0.0, 1.0
-    for w in widths:
-        reach *= stats.containment(w)
-        total += reach
-    return total
-
-
-def num_nodes(widths: tuple[int, ...]) -> int:
-    total, level = 1, 1
-    for w in widths:
-        level *= w
-        total += level
-    return total
+def batch_bucket(batch_size: int) -> int:
+    """1, 2, 3-4, 5-8, ...: batch sizes whose trees are alike."""
+    return max(1, batch_size - 1).bit_length() if batch_size > 1 else 0
 
 
 class LoadAwarePolicy:
-    """Thread-safe: request handlers ask for shapes and report outcomes concurrently."""
+    """Thread-safe: request handlers ask for budgets and report outcomes concurrently."""
 
-    def __init__(self, cost: CostModel, max_depth: int = 8, max_width: int = 3, max_nodes: int = 64,
+    def __init__(self, cost: CostModel, max_nodes: int = DYNAMIC_MAX_NODES, max_depth: int = DYNAMIC_MAX_DEPTH,
                  level_seconds: float | None = None, clock=time.monotonic, probe_interval_s: float = PROBE_INTERVAL_S,
                  half_life_s: float = COST_HALF_LIFE_S):
         self.cost = cost
-        # Greedy and sampled verification accept at very different rates: learnt apart.
-        self.stats = AcceptanceStats(max_width=max(max_width, 1))
-        self.sampled_stats = AcceptanceStats(max_width=max(max_width, 1))
-        self.candidates = [w for w in candidate_widths(max_depth, max_width) if num_nodes(w) <= max_nodes]
-        # Speculation time per step = fixed_seconds (round trip, catch-up) + level_seconds * depth,
-        # fitted online; until measured, a level costs a tenth of a one-token LLM pass.
+        self.max_nodes, self.max_depth = max_nodes, max_depth
+        # Drafting time per step = fixed_seconds + level_seconds * levels, fitted online; until
+        # measured, a level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
         self.fixed_seconds = 0.0
         self.step_overhead_s = 0.0  # a step's time beyond its LLM pass, fitted online from plain steps
-        self._fit = [0.0] * 5  # decayed sums: n, depth, depth^2, seconds, depth*seconds
+        self._fit = [0.0] * 5  # decayed sums: n, levels, levels^2, seconds, levels*seconds
         self.clock, self.probe_interval_s, self.half_life_s = clock, probe_interval_s, half_life_s
         self._fitted_at: float | None = None
-        self._measured_at: dict[str, float] = {}  # arm -> when a step of it was last chosen (else: created)
+        self._stats: dict[tuple[bool, int], StepStats] = {}
         self._created_at = clock()
-        # A probe lasts two steps: the first after plain steps includes the SSMs' catch-up, so only
-        # the second measures a steady step's speculation cost.
-        self._probe: tuple[tuple[int, ...], int] = ((), 0)
-        self.num_probe_steps = 2
+        self._speculated_at = self._created_at  # when a speculative step was last chosen
+        self._probe_left = 0  # steps left in the running probe
         self._probe_started: float | None = None
         self._probe_seconds = 0.0  # how long the last probe took
-        # Model-free-only steps, greedy and sampled apart: decayed sums of (steps, accepted, nodes).
-        self._model_free = {g: [PRIOR_WEIGHT / 4, PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[0],
-                                PRIOR_WEIGHT / 4 * PRIOR_MODEL_FREE[1]] for g in (True, False)}
         self._lock = threading.Lock()
 
-    def choose(self, batch_size: int, is_greedy: bool = True, has_model_free: bool = False) -> tuple[int, ...]:
-        """The width vector with the best expected throughput; () means do not speculate, and
-        `MODEL_FREE_ONLY` (offered when the request's pool `has_model_free`) a model-free tree.
-        An arm not chosen for `probe_interval_s` gets this step instead (one probe per interval)."""
+    def stats(self, batch_size: int, is_greedy: bool = True) -> StepStats:
+        """The speculative steps measured at this load (else at the nearest smaller one, else the prior)."""
+        key = (is_greedy, batch_bucket(batch_size))
+        stats = self._stats.get(key)
+        if stats is None:
+            smaller = [b for g, b in self._stats if g == is_greedy and b < key[1]]
+            prior = self._stats[(is_greedy, max(smaller))] if smaller else None
+            accepted, nodes, levels = ((prior.accepted, prior.nodes, prior.levels) if prior is not None
+                                       else PRIOR_GREEDY if is_greedy else PRIOR_SAMPLED)
+            stats = self._stats[key] = StepStats(accepted, nodes, levels)
+        return stats
+
+    def _step_seconds(self, batch: int, nodes: float, levels: float) -> float:
+        return (self.cost.seconds(batch * (1 + nodes)) + self.step_overhead_s + self.fixed_seconds
+                + self.level_seconds * levels)
+
+    def budget(self, batch_size: int, is_greedy: bool = True) -> TreeBudget:
+        """What a node and an SSM level cost, as shares of a speculative step at this load."""
         batch = max(1, batch_size)
-        stats = self.stats if is_greedy else self.sampled_stats
         with self._lock:
-            overhead = self.step_overhead_s
-            plain_rate = batch / (self.cost.seconds(batch) + overhead)
-            best_ssm, ssm_rate = (), 0.0
-            for widths in self.candidates:
-                if not widths:
-                    continue
-                step_s = (self.cost.seconds(batch * num_nodes(widths)) + overhead + self.fixed_seconds
-                          + self.level_seconds * len(widths))
-                rate = batch * (1 + expected_accepted(widths, stats)) / step_s
-                if rate > ssm_rate:
-                    best_ssm, ssm_rate = widths, rate
-            arms = {(): plain_rate, best_ssm: ssm_rate} if best_ssm else {(): plain_rate}
-            if has_model_free:
-                steps, accepted, nodes = self._model_free[is_greedy]
-                arms[MODEL_FREE_ONLY] = batch * (1 + accepted / steps) / (self.cost.seconds(batch * nodes / steps)
-                                                                           + overhead)
-            best = max(arms, key=arms.get)
+            stats = self.stats(batch, is_greedy)
+            return self._budget(batch, stats)
+
+    def _budget(self, batch: int, stats: StepStats) -> TreeBudget:
+        step_s = self._step_seconds(batch, stats.nodes, stats.levels)
+        tokens = batch * (1 + stats.nodes)
+        slope = (self.cost.seconds(tokens + batch) - self.cost.seconds(tokens)) / batch  # one more token in the pass
+        return TreeBudget(self.max_nodes, self.max_depth, node_cost=max(0.0, batch * slope / step_s),
+                          level_cost=max(0.0, self.level_seconds / step_s))
+
+    def choose(self, batch_size: int, is_greedy: bool = True) -> TreeBudget | tuple[()]:
+        """This step's budget, or () for plain decoding where speculating does not pay at this load
+        (unless a probe of speculation is due)."""
+        batch = max(1, batch_size)
+        with self._lock:
+            stats = self.stats(batch, is_greedy)
+            plain_rate = 1.0 / (self.cost.seconds(batch) + self.step_overhead_s)
+            step_s = self._step_seconds(batch, stats.nodes, stats.levels)
             now = self.clock()
-            probe, num_left = self._probe
-            if num_left and probe in arms:
-                best, self._probe = probe, (probe, num_left - 1)
-            elif self._probe_started is not None:  # the probe is over: what it cost
+            if (1 + stats.accepted) / step_s > plain_rate or self._probe_left:
+                self._probe_left = max(0, self._probe_left - 1)
+                self._speculated_at = now
+                return self._budget(batch, stats)
+            if self._probe_started is not None:  # the probe is over: what it cost
                 self._probe_seconds, self._probe_started = now - self._probe_started, None
-            # Probes take at most PROBE_SHARE of the time, however slow their steps are (a loaded machine).
+            # Probes take at most PROBE_SHARE of the time, however slow their steps are (a loaded
+            # machine), and only where speculation could still win.
             interval = max(self.probe_interval_s, self._probe_seconds / PROBE_SHARE)
-            for widths in arms:  # continuous re-measurement: an arm left out too long gets probed
-                arm = self._arm(widths)
-                last = self._measured_at.get(arm, self._created_at)
-                if arm is not None and widths != best and now - last >= interval and not num_left:
-                    best, self._probe = widths, (widths, self.num_probe_steps - 1)
-                    self._probe_started = now
-                    break
-            arm = self._arm(best)
-            if arm is not None:
-                self._measured_at[arm] = now
-            return best
+            if now - self._speculated_at >= interval and self._could_win(batch, stats, plain_rate, now):
+                self._probe_left, self._probe_started = NUM_PROBE_STEPS - 1, now
+                self._speculated_at = now
+                return self._budget(batch, stats)
+            return ()
 
-    @staticmethod
-    def _arm(widths: tuple[int, ...]) -> str | None:
-        return None if not widths else (MODEL_FREE if widths == MODEL_FREE_ONLY else SSM)
+    def _could_win(self, batch: int, stats: StepStats, plain_rate: float, now: float) -> bool:
+        """Whether speculation could beat plain decoding on an optimistic estimate: its acceptance
+        plus its uncertainty, and a drafting cost that halves every `half_life_s` since it was
+        last measured (a cost measured under a neighbour that has left). The LLM's costs need no
+        optimism: every pass refreshes them."""
+        age = now - (self._fitted_at if self._fitted_at is not None else self._created_at)
+        fade = 0.5 ** (max(0.0, age) / self.half_life_s)
+        step_s = (self.cost.seconds(batch * (1 + stats.nodes)) + self.step_overhead_s
+                  + fade * (self.fixed_seconds + self.level_seconds * stats.levels))
+        return (1 + stats.optimistic()) / step_s > plain_rate
 
-    def observe_model_free(self, num_accepted: int, num_nodes: int, is_greedy: bool = True,
-                           decay: float = 0.98) -> None:
-        """One verified model-free-only step: tokens accepted from its tree and the tree's nodes."""
+    def observe_step(self, num_accepted: int, num_nodes: int, num_levels: int, batch_size: int = 1,
+                     is_greedy: bool = True) -> None:
+        """One verified speculative step: tokens accepted, nodes beyond the root, SSM levels."""
         with self._lock:
-            sums = self._model_free[is_greedy]
-            for i, value in enumerate((1.0, num_accepted, num_nodes)):
-                sums[i] = decay * sums[i] + value
+            self.stats(max(1, batch_size), is_greedy).observe(num_accepted, num_nodes, num_levels)
 
     def observe_plain_step(self, seconds: float, weight: float = 0.05) -> None:
         """The wall time (speculate to record) of a plain step alone in its pass: what it took beyond
@@ -269,23 +253,16 @@ class LoadAwarePolicy:
             sample = max(0.0, seconds - self.cost.seconds(1))
             self.step_overhead_s += weight * (sample - self.step_overhead_s)
 
-    def observe_step(self, tree: TokenTree, path: list[int], is_greedy: bool = True) -> None:
-        if len(tree) > 1:
-            with self._lock:
-                (self.stats if is_greedy else self.sampled_stats).observe_step(tree, path)
-
-    def observe_speculation(self, depth: int, seconds: float, decay: float = 0.98) -> None:
-        """Wall time the verifier waited for a tree of `depth` levels; refits
-        seconds = fixed + per_level * depth by exponentially weighted least squares."""
-        if depth <= 0:
-            return
+    def observe_speculation(self, num_levels: int, seconds: float, decay: float = 0.98) -> None:
+        """Wall time the verifier waited for a tree of `num_levels` SSM levels (0: the model-free
+        members' alone); refits seconds = fixed + per_level * levels by exponentially weighted least squares."""
         with self._lock:
             now = self.clock()
             if self._fitted_at is not None:  # older evidence fades with time, not only with steps
                 decay *= 0.5 ** (max(0.0, now - self._fitted_at) / self.half_life_s)
             self._fitted_at = now
             fit = self._fit
-            for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
+            for i, value in enumerate((1.0, num_levels, num_levels * num_levels, seconds, num_levels * seconds)):
                 fit[i] = decay * fit[i] + value
             n, sd, sdd, sy, sdy = fit
             det = n * sdd - sd * sd
@@ -296,6 +273,8 @@ class LoadAwarePolicy:
                     per_level, fixed = 0.0, sy / n
                 elif fixed < 0:
                     per_level, fixed = sdy / sdd, 0.0
-            else:  # one depth so far: charge it all to the levels
+            elif sd > 0:  # one depth so far: charge it all to the levels
                 per_level, fixed = sy / sd, 0.0
+            else:  # model-free trees only so far
+                per_level, fixed = self.level_seconds, sy / n
             self.level_seconds, self.fixed_seconds = per_level, fixed

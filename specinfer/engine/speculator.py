@@ -15,19 +15,20 @@ lie on the accepted path and queues the rest of the accepted tokens.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from specinfer.engine.blocks import SequenceKV
+from specinfer.engine.dynamic import BuiltTree, Calibration, DynamicBuild, SsmGain, learn
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import proposal_probs
+from specinfer.engine.sampling import make_generator, proposal_probs
 from specinfer.engine.lookup import PromptLookup
 from specinfer.engine.suffix import SuffixCache, SuffixSpeculator
-from specinfer.engine.tree import TokenTree, graft, merge_trees, plan_level
+from specinfer.engine.tree import ScoredTree, TokenTree, graft, merge_trees, plan_level
 from specinfer.limits import MODEL_FREE_MAX_DEPTH, MODEL_FREE_MAX_NODES, MODEL_FREE_NAMES
-from specinfer.params import SamplingParams, TreeShape
+from specinfer.params import SamplingParams, TreeBudget, TreeShape
 
 @dataclass
 class SSMState:
@@ -137,6 +138,8 @@ class ModelFree(Protocol):
 
     def propose(self, state: Any, max_depth: int, max_nodes: int) -> TokenTree: ...
 
+    def scored(self, state: Any, max_depth: int, max_nodes: int) -> ScoredTree: ...  # each node's probability
+
     def release(self, state: Any) -> None: ...
 
 
@@ -161,6 +164,41 @@ class Proposal:
     max_depth: int = MODEL_FREE_MAX_DEPTH
     is_model_free_only: bool = False  # the SSMs sit this step out
     max_nodes: int | None = None  # the merged tree's bound (one speculator's share of the request's KV)
+    budget: TreeBudget | None = None  # a dynamic tree within this budget (`shape`'s widths are then unused)
+
+
+class Built(NamedTuple):
+    """One request's tree for one step, and what feedback needs of it: each SSM's own tree (its
+    scratch cache rows), what a dynamic tree was built from, and the SSM levels it took."""
+
+    tree: TokenTree
+    ssm_trees: list[SSMTree | None]
+    dynamic: BuiltTree | None = None
+    num_levels: int = 0
+
+
+@dataclass
+class DraftSession:
+    """One request's drafting state in a pool: its members' states (SSM caches, model-free
+    contexts), sampling, shape and random stream, and the tree it was handed last with what
+    feedback needs of it. The one per-request type of every pool host: the in-process engine and
+    a co-located verifier (`llm_engine.LocalDrafts`), and the speculator service
+    (`workers.SpeculatorWorker`)."""
+
+    states: list[Any]
+    params: SamplingParams
+    shape: TreeShape
+    generator: torch.Generator | None
+    last: Built | None = None  # the tree handed out last
+    last_proposal: Proposal | None = None  # what it was asked as
+    last_batch_size: int = 0  # requests whose trees were built together with this one's last
+    ahead: Any = None  # the next tree, drafted while the last one is verified (`pipeline.Ahead`)
+    is_last_ahead: bool = False  # the tree handed out last had been drafted ahead
+
+    def proposal(self, shape: TreeShape, max_depth: int, is_model_free_only: bool = False,
+                 max_nodes: int | None = None, budget: TreeBudget | None = None) -> Proposal:
+        return Proposal(self.states, shape, self.params, self.generator, max_depth, is_model_free_only, max_nodes,
+                        budget)
 
 
 class Speculator:
@@ -171,6 +209,9 @@ class Speculator:
     def __init__(self, runners: list[ModelRunner], model_free: list[ModelFree] | None = None):
         self.runners = runners
         self.model_free = list(model_free or [])
+        # Dynamic trees learn how often each drafter's candidates are accepted, greedy and sampled apart.
+        self.calibration = {True: Calibration(), False: Calibration()}
+        self.ssm_gain = {True: SsmGain(), False: SsmGain()}
 
     @property
     def num_members(self) -> int:
@@ -184,6 +225,11 @@ class Speculator:
                              for m, r in enumerate(self.runners)]
         base = len(self.runners)
         return states + [d.start(list(prompt_ids)) if base + i in use else None for i, d in enumerate(self.model_free)]
+
+    def open(self, prompt_ids: list[int], params: SamplingParams, shape: TreeShape,
+             ssm_indices: list[int] | None = None) -> DraftSession:
+        """A request's drafting state (see `start`), with its own random stream for sampled drafts."""
+        return DraftSession(self.start(prompt_ids, ssm_indices), params, shape, make_generator(params.seed, 1))
 
     def release(self, states: list[Any]) -> None:
         for m, s in enumerate(states):
@@ -204,12 +250,20 @@ class Speculator:
                 return s.pending[-1] if m < len(self.runners) else s.tokens[-1]
         raise ValueError("request uses no pool member")
 
-    def propose(self, batch: list[Proposal | tuple]) -> list[tuple[TokenTree, list[SSMTree | None]]]:
+    def propose(self, batch: list[Proposal | tuple]) -> list[Built]:
         """Builds each request's merged tree. One SSM forward per level covers the whole batch;
         model-free members add their point-mass drafts after the SSMs' at every node (a draft's
-        existence may depend on earlier drafts, never on later ones: verification stays exact)."""
+        existence may depend on earlier drafts, never on later ones: verification stays exact).
+        Proposals with a budget get dynamic trees (`engine.dynamic`), the others static ones."""
         batch = [b if isinstance(b, Proposal) else Proposal(*b) for b in batch]
-        return [(self.merge(p, ssm_trees), ssm_trees) for p, ssm_trees in zip(batch, self.expand(batch))]
+        out: list[Built | None] = [None] * len(batch)
+        static = [i for i, p in enumerate(batch) if p.budget is None]
+        for i, ssm_trees in zip(static, self.expand([batch[i] for i in static])):
+            out[i] = Built(self.merge(batch[i], ssm_trees), ssm_trees, None, len(batch[i].shape.widths))
+        dynamic = [i for i, p in enumerate(batch) if p.budget is not None]
+        for i, built in zip(dynamic, self.expand_dynamic([batch[i] for i in dynamic])):
+            out[i] = built
+        return out
 
     def expand(self, batch: list[Proposal]) -> list[list[SSMTree | None]]:
         """Each request's tree in each SSM it uses (None elsewhere), one forward per level per SSM."""
@@ -244,6 +298,58 @@ class Speculator:
                 graft(merged, d.propose(state, depth, cap), bound)
         return merged if merged is not None else TokenTree.with_root(self.root(p.states))
 
+    def expand_dynamic(self, batch: list[Proposal]) -> list[Built]:
+        """Dynamic trees for the batch: model-free candidates first, then every SSM a request runs
+        expands its most valuable nodes, one forward per SSM per level for the whole batch."""
+        builds = [self._dynamic_build(p) for p in batch]
+        rows: dict[int, dict[int, torch.Tensor]] = {i: {} for i in range(len(builds))}
+        for m, runner in enumerate(self.runners):  # catch-up on the verified tokens: logits at the root
+            users = [i for i, b in enumerate(builds) if m in b.ssm_seqs]
+            if not users:
+                continue
+            states = [builds[i].ssm_seqs[m] for i in users]
+            for i, state, out in zip(users, states, runner.run([chain_work(s.seq, s.pending, "last") for s in states])):
+                state.seq.num_committed += len(state.pending)
+                state.pending = []
+                rows[i][m] = out
+        active = [i for i, b in enumerate(builds) if b.is_expanding]
+        while active:
+            for i in active:
+                builds[i].grow(rows[i])
+            active = [i for i in active if builds[i].is_expanding]
+            rows = {i: {} for i in active}
+            for m, runner in enumerate(self.runners):
+                users = [i for i in active if m in builds[i].ssm_seqs]
+                works = []
+                for i in users:
+                    tokens, depths, parents = builds[i].feed(m)
+                    seq = builds[i].ssm_seqs[m].seq
+                    works.append(Work(seq, tokens, [seq.num_committed - 1 + d for d in depths], parents, "all"))
+                for i, out in zip(users, runner.run(works) if works else []):
+                    rows[i][m] = out
+        out = []
+        for build in builds:
+            tree, record = build.finish()
+            ssm_trees = [SSMTree(build.cands.tree, build.fed[m].scratch_of) if m in build.fed else None
+                         for m in range(len(self.runners))]
+            out.append(Built(tree, ssm_trees, record, build.num_levels))
+        return out
+
+    def _dynamic_build(self, p: Proposal) -> DynamicBuild:
+        base = len(self.runners)
+        budget = p.budget.clipped(p.max_depth)
+        if p.max_nodes is not None:  # one speculator's share of the request's KV reservation
+            budget = replace(budget, max_nodes=min(budget.max_nodes, p.max_nodes - 1))
+        scored = []
+        if budget.max_depth > 0:
+            depth, cap = min(budget.max_depth, MODEL_FREE_MAX_DEPTH), min(budget.max_nodes + 1, MODEL_FREE_MAX_NODES)
+            scored = [(d.name, d.scored(p.states[base + i], depth, cap)) for i, d in enumerate(self.model_free)
+                      if p.states[base + i] is not None]
+        ssm_seqs = {} if p.is_model_free_only else {m: s for m, s in enumerate(p.states[:base]) if s is not None}
+        is_greedy = p.params.is_greedy
+        return DynamicBuild(self.root(p.states), budget, p.params, p.generator, self.calibration[is_greedy],
+                            self.ssm_gain[is_greedy], scored, ssm_seqs, p.shape.is_sampled, p.shape.proposal_top_k)
+
     @staticmethod
     def _expand(runner: ModelRunner, expansions: list[_Expansion]) -> list[SSMTree]:
         # Catch-up: feed every request's pending verified tokens; logits at the root.
@@ -264,12 +370,14 @@ class Speculator:
             logits = runner.run(works) if works else []
         return [SSMTree(e.tree, e.scratch_of) for e in expansions]
 
-    def feedback(self, states: list[SSMState | None], ssm_trees: list[SSMTree | None] | None,
-                 accepted: list[int], bonus: int) -> None:
-        """Commits what each SSM already computed on the accepted path; queues the rest.
+    def feedback(self, states: list[SSMState | None], built: Built | None, accepted: list[int], bonus: int) -> None:
+        """Commits what each SSM already computed on the accepted path of the step's tree
+        (`built`); queues the rest; and, for a dynamic tree, calibrates its drafters on the outcome.
 
-        Without trees (the step was not speculated) every accepted token is simply queued.
+        Without a tree (the step was not speculated) every accepted token is simply queued.
         """
+        ssm_trees = built.ssm_trees if built is not None else None
+        self.learn(built, accepted, bonus)
         for m, state in enumerate(states):
             if state is None:
                 continue
@@ -278,6 +386,13 @@ class Speculator:
                 continue
             self.commit_path(m, state, ssm_trees[m] if ssm_trees else None, accepted)
             state.pending.append(bonus)
+
+    def learn(self, built: Built | None, accepted: list[int], bonus: int) -> None:
+        """Calibrates a dynamic tree's drafters on its outcome alone (a request's last step: its
+        caches are freed, not updated). Without it only the steps that did not end a request
+        would be learnt from: the short ones."""
+        if built is not None and built.dynamic is not None:
+            learn(self.calibration[built.dynamic.is_greedy], built.dynamic, accepted, bonus)
 
     def commit_path(self, m: int, state: SSMState, st: SSMTree | None, accepted: list[int]) -> None:
         """SSM `m` commits what it computed of `accepted` in its last tree `st`; the rest is queued."""

@@ -15,14 +15,13 @@ children are deterministic picks (point-mass proposals), so verification stays e
 
 from __future__ import annotations
 
-import heapq
 import math
 import threading
 from collections import deque
 from dataclasses import dataclass
 
 from specinfer.engine.lookup import ContextIndex
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.tree import ScoredTree, TokenTree, counted_tree
 from specinfer.limits import (
     SUFFIX_CACHE_TOKENS, SUFFIX_DEPTH_PER_MATCH, SUFFIX_MAX_PATTERN, SUFFIX_MAX_SOURCES, SUFFIX_MIN_PROB,
 )
@@ -126,6 +125,10 @@ class SuffixSpeculator:
         self.cache.add(state.context.tokens[state.num_prompt:])
 
     def propose(self, state: SuffixState, max_depth: int, max_nodes: int) -> TokenTree:
+        return self.scored(state, max_depth, max_nodes).tree
+
+    def scored(self, state: SuffixState, max_depth: int, max_nodes: int) -> ScoredTree:
+        """The tree of the longest matching suffix, each node with its branch's empirical probability."""
         seq = state.context.tokens
         tree = TokenTree.with_root(seq[-1])
         for n in range(min(self.max_pattern, len(seq) - 1), 0, -1):
@@ -134,32 +137,11 @@ class SuffixSpeculator:
                      + self.cache.continuations(tuple(seq[len(seq) - n:]), depth, self.max_sources))
             paths = [p for p in paths if p]
             if paths:
-                return frequent_tree(tree, paths, max_nodes, self.min_prob)
-        return tree
+                return ScoredTree(tree, counted_tree(tree, paths, max_nodes, self.min_prob), n)
+        return ScoredTree(tree, [1.0], 0)
 
 
 def frequent_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_prob: float) -> TokenTree:
-    """Grows `tree` (its root only) from the branches of `paths` by empirical probability: a
-    node's count over its parent's, multiplied along the path; the likeliest first."""
-    trie: list[dict[int, int]] = [{}]  # trie node -> token -> child trie node
-    counts = [len(paths)]
-    for path in paths:
-        node = 0
-        for token in path:
-            child = trie[node].get(token)
-            if child is None:
-                child = trie[node][token] = len(trie)
-                trie.append({})
-                counts.append(0)
-            counts[child] += 1
-            node = child
-    heap = [(-counts[c] / counts[0], token, c, 0) for token, c in trie[0].items()]
-    heapq.heapify(heap)
-    while heap and len(tree) < max_nodes:
-        neg_prob, token, trie_node, parent = heapq.heappop(heap)
-        if -neg_prob < min_prob:
-            break
-        node = tree.add_draft(parent, token, None)
-        for t, c in trie[trie_node].items():
-            heapq.heappush(heap, (neg_prob * counts[c] / counts[trie_node], t, c, node))
+    """Grows `tree` (its root only) from the branches of `paths`, the likeliest first (`counted_tree`)."""
+    counted_tree(tree, paths, max_nodes, min_prob)
     return tree

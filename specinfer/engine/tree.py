@@ -13,7 +13,7 @@ verifier treats as a point mass. Proposal payloads are opaque here (tensors, in 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,48 @@ class TokenTree:
                 break
             path.append(c)
         return path
+
+
+class ScoredTree(NamedTuple):
+    """A model-free drafter's tree with, per node, its empirical probability given its parent (the
+    root's is 1), and how many context tokens matched to find it: what dynamic trees value it by."""
+
+    tree: TokenTree
+    confidence: list[float]
+    num_matched: int
+
+
+def counted_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_prob: float) -> list[float]:
+    """Grows `tree` (its root only) from the branches of `paths` by empirical probability: a
+    node's count over its parent's, multiplied along the path; the likeliest first. Returns each
+    node's count over its parent's (the root's 1)."""
+    import heapq
+
+    trie: list[dict[int, int]] = [{}]  # trie node -> token -> child trie node
+    counts = [len(paths)]
+    for path in paths:
+        node = 0
+        for token in path:
+            child = trie[node].get(token)
+            if child is None:
+                child = trie[node][token] = len(trie)
+                trie.append({})
+                counts.append(0)
+            counts[child] += 1
+            node = child
+    confidence = [1.0]
+    heap = [(-counts[c] / counts[0], token, c, 0, counts[c] / counts[0]) for token, c in trie[0].items()]
+    heapq.heapify(heap)
+    while heap and len(tree) < max_nodes:
+        neg_prob, token, trie_node, parent, local = heapq.heappop(heap)
+        if -neg_prob < min_prob:
+            break
+        node = tree.add_draft(parent, token, None)
+        confidence.append(local)
+        for t, c in trie[trie_node].items():
+            ratio = counts[c] / counts[trie_node]
+            heapq.heappush(heap, (neg_prob * ratio, t, c, node, ratio))
+    return confidence
 
 
 def add_paths(tree: TokenTree, paths: list[list[int]], max_nodes: int) -> TokenTree:

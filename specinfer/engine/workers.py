@@ -16,15 +16,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-import torch
 
-from specinfer.engine.pipeline import Ahead, build_ahead, settle
-from specinfer.engine.sampling import make_generator
-from specinfer.engine.speculator import Proposal, SSMState, SSMTree, Speculator
+from specinfer.engine.pipeline import build_ahead, settle
+from specinfer.engine.speculator import Built, DraftSession, Proposal, SSMTree, Speculator
 from specinfer.engine.tree import TokenTree
 from specinfer.errors import UnavailableError
 from specinfer.limits import DEFAULT_MAX_BATCH
-from specinfer.params import SamplingParams, TreeShape
+from specinfer.params import SamplingParams, TreeBudget, TreeShape
 
 log = logging.getLogger(__name__)
 
@@ -181,21 +179,6 @@ class BatchWorker:
 # ---- speculator ------------------------------------------------------------------------------
 
 
-@dataclass
-class SpecSession:
-    """One request's SSM-side state on this speculator."""
-
-    states: list[SSMState | None]
-    params: SamplingParams
-    shape: TreeShape
-    generator: torch.Generator
-    last_trees: list[SSMTree | None] | None = None
-    last_batch_size: int = 0  # requests whose trees were built together with this one's last
-    last_proposal: Proposal | None = None  # what the tree handed out last was asked as
-    ahead: Ahead | None = None  # the next tree, drafted while the last one is verified
-    is_last_ahead: bool = False  # the tree handed out last had been drafted ahead
-
-
 class SpeculatorWorker:
     """Builds token trees for many requests at once (one batched SSM pass per tree level)."""
 
@@ -208,7 +191,7 @@ class SpeculatorWorker:
         self.is_pipelined = is_pipelined and bool(speculator.runners)
         self.max_context = min((r.max_context for r in speculator.runners), default=0)
         self.num_ahead = {"stood": 0, "dropped": 0}
-        self._wanted: dict[int, SpecSession] = {}  # sessions whose next tree may be drafted ahead
+        self._wanted: dict[int, DraftSession] = {}  # sessions whose next tree may be drafted ahead
         self.num_open = 0
         self._count_lock = threading.Lock()
         if metrics is not None:
@@ -217,20 +200,22 @@ class SpeculatorWorker:
         self.worker = BatchWorker("speculator-worker", self._process, max_batch, metrics, is_threaded)
 
     def open(self, context_ids: list[int], params: SamplingParams, shape: TreeShape,
-             ssm_indices: list[int] | None = None) -> SpecSession:
-        states = self.speculator.start(context_ids, ssm_indices)
+             ssm_indices: list[int] | None = None) -> DraftSession:
+        session = self.speculator.open(context_ids, params, shape, ssm_indices)
         with self._count_lock:
             self.num_open += 1
-        return SpecSession(states, params, shape, make_generator(params.seed, 1))
+        return session
 
-    def step(self, session: SpecSession, feedback: tuple[list[int], int] | None, max_depth: int,
-             shape: TreeShape | None = None, timeout: float | None = None, is_model_free_only: bool = False
-             ) -> tuple[TokenTree, float]:
-        """Applies the verifier's feedback, then returns the next tree and the seconds it took;
-        `is_model_free_only` asks for the model-free members' drafts alone (no SSM pass)."""
-        return self.worker.call("step", session, feedback, max_depth, shape, is_model_free_only, timeout=timeout)
+    def step(self, session: DraftSession, feedback: tuple[list[int], int] | None, max_depth: int,
+             shape: TreeShape | None = None, timeout: float | None = None, is_model_free_only: bool = False,
+             budget: TreeBudget | None = None) -> tuple[TokenTree, float, int]:
+        """Applies the verifier's feedback, then returns the next tree, the seconds it took and its
+        SSM levels; `is_model_free_only` asks for the model-free members' drafts alone (no SSM
+        pass), a `budget` for a dynamic tree."""
+        return self.worker.call("step", session, feedback, max_depth, shape, is_model_free_only, budget,
+                                timeout=timeout)
 
-    def close(self, session: SpecSession) -> None:
+    def close(self, session: DraftSession) -> None:
         try:
             self.worker.call("close", session)
         except UnavailableError:  # shutting down: the whole cache goes with the process
@@ -252,16 +237,17 @@ class SpeculatorWorker:
 
     def _draft_ahead(self) -> None:
         sessions, self._wanted = list(self._wanted.values()), {}
-        items = [(s.last_proposal, s.last_trees) for s in sessions]
+        items = [(s.last_proposal, s.last.ssm_trees if s.last is not None else None) for s in sessions]
         for session, ahead in zip(sessions, build_ahead(self.speculator, items, self.max_context)):
             session.ahead = ahead
 
-    def _settle(self, session: SpecSession, feedback: tuple[list[int], int], proposal: Proposal
+    def _settle(self, session: DraftSession, feedback: tuple[list[int], int], proposal: Proposal
                 ) -> list[SSMTree | None] | None:
         """Applies the verifier's feedback; the SSM trees of a tree drafted ahead that stands."""
         ahead, session.ahead = session.ahead, None
         if ahead is None:
-            self.speculator.feedback(session.states, session.last_trees, *feedback)
+            built, session.last = session.last, None
+            self.speculator.feedback(session.states, built, *feedback)
             return None
         trees = settle(self.speculator, session.states, ahead, *feedback, proposal.shape.widths,
                        proposal.is_model_free_only or not proposal.max_depth)
@@ -274,7 +260,7 @@ class SpeculatorWorker:
     def _propose(self, jobs: list[Job]) -> None:
         start = time.perf_counter()
         proposing: list[Job] = []
-        served: list[SpecSession] = []
+        served: list[DraftSession] = []
         for job in jobs:
             if job.kind == "ahead":
                 continue
@@ -286,31 +272,33 @@ class SpeculatorWorker:
                     self.num_open -= 1
                 job.future.set_result(None)
                 continue
-            _, feedback, max_depth, shape, is_model_free_only = job.args
+            _, feedback, max_depth, shape, is_model_free_only, budget = job.args
             if shape is not None:
                 session.shape = shape
             # One speculator's merged tree stays within the request's shape (the verifier reserved KV for
             # that much per speculator); model-free members draft as deep as the request's bound allows.
-            proposal = Proposal(session.states, session.shape.clipped(max_depth), session.params, session.generator,
-                                max_depth, is_model_free_only=is_model_free_only, max_nodes=session.shape.max_nodes)
+            proposal = session.proposal(session.shape.clipped(max_depth), max_depth, is_model_free_only,
+                                        session.shape.max_nodes if budget is None else budget.max_nodes + 1, budget)
             ready = self._settle(session, feedback, proposal) if feedback is not None else None
-            session.last_trees, session.last_proposal, session.is_last_ahead = ready, proposal, ready is not None
+            session.last_proposal, session.is_last_ahead = proposal, ready is not None
             if ready is not None:
+                session.last = Built(self.speculator.merge(proposal, ready), ready, None, len(proposal.shape.widths))
                 session.last_batch_size = 0
                 served.append(session)
-                job.future.set_result((self.speculator.merge(proposal, ready), time.perf_counter() - start))
+                job.future.set_result((session.last.tree, time.perf_counter() - start, session.last.num_levels))
             elif max_depth > 0:
                 proposing.append(job)
             else:
+                session.last = None
                 root = self.speculator.root(session.states)
-                job.future.set_result((TokenTree.with_root(root), time.perf_counter() - start))
+                job.future.set_result((TokenTree.with_root(root), time.perf_counter() - start, 0))
         if proposing:
             batch = [j.args[0].last_proposal for j in proposing]
-            for job, (tree, ssm_trees) in zip(proposing, self.speculator.propose(batch)):
-                job.args[0].last_trees = ssm_trees
-                job.args[0].last_batch_size = len(proposing)
-                served.append(job.args[0])
-                job.future.set_result((tree, time.perf_counter() - start))
+            for job, built in zip(proposing, self.speculator.propose(batch)):
+                session = job.args[0]
+                session.last, session.last_batch_size = built, len(proposing)
+                served.append(session)
+                job.future.set_result((built.tree, time.perf_counter() - start, built.num_levels))
         if self.is_pipelined:
             for session in served:
                 if session.params.is_greedy:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from specinfer import limits
 from specinfer.logprobs import PROCESSED, RAW, TokenLogprob
-from specinfer.params import GenerationParams, SamplingParams, TreeShape
+from specinfer.params import GenerationParams, SamplingParams, TreeBudget, TreeShape
 from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 
@@ -86,6 +86,16 @@ def shape_to_proto(shape: TreeShape) -> pb.TreeShape:
     return pb.TreeShape(widths=list(shape.widths), max_nodes=shape.max_nodes, sampled=shape.is_sampled,
                         proposal_top_k=shape.proposal_top_k, min_path_prob=shape.min_path_prob,
                         policy=_POLICY_VALUES[shape.policy])
+
+
+def budget_from_proto(msg: pb.TreeBudget) -> TreeBudget:
+    return TreeBudget(max_nodes=int(msg.max_nodes), max_depth=int(msg.max_depth), node_cost=float(msg.node_cost),
+                      level_cost=float(msg.level_cost))
+
+
+def budget_to_proto(budget: TreeBudget) -> pb.TreeBudget:
+    return pb.TreeBudget(max_nodes=budget.max_nodes, max_depth=budget.max_depth, node_cost=budget.node_cost,
+                         level_cost=budget.level_cost)
 
 
 def params_from_verifier_request(msg: pb.VerifierGenerateRequest) -> GenerationParams:

@@ -1,0 +1,431 @@
+"""Dynamic token trees: each step's tree grown node by node from each candidate's chance of acceptance.
+
+SpecInfer (Section 3.1) expands a static width vector <k1, ..., km> every step. The best tree
+differs from step to step: an SSM that is sure of its next tokens is worth following deep, one
+that hesitates is not worth a second level, and a model-free member that matched a long stretch
+of the context is worth more than the SSM's guess. So trees here are grown as in EAGLE-2 (arXiv
+2406.16858): every candidate node is valued by the chance that verification accepts it, the
+product along its path of calibrated conditional acceptances; the SSMs expand the most valuable
+nodes of each level, one batched pass per level; and the tree keeps the most valuable
+candidates. They are sized as in Sequoia (arXiv 2402.12374), for the batch and the device: a
+node is kept, and another SSM level is run, only while that raises the step's expected rate
+
+    (1 + sum of the kept nodes' values) / (1 + node_cost * nodes + level_cost * SSM levels)
+
+where the costs (`params.TreeBudget`) are what the verifier's cost model says one more node in
+the LLM's pass, and one more SSM pass, add to the step's time at the current load.
+
+A candidate's conditional acceptance is its drafter's confidence (the SSM's probability of the
+token; a model-free member's empirical probability of the branch, with how much of the context
+it matched), calibrated online against measured acceptance by drafter, depth and confidence
+(`Calibration`). SSM and model-free candidates compete in one budget (SpecInfer's merge,
+Section 3.2, by value instead of union): a path several drafters propose is one node, valued by
+the best estimate. Before its first pass the SSM runs only if what it added on recent steps with
+model-free candidates as good as this step's is worth its levels (`SsmGain`): per step,
+speculation goes down to the model-free members alone, or to no tree at all.
+
+Exactness (Section 4.3). Greedy verification keeps exactly the LLM's argmax path, so any tree is
+exact. For sampled requests, an SSM's children at a node are draws from its proposal q there, and
+no draw is ever pruned: how many draws a node gets is fixed from what was known before drawing
+there (its value), and every draw stays in the tree, before any point mass at that node. The
+model-free members' point masses are chosen before any SSM draw. So no draft's existence
+depends on its own outcome, which is all multi-step speculative sampling needs. Plain Python
+around one softmax and top-k (or multinomial) per expanded level.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specinfer.engine.sampling import proposal_probs
+from specinfer.engine.tree import Draft, ScoredTree, TokenTree
+from specinfer.limits import DYNAMIC_EXPAND_TOP_K, DYNAMIC_EXPAND_WIDTH, DYNAMIC_MAX_ATTEMPTS
+from specinfer.params import SamplingParams, TreeBudget
+
+SSM, SAMPLED, ATTEMPT = "ssm", "ssm-sampled", "ssm-attempt"  # the SSMs' drafters (model-free: their names)
+CONFIDENCE_EDGES = (0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
+MAX_DEPTH_BUCKET = 4  # depths 4 and deeper share their statistics
+PRIOR_WEIGHT = 4.0  # observations behind a cell's prior (the drafter's confidence)
+CELL_WINDOW = 512.0  # observations a cell remembers (older ones fade: acceptance drifts with the text)
+PRIOR_ATTEMPT = (0.45, 0.2)  # P(the j-th draw at a node is accepted | the earlier ones were not)
+PRIOR_EXPAND = 0.6  # the best child's conditional acceptance at an expanded node, before any evidence
+MIN_RATE = 1e-3  # candidates less likely than this are not even kept as candidates
+
+Feature = tuple[str, int, float]  # (drafter, depth, confidence): what a candidate's estimate is read from
+
+
+def _prior(source: str, conf: float) -> float:
+    """A cell's estimate before evidence: an SSM's probability at its word; a model-free member's
+    branch probability, trusted more the longer its match (its name is suffixed with the match)."""
+    if source == SSM or source == SAMPLED:
+        return conf
+    if source == ATTEMPT:
+        return PRIOR_ATTEMPT[min(int(conf), len(PRIOR_ATTEMPT)) - 1]
+    num_matched = int(source.rsplit(":", 1)[-1]) if ":" in source else 1
+    return conf * min(0.9, 0.3 + 0.2 * num_matched)
+
+
+def model_free_source(name: str, num_matched: int) -> str:
+    """The drafter name a model-free member's candidates are calibrated under (by match length)."""
+    return f"{name}:{min(num_matched, MAX_DEPTH_BUCKET)}"
+
+
+class Calibration:
+    """P(a candidate is accepted | its parent was reached), by drafter, depth and confidence bin,
+    learnt from verified steps; each cell starts from PRIOR_WEIGHT observations at the drafter's
+    own confidence. Thread-safe (the requests of a pool learn together)."""
+
+    def __init__(self):
+        self._cells: dict[tuple[str, int, int], list[float]] = {}
+        self._lock = threading.Lock()
+        self.expand_rate = PRIOR_EXPAND  # the best child's conditional acceptance at expanded nodes (an average)
+
+    @staticmethod
+    def _key(source: str, depth: int, conf: float) -> tuple[str, int, int]:
+        bucket = int(conf) if source == ATTEMPT else bisect.bisect(CONFIDENCE_EDGES, conf)
+        return source, min(depth, MAX_DEPTH_BUCKET), bucket
+
+    def rate(self, source: str, depth: int, conf: float) -> float:
+        prior = _prior(source, conf)
+        cell = self._cells.get(self._key(source, depth, conf))
+        if cell is None:
+            return prior
+        return (cell[0] + PRIOR_WEIGHT * prior) / (cell[1] + PRIOR_WEIGHT)
+
+    def observe(self, samples: list[tuple[Feature, bool]]) -> None:
+        with self._lock:
+            for (source, depth, conf), is_accepted in samples:
+                cell = self._cells.setdefault(self._key(source, depth, conf), [0.0, 0.0])
+                if cell[1] >= CELL_WINDOW:
+                    cell[0] *= 1 - 1 / CELL_WINDOW
+                    cell[1] *= 1 - 1 / CELL_WINDOW
+                cell[0] += is_accepted
+                cell[1] += 1.0
+
+    def observe_expansion(self, best_rate: float, weight: float = 0.02) -> None:
+        self.expand_rate += weight * (best_rate - self.expand_rate)
+
+
+class SsmGain:
+    """What the SSMs added to recent steps, by how much the model-free candidates already offered
+    (expected accepted tokens, bucketed): the extra expected tokens, nodes and levels. An SSM
+    left out of a bucket for `FORCE_EVERY` steps runs anyway, so a verdict cannot stick."""
+
+    BUCKETS = (0.3, 1.0, 2.0)
+    FORCE_EVERY = 32
+    PRIOR = (1.5, 6.0, 3.0)
+
+    def __init__(self):
+        self._ema = [list(self.PRIOR) for _ in range(len(self.BUCKETS) + 1)]
+        self._skipped = [0] * (len(self.BUCKETS) + 1)
+        self._lock = threading.Lock()
+
+    def _bucket(self, model_free_value: float) -> int:
+        return bisect.bisect(self.BUCKETS, model_free_value)
+
+    def is_worth(self, model_free_value: float, model_free_nodes: int, budget: TreeBudget) -> bool:
+        b = self._bucket(model_free_value)
+        with self._lock:
+            gain, extra_nodes, levels = self._ema[b]
+            base = 1 + budget.node_cost * model_free_nodes
+            with_ssm = (1 + model_free_value + gain) / (base + budget.node_cost * extra_nodes + budget.level_cost * levels)
+            if with_ssm > (1 + model_free_value) / base or self._skipped[b] + 1 >= self.FORCE_EVERY:
+                self._skipped[b] = 0
+                return True
+            self._skipped[b] += 1
+            return False
+
+    def observe(self, model_free_value: float, gain: float, extra_nodes: int, levels: int, weight: float = 0.05
+                ) -> None:
+        with self._lock:
+            ema = self._ema[self._bucket(model_free_value)]
+            for i, value in enumerate((gain, extra_nodes, levels)):
+                ema[i] += weight * (value - ema[i])
+
+
+class Candidates:
+    """One request's candidate nodes for one step: a token tree (structure only; node 0 the root)
+    whose nodes carry their drafters, their conditional acceptance (the best drafter's) and
+    their value (the product along the path); and the SSM draws made at each node."""
+
+    def __init__(self, root: int):
+        self.tree = TokenTree.with_root(root)
+        self.cond = [1.0]
+        self.value = [1.0]
+        self.features: list[list[Feature]] = [[]]
+        self.draws: list[list[tuple[int, Any]]] = [[]]  # per node: (child, q) of each SSM draw, in order
+        self.is_fixed = [True]  # in the tree whatever its value: the root, SSM draws, chosen point masses
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+    def add(self, parent: int, token: int, feature: Feature, rate: float) -> int:
+        tree = self.tree
+        child = tree.child_with_token(parent, token)
+        if child is None:
+            child = tree._append(token, parent, tree.depths[parent] + 1)
+            tree.children[parent].append(child)
+            self.cond.append(rate)
+            self.value.append(self.value[parent] * rate)
+            self.features.append([feature])
+            self.draws.append([])
+            self.is_fixed.append(False)
+            return child
+        self.features[child].append(feature)
+        if rate > self.cond[child]:
+            self.cond[child] = rate
+            self._revalue(child)
+        return child
+
+    def _revalue(self, node: int) -> None:
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            self.value[n] = self.value[self.tree.parents[n]] * self.cond[n]
+            stack.extend(self.tree.children[n])
+
+    def select(self, budget: TreeBudget, num_levels: int) -> tuple[list[int], float]:
+        """The step's nodes (root first) and their summed value: the fixed ones, then the most
+        valuable others while each raises the expected rate (a prefix of the value order is a
+        tree: a child is never worth more than its parent, and ties go to the shallower)."""
+        fixed = [n for n in range(1, len(self)) if self.is_fixed[n]]
+        free = sorted((n for n in range(1, len(self)) if not self.is_fixed[n]),
+                      key=lambda n: (-self.value[n], self.tree.depths[n], n))
+        total = sum(self.value[n] for n in fixed)
+        base = 1 + budget.level_cost * num_levels
+        best_rate, best_k, best_total = (1 + total) / (base + budget.node_cost * len(fixed)), 0, total
+        room = budget.max_nodes - len(fixed)
+        for k, n in enumerate(free[:max(0, room)], 1):
+            total += self.value[n]
+            rate = (1 + total) / (base + budget.node_cost * (len(fixed) + k))
+            if rate > best_rate:
+                best_rate, best_k, best_total = rate, k, total
+        return [0] + fixed + free[:best_k], best_total
+
+    def build(self, chosen: list[int]) -> tuple[TokenTree, list[int]]:
+        """The step's tree of the chosen nodes, level by level, with each node's attempts in a
+        valid order (its SSM draws as drawn, then a point mass for every other chosen child, the
+        most valuable first); and each tree node's candidate."""
+        cand = self.tree
+        order = sorted(chosen[1:], key=lambda n: (cand.depths[n], n))
+        tree = TokenTree.with_root(cand.tokens[0])
+        index, of = {0: 0}, [0]
+        for n in order:
+            parent = index[cand.parents[n]]
+            index[n] = tree._append(cand.tokens[n], parent, cand.depths[n])
+            tree.children[parent].append(index[n])
+            of.append(n)
+        for n in [0] + order:
+            drafts, drawn = tree.drafts[index[n]], set()
+            for child, q in self.draws[n]:
+                drafts.append(Draft(index[child], q))
+                drawn.add(child)
+            others = sorted((c for c in cand.children[n] if c in index and c not in drawn), key=lambda c: -self.value[c])
+            drafts.extend(Draft(index[c], None) for c in others)
+        return tree, of
+
+    def pruned_to(self, keep: list[int]) -> "Candidates":
+        """A copy holding only `keep` (root first, parents before children), each fixed."""
+        out = Candidates(self.tree.tokens[0])
+        index = {0: 0}
+        for n in keep[1:]:
+            index[n] = out.add(index[self.tree.parents[n]], self.tree.tokens[n], self.features[n][0], self.cond[n])
+            out.features[index[n]] = list(self.features[n])
+            out.is_fixed[index[n]] = True
+        return out
+
+
+@dataclass
+class BuiltTree:
+    """What a step's dynamic tree was built from: verification's outcome on it calibrates the drafters."""
+
+    candidates: Candidates
+    of: list[int]  # the step's tree node -> its candidate
+    is_greedy: bool
+
+
+def learn(calibration: Calibration, built: BuiltTree, accepted: list[int], bonus: int) -> None:
+    """Feeds a verified step to the calibration. Greedy: every candidate whose parent verification
+    reached, kept or not, was accepted exactly when its token is the LLM's there. Sampled: the
+    kept children of reached nodes, and the SSM draws at them by rank."""
+    cands = built.candidates
+    tree = cands.tree
+    path = tree.find_path(accepted)
+    kept = set(built.of)
+    samples: list[tuple[Feature, bool]] = []
+    for i, node in enumerate(path):
+        llm_token = accepted[i] if i < len(accepted) else bonus
+        nxt = path[i + 1] if i + 1 < len(path) else None
+        for c in tree.children[node]:
+            if built.is_greedy:
+                is_accepted = tree.tokens[c] == llm_token
+            elif c in kept:
+                is_accepted = c == nxt
+            else:
+                continue
+            samples.extend((f, is_accepted) for f in cands.features[c])
+        seen: set[int] = set()
+        for rank, (child, _) in enumerate(cands.draws[node], 1):
+            if child in seen:
+                continue
+            seen.add(child)
+            samples.append(((ATTEMPT, tree.depths[node] + 1, min(rank, DYNAMIC_MAX_ATTEMPTS)), child == nxt))
+            if child == nxt:
+                break
+    calibration.observe(samples)
+
+
+@dataclass
+class FedNodes:
+    """One SSM's scratch for this step's candidates: which candidate each scratch row holds."""
+
+    scratch_of: list[int]  # candidate -> scratch index (-1: not fed)
+    scratch_parents: list[int] = field(default_factory=list)
+
+
+class DynamicBuild:
+    """One request's dynamic tree for one step. The model-free candidates come first (they cost
+    nothing); then, when worth it, the SSMs (`ssm_seqs`: runner index -> the request's SSM cache,
+    caught up by the caller) expand the most valuable nodes level by level, each `grow` reading
+    every SSM's logits at the last level's expanded nodes; `finish` keeps the best tree."""
+
+    def __init__(self, root: int, budget: TreeBudget, params: SamplingParams, generator: torch.Generator | None,
+                 calibration: Calibration, gain: SsmGain, scored: list[tuple[str, ScoredTree]],
+                 ssm_seqs: dict[int, Any], is_sampled: bool, proposal_top_k: int):
+        self.budget, self.params, self.generator = budget, params, generator
+        self.calibration, self.gain = calibration, gain
+        self.is_greedy = params.is_greedy
+        self.is_sampled = is_sampled and not params.is_greedy  # SSM children drawn from q (else top-k picks)
+        self.proposal_top_k = proposal_top_k
+        self.cands = Candidates(root)
+        self.num_levels = 0
+        for name, (tree, confidence, num_matched) in scored:
+            self._add_model_free(tree, confidence, model_free_source(name, num_matched))
+        chosen, self.model_free_value = self.cands.select(budget, 0)
+        self.num_model_free_nodes = len(chosen) - 1
+        if self.is_sampled:  # point masses are chosen before any SSM draw, and stay
+            self.cands = self.cands.pruned_to(chosen)
+        self.ssm_seqs = ssm_seqs if ssm_seqs and budget.max_depth > 0 else {}
+        if self.ssm_seqs and not gain.is_worth(self.model_free_value, self.num_model_free_nodes, budget):
+            self.ssm_seqs = {}
+        self.fed = {m: FedNodes([-1]) for m in self.ssm_seqs}
+        self.frontier = [0] if self.ssm_seqs else []
+
+    @property
+    def is_expanding(self) -> bool:
+        return bool(self.frontier)
+
+    def _add_model_free(self, tree: TokenTree, confidence: list[float], source: str) -> None:
+        mapped = [0] * len(tree)
+        for node in range(1, len(tree)):
+            depth = tree.depths[node]
+            if depth > self.budget.max_depth:
+                continue
+            rate = self.calibration.rate(source, depth, confidence[node])
+            mapped[node] = self.cands.add(mapped[tree.parents[node]], tree.tokens[node],
+                                          (source, depth, confidence[node]), rate)
+
+    def _price(self) -> tuple[float, int, float]:
+        """The value a node must add to pay for itself now; the nodes and value of the best tree so far."""
+        chosen, total = self.cands.select(self.budget, self.num_levels)
+        base = 1 + self.budget.level_cost * self.num_levels + self.budget.node_cost * (len(chosen) - 1)
+        return self.budget.node_cost * (1 + total) / base, len(chosen) - 1, total
+
+    def grow(self, logits: dict[int, torch.Tensor]) -> None:
+        """Adds the SSMs' children of the frontier (each SSM's logits: one row per frontier node),
+        then picks the next frontier, or ends the expansion."""
+        depth = self.num_levels + 1
+        self.num_levels = depth
+        price, _, _ = self._price()
+        best_rates = []
+        for m, rows in logits.items():
+            if self.is_sampled:
+                self._draw(rows, depth, price)
+                continue
+            probs = torch.softmax(rows.float(), dim=-1) if self.is_greedy else proposal_probs(rows, self.params, 0)
+            top = torch.topk(probs, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1)
+            for node, confs, tokens in zip(self.frontier, top.values.tolist(), top.indices.tolist()):
+                rates = [self.calibration.rate(SSM, depth, c) for c in confs]
+                best_rates.append(max(rates))
+                for conf, token, rate in zip(confs, tokens, rates):
+                    if self.cands.value[node] * rate >= MIN_RATE:
+                        self.cands.add(node, token, (SSM, depth, conf), rate)
+        for rate in best_rates:
+            self.calibration.observe_expansion(rate)
+        self.frontier = self._next_frontier(depth)
+
+    def _draw(self, rows: torch.Tensor, depth: int, price: float) -> None:
+        """Sampled requests: each frontier node gets as many draws from q as its value pays for
+        (decided before drawing), and every draw is a fixed node of the tree."""
+        q = proposal_probs(rows, self.params, self.proposal_top_k)  # (F, V)
+        cands = self.cands
+        for row, node in enumerate(self.frontier):
+            num = self._num_draws(node, depth, price)
+            if num == 0:
+                continue
+            draws = torch.multinomial(q[row], num, replacement=True, generator=self.generator).tolist()
+            qrow = q[row]
+            for token in draws:
+                conf = float(qrow[token])
+                child = cands.add(node, token, (SAMPLED, depth, conf), self.calibration.rate(SAMPLED, depth, conf))
+                cands.is_fixed[child] = True
+                cands.draws[node].append((child, qrow))
+
+    def _num_draws(self, node: int, depth: int, price: float) -> int:
+        if len(self.cands) > self.budget.max_nodes:
+            return 0
+        num, missed = 0, 1.0
+        for rank in range(1, DYNAMIC_MAX_ATTEMPTS + 1):
+            rate = self.calibration.rate(ATTEMPT, depth, rank)
+            if self.cands.value[node] * missed * rate < price:
+                break
+            num, missed = rank, missed * (1 - rate)
+        return num
+
+    def _next_frontier(self, depth: int) -> list[int]:
+        """The next level's nodes to expand: children of this level's, the most valuable that
+        could still pay for a child, as long as a level pays for itself."""
+        if depth >= self.budget.max_depth:
+            return []
+        price, num_nodes, total = self._price()
+        if num_nodes >= self.budget.max_nodes:
+            return []
+        expand = self.calibration.expand_rate
+        children = [c for f in self.frontier for c in self.cands.tree.children[f]]
+        worth = sorted((c for c in children if self.cands.value[c] * expand >= price),
+                       key=lambda c: -self.cands.value[c])[:DYNAMIC_EXPAND_WIDTH]
+        if not worth:
+            return []
+        gain = expand * sum(self.cands.value[c] for c in worth)
+        b = self.budget
+        base = 1 + b.level_cost * self.num_levels + b.node_cost * num_nodes
+        if (1 + total + gain) / (base + b.level_cost + b.node_cost * len(worth)) <= (1 + total) / base:
+            return []
+        return worth
+
+    def feed(self, m: int) -> tuple[list[int], list[int], list[int]]:
+        """SSM `m`'s work for the frontier: tokens, their depths, and the scratch parents (all rows)."""
+        fed = self.fed[m]
+        fed.scratch_of.extend([-1] * (len(self.cands) - len(fed.scratch_of)))
+        for node in self.frontier:
+            fed.scratch_of[node] = len(fed.scratch_parents)
+            parent = self.cands.tree.parents[node]
+            fed.scratch_parents.append(fed.scratch_of[parent] if parent > 0 else -1)
+        tree = self.cands.tree
+        return [tree.tokens[n] for n in self.frontier], [tree.depths[n] for n in self.frontier], list(fed.scratch_parents)
+
+    def finish(self) -> tuple[TokenTree, BuiltTree]:
+        """The step's tree, and what it was built from."""
+        chosen, total = self.cands.select(self.budget, self.num_levels)
+        if self.ssm_seqs:
+            self.gain.observe(self.model_free_value, total - self.model_free_value,
+                              len(chosen) - 1 - self.num_model_free_nodes, self.num_levels)
+        for fed in self.fed.values():
+            fed.scratch_of.extend([-1] * (len(self.cands) - len(fed.scratch_of)))
+        tree, of = self.cands.build(chosen)
+        return tree, BuiltTree(self.cands, of, self.is_greedy)
