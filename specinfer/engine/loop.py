@@ -33,6 +33,10 @@ class DraftTree(NamedTuple):
     failed: list[str]  # sources that failed while building it (the request goes on without them)
     depth: int  # levels asked for; 0 = none was asked (a root-only tree)
     seconds: float  # time spent building it
+    # Live sources whose tree was not in time for this step: it went on without them, and they are
+    # asked again (no failure: the request does not count as fallen back). Its drafts and its time
+    # say nothing of what speculation costs or yields.
+    late: tuple[str, ...] = ()
 
 
 class Drafts(Protocol):
@@ -171,6 +175,7 @@ class Generation:
         self.is_done = False
         self._has_asked = False
         self._is_model_free_step = False  # the tree asked last is the model-free members' alone
+        self._is_late_step = False  # this step went on without a late source's tree
         self._measured = None  # (guard ticket, tokens, start) of the previous step
         self._ticket = None  # the guard's ticket for this step's widths
         self._step_started = 0.0
@@ -216,6 +221,7 @@ class Generation:
             policy.observe_speculation(draft.depth, draft.seconds)
         if draft.failed:
             self.result.is_fell_back = True
+        self._is_late_step = bool(draft.late)
         if self.observer is not None:
             self.observer.speculated(self.result.num_llm_steps, draft, started, time.perf_counter())
         return draft.tree
@@ -226,12 +232,14 @@ class Generation:
         step = self.result.num_llm_steps
         policy, is_greedy = self.choose.policy, self.params.sampling.is_greedy
         if policy is not None and self._is_model_free_step:
-            policy.observe_model_free(len(accepted), len(tree), is_greedy)
+            if not self._is_late_step:  # without a late source's drafts: not what model-free drafts yield
+                policy.observe_model_free(len(accepted), len(tree), is_greedy)
         elif policy is not None and len(tree) > 1:
             policy.observe_step(tree, tree.find_path(accepted), is_greedy)
-        elif policy is not None and step and self.session.last_batch_size == 1:
+        elif policy is not None and step and self.session.last_batch_size == 1 and not self._is_late_step:
             # A plain step alone in its pass (not the first: that one reads the prompt). In a batch,
-            # a request's step may also wait for passes of other requests: not a step's own cost.
+            # a request's step may also wait for passes of other requests: not a step's own cost;
+            # nor is one that waited for a late tree.
             policy.observe_plain_step(time.perf_counter() - self._step_started)
         kept = self.result.record_step(accepted, bonus, len(tree), self.params.max_new_tokens, self.stops)
         if self.params.num_logprobs is not None:
