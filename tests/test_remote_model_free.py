@@ -166,13 +166,14 @@ def test_a_model_free_only_step_is_no_ssm_cost_and_unsteadies_the_next_ssm_tree(
     sent: list[tuple[str, bool]] = []
 
     class Link:
-        name, is_alive = "s", True
+        name, is_alive, is_catching_up = "s", True, False
 
         def open(self, start):
             sent.append(("start", start.model_free_only))
 
-        def send_feedback(self, accepted, bonus, max_depth, shape=None, is_model_free_only=False):
+        def offer(self, verified, max_depth, step_timeout_s, shape=None, is_model_free_only=False):
             sent.append(("feedback", is_model_free_only))
+            return True
 
         def next_tree(self, timeout_s, vocab_size, is_greedy):
             return TokenTree.with_root(7)

@@ -1,9 +1,13 @@
 """The verifier's side of the per-request bidirectional streams to speculator services.
 
 Each request opens one stream per speculator: a `start`, then one feedback (accepted tokens plus
-the bonus token) per verified step; each message is answered with the next token tree. A
-speculator that fails or stalls is dropped for the rest of the request, and the request goes on
-with the others, or with incremental decoding (root-only trees) when none is left.
+the bonus token) per tree asked; each message is answered with the next token tree, in order. A
+step waits for a speculator's tree at most a deadline from that speculator's own recent pace;
+one that is late does not hold the step up: the step goes on with the other speculators' trees
+(Section 3.2's merge of what there is), or with incremental decoding (a root-only tree), and the
+late speculator's trees are used again as soon as it answers in time. Trees never change what
+the LLM outputs, so a late tree costs speed only. A speculator whose stream fails, or that owes
+an answer for longer than the step timeout, is dropped for the rest of the request.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from functools import partial
 from typing import Callable
@@ -25,7 +30,10 @@ from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeShape
 from specinfer.serving.convert import sampling_to_proto, shape_to_proto
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MODEL_FREE_NAMES, SPECULATOR_INFO_RETRY_S
+from specinfer.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES, MODEL_FREE_NAMES, SPECULATOR_DEADLINE_FACTOR, SPECULATOR_DEADLINE_FLOOR_S,
+    SPECULATOR_INFO_RETRY_S, SPECULATOR_LATENCY_PERCENTILE, SPECULATOR_LATENCY_WINDOW,
+)
 from specinfer.serving.security import ChannelSecurity, open_channel
 from specinfer.serving.settings import message_options, reconnect_options
 from specinfer.serving.tracing import outgoing_metadata
@@ -46,58 +54,159 @@ def speculator_stub(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BY
     return pb_grpc.SpeculatorStub(open_channel(target, security, options))
 
 
+class SpeculatorPace:
+    """How long a step waits for a speculator's next tree: from its own recent answer latencies.
+
+    A step that waits at most a small multiple of what the speculator usually takes loses little
+    to a speculator that stalls: it goes on without that tree (plain decoding, or the other
+    speculators' trees) instead of waiting out the stall."""
+
+    def __init__(self):
+        self.latencies: deque[float] = deque(maxlen=SPECULATOR_LATENCY_WINDOW)
+
+    def observe(self, seconds: float) -> None:
+        self.latencies.append(seconds)
+
+    def allowance(self, step_timeout_s: float) -> float:
+        """Seconds after its message that an answer is still in time; the step timeout while
+        nothing is known of this speculator's pace."""
+        if not self.latencies:
+            return step_timeout_s
+        ordered = sorted(self.latencies)
+        usual = ordered[int(SPECULATOR_LATENCY_PERCENTILE * (len(ordered) - 1))]
+        return min(step_timeout_s, SPECULATOR_DEADLINE_FACTOR * usual + SPECULATOR_DEADLINE_FLOOR_S)
+
+
 class SpeculatorLink:
-    """One request's stream to one speculator."""
+    """One request's stream to one speculator, in lockstep: each message (the start, then one
+    feedback per tree asked) gets one answer, in order.
+
+    A step waits for the answer to its own message until the message is `allowance` old. An
+    answer not there by then is late, not lost: the link still owes it, and it is dropped when
+    it comes. While it is owed the link sends nothing; the tokens verified meanwhile go out
+    together with the next message after it came (the speculator maps them onto the tree it
+    built last, used or not), so a speculator that is behind never has more than one message to
+    answer. A link that owes an answer for longer than the step timeout, or whose stream fails,
+    is dropped for the rest of the request."""
 
     def __init__(self, name: str, stub: pb_grpc.SpeculatorStub, timeout_s: float,
                  on_fail: Callable[[], None] | None = None):
         self.name = name
         self.is_alive = True
+        self.is_owing = False  # the last message has not been answered yet
+        self.is_late = False  # the last step went on without this link's tree
+        self.is_catching_up = False  # the last message told the tokens of steps it was not asked for
+        self.pace = SpeculatorPace()
         self._on_fail = on_fail  # told once, when the link is dropped
         self._stub = stub
         self._timeout_s = timeout_s
         self._outbox: queue.Queue = queue.Queue()
         self._inbox: queue.Queue = queue.Queue()
         self._call = None
+        self._num_sent = 0  # messages sent; the speculator numbers its answers from 0
+        self._sent_at = 0.0  # when the last message went out (time.monotonic)
+        self._held: list[int] = []  # verified tokens not sent while an answer was owed
 
     def open(self, start: pb.SpeculateStart, metadata: list[tuple[str, str]]) -> None:
         """Starts the stream with its first message; the answer is the first tree."""
-        self._outbox.put(pb.SpeculateRequest(start=start))
+        self._send(pb.SpeculateRequest(start=start))
         self._call = self._stub.Speculate(iter(self._outbox.get, _CLOSED), timeout=self._timeout_s, metadata=metadata)
         threading.Thread(target=self._read, daemon=True, name=f"spec-link-{self.name}").start()
 
     def _read(self) -> None:
         try:
             for response in self._call:
-                self._inbox.put(response)
+                self._inbox.put((response, time.monotonic()))
         except grpc.RpcError as exc:
             self._inbox.put(exc)
         finally:
             self._inbox.put(_CLOSED)
 
-    def next_tree(self, timeout_s: float, vocab_size: int, is_greedy: bool) -> TokenTree:
-        """The answer to the last message; raises (and marks the link dead) on any failure."""
-        try:
-            item = self._inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            self.fail("timed out waiting for a tree")
-            raise TimeoutError(f"speculator {self.name} timed out")
-        if isinstance(item, pb.SpeculateResponse):
-            try:
-                return tree_from_proto(item.tree, vocab_size, is_greedy)
-            except ValueError as exc:
-                self.fail(f"sent an invalid tree: {exc}")
-                raise
-        self.fail(f"stream ended: {item if item is not _CLOSED else 'closed'}")
-        raise ConnectionError(f"speculator {self.name} stream ended")
+    def _send(self, request: pb.SpeculateRequest) -> None:
+        self._outbox.put(request)
+        self._num_sent += 1
+        self._sent_at = time.monotonic()
+        self.is_owing = True
 
-    def send_feedback(self, accepted: list[int], bonus: int, max_depth: int, shape: pb.TreeShape | None = None,
-                      is_model_free_only: bool = False) -> None:
-        feedback = pb.SpeculateFeedback(accepted=accepted, bonus=bonus, max_depth=max_depth,
+    def offer(self, verified: list[int], max_depth: int, step_timeout_s: float, shape: pb.TreeShape | None = None,
+              is_model_free_only: bool = False) -> bool:
+        """Asks for the next tree, telling the tokens verified since the last message (the last
+        one is the bonus, the root of the next tree). A link that still owes its last answer is
+        not asked: it keeps the tokens for its next message. Returns whether it was asked (False
+        also when it is dropped now)."""
+        if self.is_owing:
+            try:
+                self.poll(step_timeout_s)
+            except (TimeoutError, ConnectionError):
+                return False
+            if self.is_owing:
+                self._held.extend(verified)
+                return False
+        self.is_catching_up = bool(self._held)
+        tokens, self._held = self._held + verified, []
+        feedback = pb.SpeculateFeedback(accepted=tokens[:-1], bonus=tokens[-1], max_depth=max_depth,
                                         model_free_only=is_model_free_only)
         if shape is not None:
             feedback.shape.CopyFrom(shape)
-        self._outbox.put(pb.SpeculateRequest(feedback=feedback))
+        self._send(pb.SpeculateRequest(feedback=feedback))
+        return True
+
+    def next_tree(self, step_timeout_s: float, vocab_size: int, is_greedy: bool) -> TokenTree | None:
+        """The answer to the last message, or None when it is late (still owed); raises (and
+        marks the link dead) on any failure. The first answer of a stream prefills the SSMs on
+        the whole context: it may take the whole step timeout."""
+        allowance = step_timeout_s if self._num_sent == 1 else self.pace.allowance(step_timeout_s)
+        response = self._receive(self._sent_at + allowance - time.monotonic())
+        if response is None:
+            self._check_owed(step_timeout_s, is_due=allowance >= step_timeout_s)
+            self._mark_late(True, allowance)
+            return None
+        self._mark_late(False, allowance)
+        try:
+            return tree_from_proto(response.tree, vocab_size, is_greedy)
+        except ValueError as exc:
+            self.fail(f"sent an invalid tree: {exc}")
+            raise
+
+    def poll(self, step_timeout_s: float) -> None:
+        """Takes a late answer that came meanwhile (it is stale: its step is verified); raises (and
+        marks the link dead) once an answer is owed for longer than the step timeout."""
+        if self._receive(0.0) is None:
+            self._check_owed(step_timeout_s)
+
+    def _receive(self, timeout_s: float) -> pb.SpeculateResponse | None:
+        """The owed answer if it comes within `timeout_s` (None: still owed); raises on a failure."""
+        try:
+            item = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if not isinstance(item, tuple):
+            self.fail(f"stream ended: {item if item is not _CLOSED else 'closed'}")
+            raise ConnectionError(f"speculator {self.name} stream ended")
+        response, received_at = item
+        if response.step != self._num_sent - 1:
+            self.fail(f"answered message {response.step}, expected {self._num_sent - 1}")
+            raise ConnectionError(f"speculator {self.name} answered out of order")
+        self.is_owing = False
+        if self._num_sent > 1:  # the first answer prefills the SSMs: not the pace of a step
+            self.pace.observe(received_at - self._sent_at)
+        return response
+
+    def _check_owed(self, step_timeout_s: float, is_due: bool = False) -> None:
+        """Drops the link once its answer is owed for the step timeout (`is_due`: it was waited for that long)."""
+        owed_s = time.monotonic() - self._sent_at
+        if self.is_owing and (is_due or owed_s >= step_timeout_s):
+            self.fail(f"no tree for {owed_s:.1f}s")
+            raise TimeoutError(f"speculator {self.name} timed out")
+
+    def _mark_late(self, is_late: bool, allowance: float) -> None:
+        if is_late != self.is_late:
+            if is_late:
+                log.info("speculator %s late (no tree within %.0f ms): steps go on without it until it answers "
+                         "in time", self.name, 1000 * allowance)
+            else:
+                log.info("speculator %s answers in time again", self.name)
+        self.is_late = is_late
 
     def fail(self, reason: str) -> None:
         if self.is_alive:
@@ -116,20 +225,29 @@ class SpeculatorLink:
         self.is_alive = False
 
 
-def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_size: int,
-                is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str]]:
-    """Merges the trees of all live links; returns it and the names of links that failed now.
+def gather_tree(links: list[SpeculatorLink], asked: list[SpeculatorLink], root: int, step_timeout_s: float,
+                vocab_size: int, is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str], list[str]]:
+    """Merges the trees of the live links asked for this step that answer in time; returns it, the
+    names of links that failed now and those of live links whose tree this step goes without.
 
-    A tree over `max_nodes` breaks the contract (the verifier reserved KV for that many per
-    speculator), so its speculator is dropped."""
-    trees, failed = [], []
+    Each asked link is waited for until its own answer is due, so the step waits for the latest
+    due time at most. A tree over `max_nodes` breaks the contract (the verifier reserved KV for
+    that many per speculator), so its speculator is dropped."""
+    trees, failed, late = [], [], []
     for link in links:
         if not link.is_alive:
             continue
         try:
-            tree = link.next_tree(timeout_s, vocab_size, is_greedy)
+            if link not in asked:  # behind: it still owes an earlier answer
+                link.poll(step_timeout_s)
+                late.append(link.name)
+                continue
+            tree = link.next_tree(step_timeout_s, vocab_size, is_greedy)
         except (TimeoutError, ConnectionError, ValueError):
             failed.append(link.name)
+            continue
+        if tree is None:
+            late.append(link.name)
             continue
         if tree.tokens[0] != root or len(tree) > max_nodes:
             link.fail("tree root is not the last verified token" if tree.tokens[0] != root else "tree too large")
@@ -137,8 +255,8 @@ def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_
             continue
         trees.append(tree)
     if not trees:
-        return TokenTree.with_root(root), failed
-    return (trees[0] if len(trees) == 1 else merge_trees(trees)[0]), failed
+        return TokenTree.with_root(root), failed, late
+    return (trees[0] if len(trees) == 1 else merge_trees(trees)[0]), failed, late
 
 
 class RemoteSpeculation:
@@ -258,6 +376,8 @@ class SpeculationDriver:
         # model-free-only steps, whose tokens the SSMs catch up on first).
         self.is_steady = False
         self._is_ssm_current = False  # the SSMs built the tree asked last
+        self.asked: list[SpeculatorLink] = []  # the links asked for the tree asked last
+        self._dropped: list[str] = []  # links dropped while the tree was asked (reported with it)
 
     @property
     def is_usable(self) -> bool:
@@ -273,30 +393,38 @@ class SpeculationDriver:
         depth = max(len(widths), max_depth or 0)
         # A model-free-only ask keeps the request's shape: its node bound bounds the drafts.
         shape = shape_to_proto(replace(self.shape, widths=widths) if widths else self.shape)
-        self.is_steady = bool(widths) and self._is_ssm_current and self.num_unsent_steps == 1
+        is_steady = bool(widths) and self._is_ssm_current and self.num_unsent_steps == 1
         self._is_ssm_current = bool(widths)
         if not self.links:
             start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth,
                                       model_free_only=is_model_free_only)
-            self.links = self.open_links(start)
+            self.links = self.asked = self.open_links(start)
         else:
-            for link in self.links:
-                if link.is_alive:
-                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape, is_model_free_only)
+            live = [link for link in self.links if link.is_alive]
+            self.asked = [link for link in live
+                          if link.offer(self.unsent, depth, self.step_timeout_s, shape, is_model_free_only)]
+            self._dropped = [link.name for link in live if not link.is_alive]
+            # A link behind (not asked, or told several steps' tokens at once) is no steady step.
+            is_steady = is_steady and len(self.asked) == len(live) and not any(link.is_catching_up for link in self.asked)
+        self.is_steady = is_steady
         self.unsent = []
         self.num_unsent_steps = 0
         self.is_awaiting = True
         self.asked_depth = len(widths)  # SSM levels: 0 for model-free drafts, which cost no SSM pass
 
     def tree(self, root: int) -> DraftTree:
-        """The tree for this step (root-only when none was asked) and the speculators that failed."""
+        """The tree for this step (root-only when none was asked), the speculators that failed and
+        those it went without (late). A step that waited for a link in vain, or went without one,
+        is no steady step: its time is no speculation cost."""
         if not self.is_awaiting:
             return DraftTree(TokenTree.with_root(root), [], 0, 0.0)
         self.is_awaiting = False
         started = time.perf_counter()
-        tree, failed = gather_tree(self.links, root, self.step_timeout_s, self.vocab_size, self.is_greedy,
-                                   self.shape.max_nodes)
-        return DraftTree(tree, failed, self.asked_depth, time.perf_counter() - started)
+        tree, failed, late = gather_tree(self.links, self.asked, root, self.step_timeout_s, self.vocab_size,
+                                         self.is_greedy, self.shape.max_nodes)
+        failed, self._dropped = self._dropped + failed, []
+        self.is_steady = self.is_steady and not failed and not late
+        return DraftTree(tree, failed, self.asked_depth, time.perf_counter() - started, tuple(late))
 
     def after_step(self, verified: list[int]) -> None:
         """Records a verified step; its tokens go out with the next request for a tree."""
