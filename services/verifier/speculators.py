@@ -405,7 +405,8 @@ class SpeculationDriver:
                           if link.offer(self.unsent, depth, self.step_timeout_s, shape, is_model_free_only)]
             self._dropped = [link.name for link in live if not link.is_alive]
             # A link behind (not asked, or told several steps' tokens at once) is no steady step.
-            is_steady = is_steady and len(self.asked) == len(live) and not any(link.is_catching_up for link in self.asked)
+            is_steady = (is_steady and len(self.asked) == len(live)
+                         and not any(link.is_catching_up for link in self.asked))
         self.is_steady = is_steady
         self.unsent = []
         self.num_unsent_steps = 0
