@@ -4,7 +4,7 @@ Each request opens one stream per speculator: a `start`, then one feedback (acce
 the bonus token) per tree asked; each message is answered with the next token tree, in order. A
 step waits for a speculator's tree at most a deadline from that speculator's own recent pace;
 one that is late does not hold the step up: the step goes on with the other speculators' trees
-(Section 3.2's merge of what there is), or with incremental decoding (a root-only tree), and the
+(merged, Section 3.2), or with incremental decoding (a root-only tree), and the
 late speculator's trees are used again as soon as it answers in time. Trees never change what
 the LLM outputs, so a late tree costs speed only. A speculator whose stream fails, or that owes
 an answer for longer than the step timeout, is dropped for the rest of the request.
