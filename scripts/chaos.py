@@ -45,8 +45,10 @@ AUTH_METADATA = (("authorization", f"Bearer {AUTH_TOKEN}"),)
 MAX_CONCURRENT = 8  # the gateway's admission limit in this stack (the overload scenario exceeds it)
 LONG_TOKENS = 500  # a "long" request: greedy, EOS ignored, under the gateway's 512-token limit
 PROMPT = "def fibonacci(n):\n    "
+STALL_S = 5.0  # speculator_stall: how long the speculator process is stopped
+MAX_STALL_COST_S = 0.5  # speculator_stall: the most the stall may add to any gap between tokens
 SCENARIOS = ("fuzz", "poison", "oversize", "overload", "deadline", "cancel", "auth", "redis", "sigterm",
-             "speculator_kill", "verifier_kill", "gateway_kill")
+             "speculator_kill", "speculator_stall", "verifier_kill", "gateway_kill")
 BAD_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 
 
@@ -269,6 +271,11 @@ def token_gaps(run: Callable[[Callable[[int], None]], object]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
+def max_gap(messages: list[tuple[float, int]]) -> float:
+    """The longest time between two successive (arrival, ...) messages."""
+    return max((b[0] - a[0] for a, b in zip(messages, messages[1:])), default=float("nan"))
+
+
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -355,6 +362,70 @@ class Chaos:
         r.ok = out.error is None and is_same and fell_back
         r.observed = (f"{code_of(out.error)} {out.finish_reason!r}, {len(out.ids)} tokens, identical={is_same}, "
                       f"fell_back={fell_back}")
+
+    def speculator_stall(self, r: Result) -> None:
+        """SIGSTOP of the speculator for STALL_S mid-stream, then SIGCONT: each step waits for its
+        tree only as long as the speculator's own pace says, so the stall costs a token gap
+        little. A stall as long as the step timeout drops the speculator for that request (as a
+        dead one would be); the next request speculates with it again."""
+        gw, pid = self.stack.gw(), self.stack.speculator.pid
+
+        def speculating(tag: str, max_tokens: int = LONG_TOKENS) -> pb.GenerateRequest:
+            req = long_request(rid(tag), max_tokens)
+            req.shape.widths.extend([1, 2, 1, 1])  # explicit: speculate every step, whatever the load policy says
+            return req
+
+        def run(tag: str, on_message: Callable[[int], None] = lambda n: None) -> tuple[Streamed, list]:
+            out, messages = Streamed(), []  # (arrival, tokens so far) per message with tokens
+
+            def seen(n: int) -> None:
+                messages.append((time.monotonic(), n))
+                on_message(n)
+
+            consume(gw.GenerateStream(speculating(tag), timeout=300, metadata=AUTH_METADATA), out, seen)
+            return out, messages
+
+        stall: dict[str, float] = {}
+        resumed = threading.Event()
+
+        def stop_once(n: int) -> None:
+            if n >= 4 and not stall:
+                stall["stopped"] = time.monotonic()
+                os.kill(pid, signal.SIGSTOP)
+                threading.Timer(STALL_S, resume).start()
+
+        def resume() -> None:
+            if not resumed.is_set():
+                os.kill(pid, signal.SIGCONT)
+                stall["resumed"] = time.monotonic()
+                resumed.set()
+
+        unloaded, calm = run("unstalled")
+        try:
+            stalled, rough = run("stalled", stop_once)
+            resumed.wait(STALL_S + 5)  # the request may end before the stall does
+        finally:
+            resume()
+        after = gw.GenerateStream(speculating("after", 64), timeout=120, metadata=AUTH_METADATA)
+        next_out = consume(after, Streamed())
+        worst_calm, worst = max_gap(calm), max_gap(rough)
+        during = [t for t, _ in rough if stall.get("stopped", 0.0) < t < stall["resumed"]]
+        is_same = stalled.ids == unloaded.ids and len(unloaded.ids) == LONG_TOKENS
+        fell_back = bool(stalled.stats and stalled.stats.fell_back)
+        next_tps = next_out.stats.tokens_per_step if next_out.stats else 0.0
+        r.figures = {"stall_s": STALL_S, "unloaded_worst_gap_s": round(worst_calm, 3),
+                     "stalled_worst_gap_s": round(worst, 3), "added_s": round(worst - worst_calm, 3),
+                     "messages_during_stall": len(during), "identical": is_same, "fell_back": fell_back,
+                     "unloaded_tokens_per_step": round(unloaded.stats.tokens_per_step, 2) if unloaded.stats else None,
+                     "tokens_per_step": round(stalled.stats.tokens_per_step, 2) if stalled.stats else None,
+                     "next_request_tokens_per_step": round(next_tps, 2),
+                     "next_request_fell_back": bool(next_out.stats and next_out.stats.fell_back),
+                     "result": code_of(stalled.error)}
+        r.ok = stalled.error is None and is_same and worst - worst_calm <= MAX_STALL_COST_S
+        r.observed = (f"worst gap {worst * 1000:.0f} ms vs {worst_calm * 1000:.0f} ms unloaded "
+                      f"(+{(worst - worst_calm) * 1000:.0f} ms for a {STALL_S:.0f} s stall; {len(during)} messages "
+                      f"during it), identical={is_same}, fell_back={fell_back}; the next request "
+                      f"{next_tps:.2f} tokens/step")
 
     def gateway_kill(self, r: Result) -> None:
         ref = self.reference()
@@ -699,6 +770,8 @@ EXPECTED = {
     "redis": "Redis kill -9 + restart (AOF): finished request and session still there",
     "sigterm": "SIGTERM of the gateway: in-flight streams finish within the 10 s grace period",
     "speculator_kill": "kill -9 speculator mid-stream: request finishes, identical output, fell_back=true",
+    "speculator_stall": f"SIGSTOP speculator {STALL_S:.0f} s mid-stream, then SIGCONT: the stall adds <= "
+                        f"{MAX_STALL_COST_S * 1000:.0f} ms to any gap between tokens, identical output",
     "verifier_kill": "kill -9 verifier mid-stream: client UNAVAILABLE < 2 s; after restart ResumeStream -> "
                      "identical output",
     "gateway_kill": "kill -9 gateway mid-stream: a new gateway (same Redis) resumes by id within 15 s "

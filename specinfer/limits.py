@@ -97,6 +97,19 @@ MAX_RECONNECT_BACKOFF_MS = 500
 MIN_CONNECT_TIMEOUT_MS = 1000  # one connection attempt (gRPC's `min_reconnect_backoff_ms`)
 SPECULATOR_INFO_RETRY_S = 1.0  # a speculator that could not say which SSMs it hosts is asked again after this
 
+# ---- waiting for a speculator's tree (services/verifier/speculators.py) -----------------------
+# A step waits for a speculator's tree until it is due: SPECULATOR_DEADLINE_FACTOR times what the
+# speculator usually takes (the SPECULATOR_LATENCY_PERCENTILE of its last SPECULATOR_LATENCY_WINDOW
+# answer latencies, message to answer), plus SPECULATOR_DEADLINE_FLOOR_S for scheduling jitter,
+# and never longer than the verifier's step timeout (--speculator-step-timeout-s). The 90th
+# percentile of 32 ignores the 4 slowest answers: the one answer a stall delays cannot raise the
+# deadline, while a speculator that became slower for good raises it within a few steps. The
+# first answer of a stream prefills the SSMs on the whole prompt: it gets the step timeout.
+SPECULATOR_LATENCY_WINDOW = 32
+SPECULATOR_LATENCY_PERCENTILE = 0.9
+SPECULATOR_DEADLINE_FACTOR = 2.0
+SPECULATOR_DEADLINE_FLOOR_S = 0.03
+
 # ---- requests --------------------------------------------------------------------------------
 DEFAULT_MAX_NEW_TOKENS = 128  # when a request does not say
 MAX_STOP_SEQUENCES = 8

@@ -105,10 +105,10 @@ def test_only_steady_trees_count_as_speculation_cost():
     from specinfer.params import TreeShape
 
     class Link:
-        is_alive = True
+        is_alive, is_catching_up = True, False
 
-        def send_feedback(self, *args):
-            pass
+        def offer(self, *args):
+            return True
 
     driver = SpeculationDriver(lambda start: [Link()], [5, 6, 7], TreeShape((2, 1)), 100, True, 1.0)
     driver.ask((2, 1))

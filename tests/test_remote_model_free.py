@@ -1,9 +1,10 @@
-"""The load-aware policy's model-free-only arm through speculator services, and the KV a request
-reserves for its pool's trees.
+"""Dynamic trees through speculator services, the wire's model-free-only asks, and the KV a
+request reserves for its pool's trees.
 
-A step of a request whose pool has a model-free member may ask for those members' drafts alone
-(`SpeculateStart.model_free_only`, `SpeculateFeedback.model_free_only`): no SSM pass. Greedy
-output stays the LLM's own; a speculator that hosts no model-free member answers root-only.
+Each step asks every speculator for a dynamic tree within the verifier's budget
+(`SpeculateFeedback.budget`); the speculator decides which members draft and reports the SSM
+levels it ran (`SpeculateResponse.ssm_levels`). Greedy output stays the LLM's own. A speculator
+still answers the model-free-only asks of the wire (root-only where it hosts no model-free member).
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import pytest
 from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.policy import MODEL_FREE_ONLY
+from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.speculator import Proposal
 from specinfer.engine.tree import TokenTree
 from specinfer.limits import MODEL_FREE_MAX_NODES
-from specinfer.params import GenerationParams, SamplingParams, TreeShape
+from specinfer.params import SamplingParams, TreeBudget, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 from util import start_stack
@@ -52,34 +53,33 @@ def incremental(tiny_pair) -> list[int]:
     return engine.generate(PROMPT, mode_params("incremental", NEW_TOKENS, is_ignore_eos=True)).output_ids
 
 
-def spy_steps(monkeypatch, worker) -> list[tuple[bool, int]]:
-    """Records (model-free-only, tree nodes) of every tree `worker` (a SpeculatorWorker) builds."""
-    calls: list[tuple[bool, int]] = []
+def spy_steps(monkeypatch, worker) -> list[tuple[bool, int, int]]:
+    """Records (budget given, tree nodes, SSM levels) of every tree `worker` (a SpeculatorWorker) builds."""
+    calls: list[tuple[bool, int, int]] = []
     step = worker.step
 
-    def recorded(session, feedback, max_depth, shape=None, timeout=None, is_model_free_only=False):
-        tree, seconds = step(session, feedback, max_depth, shape, timeout, is_model_free_only)
-        calls.append((is_model_free_only, len(tree)))
-        return tree, seconds
+    def recorded(session, feedback, max_depth, shape=None, timeout=None, is_model_free_only=False, budget=None):
+        tree, seconds, levels = step(session, feedback, max_depth, shape, timeout, is_model_free_only, budget)
+        calls.append((budget is not None, len(tree), levels))
+        return tree, seconds, levels
 
     monkeypatch.setattr(worker, "step", recorded)
     return calls
 
 
-def force_model_free_only(monkeypatch, engine) -> list[int]:
-    """The policy picks MODEL_FREE_ONLY whenever the request's drafts offer it (plain decoding
-    otherwise), unguarded; returns the depths the policy was told speculation cost."""
-    policy = engine.policy(engine.cfg.default_shape)
-    monkeypatch.setattr(engine, "guard", None)
-    monkeypatch.setattr(policy, "choose", lambda batch, is_greedy=True, has_model_free=False:
-                        MODEL_FREE_ONLY if has_model_free else ())
-    observed: list[int] = []
-    monkeypatch.setattr(policy, "observe_speculation", lambda depth, seconds, decay=0.98: observed.append(depth))
-    return observed
+class FixedBudget(LoadAwarePolicy):
+    """Every step gets the same cheap dynamic-tree budget."""
+
+    def __init__(self):
+        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
+        self.fixed = TreeBudget(max_nodes=24, max_depth=6, node_cost=0.002, level_cost=0.01)
+
+    def choose(self, batch_size, is_greedy=True):
+        return self.fixed
 
 
 def generate(stack, ssm_names=()) -> tuple[list[int], pb.GenerationStats]:
-    """A greedy, load-aware request (no shape: the server's default, widths chosen per step)."""
+    """A greedy, load-aware request (no shape: the server's default, a dynamic tree per step)."""
     request = pb.VerifierGenerateRequest(prompt_ids=PROMPT, max_new_tokens=NEW_TOKENS, speculate=True,
                                          ignore_eos=True, ssm_names=list(ssm_names))
     tokens, stats = [], None
@@ -90,41 +90,31 @@ def generate(stack, ssm_names=()) -> tuple[list[int], pb.GenerationStats]:
     return tokens, stats
 
 
-def test_model_free_only_steps_through_the_services_keep_greedy_output(stack, incremental, monkeypatch):
+def test_dynamic_trees_through_the_services_keep_greedy_output(stack, incremental, monkeypatch):
+    """Each speculator grows its dynamic tree within the verifier's budget (its SSM, lookup and
+    suffix in one budget; the other its SSM alone), reports the SSM levels it ran, and the
+    merged trees leave the output the LLM's own."""
     engine = stack.verifier_servicer.engine
-    observed = force_model_free_only(monkeypatch, engine)
-    worker = stack.speculators[0][1].worker
-    hosting = spy_steps(monkeypatch, worker)
-    ssm = worker.speculator.runners[0]
-    ssm_passes: list[int] = []
-    run = ssm.run
-
-    def counted(works, *args, **kwargs):
-        ssm_passes.append(len(works))
-        return run(works, *args, **kwargs)
-
-    monkeypatch.setattr(ssm, "run", counted)
+    monkeypatch.setattr(engine, "guard", None)
+    monkeypatch.setattr(engine, "load_policy", FixedBudget())
+    levels: list[int] = []
+    observe = engine.load_policy.observe_speculation
+    monkeypatch.setattr(engine.load_policy, "observe_speculation",
+                        lambda n, seconds, decay=0.98: (levels.append(n), observe(n, seconds, decay)))
+    hosting = spy_steps(monkeypatch, stack.speculators[0][1].worker)
     runs = [generate(stack) for _ in range(2)]  # the second time the suffix cache holds the first output
     for tokens, stats in runs:
         assert tokens == incremental
         assert not stats.fell_back
-    assert hosting and all(is_model_free_only for is_model_free_only, _ in hosting)
-    assert any(nodes > 1 for _, nodes in hosting)  # model-free trees, really built
-    assert not ssm_passes  # and not one SSM pass
+    assert hosting and all(has_budget for has_budget, _, _ in hosting)
+    assert any(nodes > 1 for _, nodes, _ in hosting)  # dynamic trees, really built
+    assert any(n > 0 for _, _, n in hosting) and levels and max(levels) > 0  # SSM levels reported
     assert runs[1][1].tokens_per_step > 2  # and their drafts accepted
-    assert not observed  # a model-free-only step teaches the policy no SSM level cost
 
 
-def test_a_speculator_without_model_free_members_answers_root_only(stack, plain_speculator, incremental,
-                                                                    monkeypatch):
-    engine = stack.verifier_servicer.engine
-    force_model_free_only(monkeypatch, engine)
-    plain = spy_steps(monkeypatch, plain_speculator[1].worker)
-    tokens, stats = generate(stack)
-    assert tokens == incremental and not stats.fell_back  # its root-only trees did not drop it
-    assert plain and all(is_model_free_only and nodes == 1 for is_model_free_only, nodes in plain)
-
-    # On the wire: model-free-only asks get the root; the same stream asked with widths gets a tree.
+def test_model_free_only_asks_on_the_wire(stack, plain_speculator):
+    """A speculator still serves the wire's model-free-only asks: root-only where it hosts no
+    model-free member; the same stream asked with widths gets a tree."""
     stub = pb_grpc.SpeculatorStub(stack.channel(plain_speculator[0].port))
     shape = pb.TreeShape(widths=[2, 2], max_nodes=16)
     messages = [
@@ -132,49 +122,48 @@ def test_a_speculator_without_model_free_members_answers_root_only(stack, plain_
                                                     model_free_only=True)),
         pb.SpeculateRequest(feedback=pb.SpeculateFeedback(bonus=3, max_depth=4, shape=shape, model_free_only=True)),
         pb.SpeculateRequest(feedback=pb.SpeculateFeedback(bonus=4, max_depth=4, shape=shape)),
+        pb.SpeculateRequest(feedback=pb.SpeculateFeedback(bonus=5, max_depth=4, shape=shape, budget=pb.TreeBudget(
+            max_nodes=8, max_depth=3, node_cost=0.001, level_cost=0.001))),
         pb.SpeculateRequest(feedback=pb.SpeculateFeedback(done=True)),
     ]
-    trees = [r.tree for r in stub.Speculate(iter(messages), timeout=60)]
+    answers = list(stub.Speculate(iter(messages), timeout=60))
+    trees = [r.tree for r in answers]
     assert [list(t.tokens) for t in trees[:2]] == [[PROMPT[-1]], [3]]
-    assert len(trees[2].tokens) > 1 and trees[2].tokens[0] == 4
+    assert len(trees[2].tokens) > 1 and trees[2].tokens[0] == 4 and answers[2].ssm_levels == 2
+    assert trees[3].tokens[0] == 5 and len(trees[3].tokens) <= 9 and answers[3].ssm_levels <= 3
 
 
-def test_the_driver_offers_model_free_only_when_the_pool_has_a_model_free_member(stack, tiny_pair):
+def test_each_speculator_reserves_its_trees_kv(stack, tiny_pair):
     source = stack.verifier_servicer.engine.source
     shape = TreeShape((2, 2), max_nodes=16)
-
-    def has_model_free(ssm_names: tuple[str, ...]) -> bool:
-        drafts = source.drafts("r", PROMPT, GenerationParams(max_new_tokens=8, ssm_names=ssm_names), shape, 10.0)
-        try:
-            return drafts.has_model_free
-        finally:
-            drafts.close()
-
-    first, second = tiny_pair.ssms[0].name, tiny_pair.ssms[1].name
-    assert has_model_free(()) and has_model_free(("lookup",)) and has_model_free((second, "suffix"))
-    assert not has_model_free((first,)) and not has_model_free((second,))
-    # Each speculator's tree, model-free drafts included, stays within the shape's node bound.
+    second = tiny_pair.ssms[1].name
+    # Each speculator's tree, model-free drafts included, stays within the shape's node bound...
     assert source.max_draft_nodes((), shape) == 2 * (shape.max_nodes - 1)
     assert source.max_draft_nodes((second,), shape) == shape.max_nodes - 1
+    # ... or within a dynamic tree's.
+    assert source.max_draft_nodes((), shape, 32) == 2 * 32
 
 
-def test_a_model_free_only_step_is_no_ssm_cost_and_unsteadies_the_next_ssm_tree():
-    """Model-free drafts cost no SSM pass: their tree reports no SSM levels, and the SSM tree after
-    one catches up on its tokens first (the first, on the whole prompt): not a steady step."""
+def test_a_dynamic_tree_reports_its_ssm_levels_and_is_steady_only_after_one():
+    """A dynamic tree costs the SSM levels its speculator ran (none when its SSMs sat the step out),
+    and it is a steady step only when the SSMs also built the tree before it, one step ago."""
     from services.verifier.speculators import SpeculationDriver
 
-    sent: list[tuple[str, bool]] = []
+    sent: list[str] = []
+    levels = iter([2, 3, 0, 2, 1])
 
     class Link:
-        name, is_alive = "s", True
+        name, is_alive, is_catching_up, last_levels = "s", True, False, 0
 
         def open(self, start):
-            sent.append(("start", start.model_free_only))
+            sent.append("start" if start.HasField("budget") else "start-static")
 
-        def send_feedback(self, accepted, bonus, max_depth, shape=None, is_model_free_only=False):
-            sent.append(("feedback", is_model_free_only))
+        def offer(self, verified, max_depth, step_timeout_s, shape=None, budget=None):
+            sent.append("feedback" if budget is not None else "static")
+            return True
 
         def next_tree(self, timeout_s, vocab_size, is_greedy):
+            self.last_levels = next(levels)
             return TokenTree.with_root(7)
 
     def open_links(start):
@@ -182,28 +171,18 @@ def test_a_model_free_only_step_is_no_ssm_cost_and_unsteadies_the_next_ssm_tree(
         link.open(start)
         return [link]
 
-    without = SpeculationDriver(open_links, PROMPT, TreeShape((2, 1)), 100, True, 1.0)
-    without.ask((), 4)  # no model-free member: nothing to ask
-    assert not sent and without.tree(7).depth == 0
-
-    driver = SpeculationDriver(open_links, PROMPT, TreeShape((2, 1)), 100, True, 1.0, has_model_free=True)
-    driver.ask((), 4)
-    assert sent == [("start", True)] and not driver.is_steady and driver.tree(7).depth == 0
-    driver.after_step([7])
-    driver.ask((2, 1), 4)
-    assert sent[-1] == ("feedback", False) and not driver.is_steady  # the SSMs read the prompt first
-    assert driver.tree(7).depth == 2
-    driver.after_step([7])
-    driver.ask((2, 1), 4)
-    assert driver.is_steady
-    driver.tree(7)
-    driver.after_step([7])
-    driver.ask((), 4)
-    assert sent[-1] == ("feedback", True) and not driver.is_steady
-    driver.tree(7)
-    driver.after_step([7])
-    driver.ask((2, 1), 4)
-    assert not driver.is_steady  # the SSMs catch up on the model-free step's tokens first
+    budget = TreeBudget(max_nodes=8, max_depth=4)
+    driver = SpeculationDriver(open_links, PROMPT, TreeShape((2, 1)), 100, True, 1.0)
+    steady, depths = [], []
+    for _ in range(5):
+        driver.ask((), 4, budget)
+        draft = driver.tree(7)
+        steady.append(driver.is_steady)
+        depths.append(draft.depth)
+        driver.after_step([7])
+    assert sent == ["start"] + ["feedback"] * 4
+    assert depths == [2, 3, 0, 2, 1]
+    assert steady == [False, True, False, False, True]  # the first reads the prompt; after 0 levels, a catch-up
 
 
 # ---- the KV a request reserves for its trees -------------------------------------------------------

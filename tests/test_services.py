@@ -13,7 +13,7 @@ from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
 from specinfer.params import TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
-from util import LocalStack, start_stack, wait_until
+from util import LocalStack, start_stack, wait_for_every_tree, wait_until
 
 WIDTHS = (1, 1, 3, 1, 1, 1)
 
@@ -43,7 +43,8 @@ def generate(stub, prompt, max_new, timeout=30, **kwargs):
     return tokens, last
 
 
-def test_greedy_through_services_equals_in_process(stack, engine, greedy_prompts):
+def test_greedy_through_services_equals_in_process(stack, engine, greedy_prompts, monkeypatch):
+    wait_for_every_tree(monkeypatch)  # the step counts too
     for prompt in greedy_prompts[:6]:
         tokens, last = generate(stack.verifier_stub, prompt, 48)
         expected = engine.generate(prompt, mode_params("tree", 48, TreeShape(WIDTHS)))

@@ -18,7 +18,7 @@ from specinfer.engine.runner import ModelRunner
 from specinfer.params import TreeShape
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
-from util import start_stack, wait_until
+from util import start_stack, wait_for_every_tree, wait_until
 
 WIDTHS = (1, 2, 1, 1)
 
@@ -52,7 +52,8 @@ def reference(text_pair):
 
 
 @pytest.mark.parametrize("prompt", ["def add(a, b", "import os\n", "for x in range(3):\n    "])
-def test_greedy_through_stack_equals_in_process(stack, reference, prompt):
+def test_greedy_through_stack_equals_in_process(stack, reference, prompt, monkeypatch):
+    wait_for_every_tree(monkeypatch)  # the step counts too
     engine, tokenizer = reference
     resp = stack.gateway_stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=40), timeout=60)
     expected = engine.generate(tokenizer.encode(prompt), mode_params("tree", 40, TreeShape(WIDTHS)))

@@ -133,6 +133,15 @@ def start_stack(llm: Path, ssms: Sequence[Path | Sequence[Path]] = (), *, export
     return LocalStack(specs, server, servicer, front)
 
 
+def wait_for_every_tree(monkeypatch) -> None:
+    """Every step waits for its speculators' trees up to the step timeout, not a deadline from their
+    pace: for tests that compare step counts with the in-process engine's, which a tree late
+    under CPU load would change (never the tokens)."""
+    from services.verifier import speculators
+
+    monkeypatch.setattr(speculators, "SPECULATOR_DEADLINE_FLOOR_S", float("inf"))
+
+
 # ---- checkpoints -----------------------------------------------------------------------------------
 def save_tiny_llama(
     path: Path,

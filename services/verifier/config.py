@@ -96,7 +96,10 @@ def _flags() -> list[Flag]:
         Flag("--default-deadline-s", "SPECINFER_DEFAULT_DEADLINE_S", float, d["default_deadline_s"],
              "when the caller sets no deadline", is_positive=True),
         Flag("--speculator-step-timeout-s", "SPECINFER_SPECULATOR_STEP_TIMEOUT_S", float,
-             d["speculator_step_timeout_s"], "wait for a speculator's tree this long", is_positive=True),
+             d["speculator_step_timeout_s"],
+             "the longest wait for a speculator's tree (a stream's first; later ones are waited for by the "
+             "speculator's own pace); a speculator that owes a tree this long is dropped for the request",
+             is_positive=True),
         Flag("--max-sessions", "SPECINFER_MAX_SESSIONS", int, d["max_sessions"], "sessions kept with their KV cache",
              low=0),
         Flag("--token-budget", "SPECINFER_TOKEN_BUDGET", int, d["token_budget"],

@@ -133,10 +133,13 @@ class StepSpans:
         span.end(end_time=offset_ns + int(ended * 1e9))
 
     def speculated(self, step: int, draft: DraftTree, started: float, ended: float) -> None:
-        self._span("verifier.speculate", started, ended, step=step, tree_nodes=len(draft.tree))
+        late = {"late_speculators": ",".join(draft.late)} if draft.late else {}
+        self._span("verifier.speculate", started, ended, step=step, tree_nodes=len(draft.tree), **late)
         for name in draft.failed:
             self.metrics.fallbacks.inc()
             self.request_span.add_event("speculator_fallback", {"speculator": name})
+        if draft.late:
+            self.metrics.late_trees.inc(len(draft.late))
 
     def verified(self, step: int, tree: TokenTree, accepted: list[int], kept: list[int], batch_size: int,
                  started: float, ended: float) -> None:

@@ -1,9 +1,13 @@
 """The verifier's side of the per-request bidirectional streams to speculator services.
 
 Each request opens one stream per speculator: a `start`, then one feedback (accepted tokens plus
-the bonus token) per verified step; each message is answered with the next token tree. A
-speculator that fails or stalls is dropped for the rest of the request, and the request goes on
-with the others, or with incremental decoding (root-only trees) when none is left.
+the bonus token) per tree asked; each message is answered with the next token tree, in order. A
+step waits for a speculator's tree at most a deadline from that speculator's own recent pace;
+one that is late does not hold the step up: the step goes on with the other speculators' trees
+(merged, Section 3.2), or with incremental decoding (a root-only tree), and the
+late speculator's trees are used again as soon as it answers in time. Trees never change what
+the LLM outputs, so a late tree costs speed only. A speculator whose stream fails, or that owes
+an answer for longer than the step timeout, is dropped for the rest of the request.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from functools import partial
 from typing import Callable
@@ -25,7 +30,10 @@ from specinfer.engine.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeBudget, TreeShape
 from specinfer.serving.convert import budget_to_proto, sampling_to_proto, shape_to_proto
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MODEL_FREE_NAMES, SPECULATOR_INFO_RETRY_S
+from specinfer.limits import (
+    DEFAULT_MAX_MESSAGE_BYTES, SPECULATOR_DEADLINE_FACTOR, SPECULATOR_DEADLINE_FLOOR_S,
+    SPECULATOR_INFO_RETRY_S, SPECULATOR_LATENCY_PERCENTILE, SPECULATOR_LATENCY_WINDOW,
+)
 from specinfer.serving.security import ChannelSecurity, open_channel
 from specinfer.serving.settings import message_options, reconnect_options
 from specinfer.serving.tracing import outgoing_metadata
@@ -46,62 +54,162 @@ def speculator_stub(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BY
     return pb_grpc.SpeculatorStub(open_channel(target, security, options))
 
 
+class SpeculatorPace:
+    """How long a step waits for a speculator's next tree: from its own recent answer latencies.
+
+    A step that waits at most a small multiple of what the speculator usually takes loses little
+    to a speculator that stalls: it goes on without that tree (plain decoding, or the other
+    speculators' trees) instead of waiting out the stall."""
+
+    def __init__(self):
+        self.latencies: deque[float] = deque(maxlen=SPECULATOR_LATENCY_WINDOW)
+
+    def observe(self, seconds: float) -> None:
+        self.latencies.append(seconds)
+
+    def allowance(self, step_timeout_s: float) -> float:
+        """Seconds after its message that an answer is still in time; the step timeout while
+        nothing is known of this speculator's pace."""
+        if not self.latencies:
+            return step_timeout_s
+        ordered = sorted(self.latencies)
+        usual = ordered[int(SPECULATOR_LATENCY_PERCENTILE * (len(ordered) - 1))]
+        return min(step_timeout_s, SPECULATOR_DEADLINE_FACTOR * usual + SPECULATOR_DEADLINE_FLOOR_S)
+
+
 class SpeculatorLink:
-    """One request's stream to one speculator."""
+    """One request's stream to one speculator, in lockstep: each message (the start, then one
+    feedback per tree asked) gets one answer, in order.
+
+    A step waits for the answer to its own message until the message is `allowance` old. An
+    answer not there by then is late, not lost: the link still owes it, and it is dropped when
+    it comes. While it is owed the link sends nothing; the tokens verified meanwhile go out
+    together with the next message after it came (the speculator maps them onto the tree it
+    built last, used or not), so a speculator that is behind never has more than one message to
+    answer. A link that owes an answer for longer than the step timeout, or whose stream fails,
+    is dropped for the rest of the request."""
 
     def __init__(self, name: str, stub: pb_grpc.SpeculatorStub, timeout_s: float,
                  on_fail: Callable[[], None] | None = None):
         self.name = name
         self.is_alive = True
+        self.is_owing = False  # the last message has not been answered yet
+        self.is_late = False  # the last step went on without this link's tree
+        self.is_catching_up = False  # the last message told the tokens of steps it was not asked for
+        self.pace = SpeculatorPace()
         self._on_fail = on_fail  # told once, when the link is dropped
         self._stub = stub
         self._timeout_s = timeout_s
         self._outbox: queue.Queue = queue.Queue()
         self._inbox: queue.Queue = queue.Queue()
         self._call = None
+        self._num_sent = 0  # messages sent; the speculator numbers its answers from 0
+        self._sent_at = 0.0  # when the last message went out (time.monotonic)
+        self._held: list[int] = []  # verified tokens not sent while an answer was owed
         self.last_levels = 0  # SSM levels of the tree received last
 
     def open(self, start: pb.SpeculateStart, metadata: list[tuple[str, str]]) -> None:
         """Starts the stream with its first message; the answer is the first tree."""
-        self._outbox.put(pb.SpeculateRequest(start=start))
+        self._send(pb.SpeculateRequest(start=start))
         self._call = self._stub.Speculate(iter(self._outbox.get, _CLOSED), timeout=self._timeout_s, metadata=metadata)
         threading.Thread(target=self._read, daemon=True, name=f"spec-link-{self.name}").start()
 
     def _read(self) -> None:
         try:
             for response in self._call:
-                self._inbox.put(response)
+                self._inbox.put((response, time.monotonic()))
         except grpc.RpcError as exc:
             self._inbox.put(exc)
         finally:
             self._inbox.put(_CLOSED)
 
-    def next_tree(self, timeout_s: float, vocab_size: int, is_greedy: bool) -> TokenTree:
-        """The answer to the last message; raises (and marks the link dead) on any failure."""
-        try:
-            item = self._inbox.get(timeout=timeout_s)
-        except queue.Empty:
-            self.fail("timed out waiting for a tree")
-            raise TimeoutError(f"speculator {self.name} timed out")
-        if isinstance(item, pb.SpeculateResponse):
-            self.last_levels = int(item.ssm_levels)
-            try:
-                return tree_from_proto(item.tree, vocab_size, is_greedy)
-            except ValueError as exc:
-                self.fail(f"sent an invalid tree: {exc}")
-                raise
-        self.fail(f"stream ended: {item if item is not _CLOSED else 'closed'}")
-        raise ConnectionError(f"speculator {self.name} stream ended")
+    def _send(self, request: pb.SpeculateRequest) -> None:
+        self._outbox.put(request)
+        self._num_sent += 1
+        self._sent_at = time.monotonic()
+        self.is_owing = True
 
-    def send_feedback(self, accepted: list[int], bonus: int, max_depth: int, shape: pb.TreeShape | None = None,
-                      is_model_free_only: bool = False, budget: pb.TreeBudget | None = None) -> None:
-        feedback = pb.SpeculateFeedback(accepted=accepted, bonus=bonus, max_depth=max_depth,
-                                        model_free_only=is_model_free_only)
+    def offer(self, verified: list[int], max_depth: int, step_timeout_s: float, shape: pb.TreeShape | None = None,
+              budget: pb.TreeBudget | None = None) -> bool:
+        """Asks for the next tree, telling the tokens verified since the last message (the last
+        one is the bonus, the root of the next tree). A link that still owes its last answer is
+        not asked: it keeps the tokens for its next message. Returns whether it was asked (False
+        also when it is dropped now)."""
+        if self.is_owing:
+            try:
+                self.poll(step_timeout_s)
+            except (TimeoutError, ConnectionError):
+                return False
+            if self.is_owing:
+                self._held.extend(verified)
+                return False
+        self.is_catching_up = bool(self._held)
+        tokens, self._held = self._held + verified, []
+        feedback = pb.SpeculateFeedback(accepted=tokens[:-1], bonus=tokens[-1], max_depth=max_depth)
         if shape is not None:
             feedback.shape.CopyFrom(shape)
         if budget is not None:
             feedback.budget.CopyFrom(budget)
-        self._outbox.put(pb.SpeculateRequest(feedback=feedback))
+        self._send(pb.SpeculateRequest(feedback=feedback))
+        return True
+
+    def next_tree(self, step_timeout_s: float, vocab_size: int, is_greedy: bool) -> TokenTree | None:
+        """The answer to the last message, or None when it is late (still owed); raises (and
+        marks the link dead) on any failure. The first answer of a stream prefills the SSMs on
+        the whole context: it may take the whole step timeout."""
+        allowance = step_timeout_s if self._num_sent == 1 else self.pace.allowance(step_timeout_s)
+        response = self._receive(self._sent_at + allowance - time.monotonic())
+        if response is None:
+            self._check_owed(step_timeout_s, is_due=allowance >= step_timeout_s)
+            self._mark_late(True, allowance)
+            return None
+        self._mark_late(False, allowance)
+        self.last_levels = int(response.ssm_levels)
+        try:
+            return tree_from_proto(response.tree, vocab_size, is_greedy)
+        except ValueError as exc:
+            self.fail(f"sent an invalid tree: {exc}")
+            raise
+
+    def poll(self, step_timeout_s: float) -> None:
+        """Takes a late answer that came meanwhile (it is stale: its step is verified); raises (and
+        marks the link dead) once an answer is owed for longer than the step timeout."""
+        if self._receive(0.0) is None:
+            self._check_owed(step_timeout_s)
+
+    def _receive(self, timeout_s: float) -> pb.SpeculateResponse | None:
+        """The owed answer if it comes within `timeout_s` (None: still owed); raises on a failure."""
+        try:
+            item = self._inbox.get(timeout=timeout_s) if timeout_s > 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if not isinstance(item, tuple):
+            self.fail(f"stream ended: {item if item is not _CLOSED else 'closed'}")
+            raise ConnectionError(f"speculator {self.name} stream ended")
+        response, received_at = item
+        if response.step != self._num_sent - 1:
+            self.fail(f"answered message {response.step}, expected {self._num_sent - 1}")
+            raise ConnectionError(f"speculator {self.name} answered out of order")
+        self.is_owing = False
+        if self._num_sent > 1:  # the first answer prefills the SSMs: not the pace of a step
+            self.pace.observe(received_at - self._sent_at)
+        return response
+
+    def _check_owed(self, step_timeout_s: float, is_due: bool = False) -> None:
+        """Drops the link once its answer is owed for the step timeout (`is_due`: it was waited for that long)."""
+        owed_s = time.monotonic() - self._sent_at
+        if self.is_owing and (is_due or owed_s >= step_timeout_s):
+            self.fail(f"no tree for {owed_s:.1f}s")
+            raise TimeoutError(f"speculator {self.name} timed out")
+
+    def _mark_late(self, is_late: bool, allowance: float) -> None:
+        if is_late != self.is_late:
+            if is_late:
+                log.info("speculator %s late (no tree within %.0f ms): steps go on without it until it answers "
+                         "in time", self.name, 1000 * allowance)
+            else:
+                log.info("speculator %s answers in time again", self.name)
+        self.is_late = is_late
 
     def fail(self, reason: str) -> None:
         if self.is_alive:
@@ -120,21 +228,29 @@ class SpeculatorLink:
         self.is_alive = False
 
 
-def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_size: int,
-                is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str]]:
-    """Merges the trees of all live links; returns it and the names of links that failed now.
-    (Each link keeps its tree's SSM levels in `last_levels`.)
+def gather_tree(links: list[SpeculatorLink], asked: list[SpeculatorLink], root: int, step_timeout_s: float,
+                vocab_size: int, is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str], list[str]]:
+    """Merges the trees of the live links asked for this step that answer in time; returns it, the
+    names of links that failed now and those of live links whose tree this step goes without.
 
-    A tree over `max_nodes` breaks the contract (the verifier reserved KV for that many per
-    speculator), so its speculator is dropped."""
-    trees, failed = [], []
+    Each asked link is waited for until its own answer is due, so the step waits for the latest
+    due time at most. A tree over `max_nodes` breaks the contract (the verifier reserved KV for
+    that many per speculator), so its speculator is dropped."""
+    trees, failed, late = [], [], []
     for link in links:
         if not link.is_alive:
             continue
         try:
-            tree = link.next_tree(timeout_s, vocab_size, is_greedy)
+            if link not in asked:  # behind: it still owes an earlier answer
+                link.poll(step_timeout_s)
+                late.append(link.name)
+                continue
+            tree = link.next_tree(step_timeout_s, vocab_size, is_greedy)
         except (TimeoutError, ConnectionError, ValueError):
             failed.append(link.name)
+            continue
+        if tree is None:
+            late.append(link.name)
             continue
         if tree.tokens[0] != root or len(tree) > max_nodes:
             link.fail("tree root is not the last verified token" if tree.tokens[0] != root else "tree too large")
@@ -142,8 +258,8 @@ def gather_tree(links: list[SpeculatorLink], root: int, timeout_s: float, vocab_
             continue
         trees.append(tree)
     if not trees:
-        return TokenTree.with_root(root), failed
-    return (trees[0] if len(trees) == 1 else merge_trees(trees)[0]), failed
+        return TokenTree.with_root(root), failed, late
+    return (trees[0] if len(trees) == 1 else merge_trees(trees)[0]), failed, late
 
 
 class RemoteSpeculation:
@@ -211,11 +327,6 @@ class RemoteSpeculation:
         per_source = shape.max_nodes - 1 if max_dynamic_nodes is None else max(shape.max_nodes - 1, max_dynamic_nodes)
         return self.num_sources(ssm_names) * per_source
 
-    def hosts_model_free(self, speculators: list[tuple[str, object]], ssm_names: tuple[str, ...]) -> bool:
-        """Whether one of `speculators` hosts a model-free member of the pool `ssm_names` names."""
-        return any(name in MODEL_FREE_NAMES and (not ssm_names or name in ssm_names)
-                   for target, stub in speculators for name in self.hosted_names(target, stub) or ())
-
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> "SpeculationDriver":
         speculators = self.chosen(params.ssm_names)
@@ -233,7 +344,7 @@ class RemoteSpeculation:
             return links
 
         return SpeculationDriver(open_links, prompt_ids, shape, self.vocab_size, params.sampling.is_greedy,
-                                 self.step_timeout_s, self.hosts_model_free(speculators, params.ssm_names))
+                                 self.step_timeout_s)
 
 
 class SpeculationDriver:
@@ -242,13 +353,13 @@ class SpeculationDriver:
     Streams to the speculators open only when the first tree is wanted, so a request that never
     speculates costs the speculators nothing. A step that should not speculate asks nothing; the
     tokens it verifies reach the speculators with the next request for a tree (their caches
-    catch up then), so switching speculation off and on costs no extra round trip. A step may ask
-    for the pool's model-free drafts alone (no widths, a depth) when a speculator hosts one: every
-    stream is asked, and one that hosts none answers with a root-only tree.
+    catch up then), so switching speculation off and on costs no extra round trip. A step asks for
+    a tree of fixed widths, or for a dynamic tree within a budget: each speculator then decides
+    which of its members draft (its SSMs may sit a step out) and reports the SSM levels it ran.
     """
 
     def __init__(self, open_links, context_ids: list[int], shape: TreeShape, vocab_size: int, is_greedy: bool,
-                 step_timeout_s: float, has_model_free: bool = False):
+                 step_timeout_s: float):
         self.open_links = open_links  # (start message) -> links
         self.links: list[SpeculatorLink] = []
         self.history = list(context_ids)  # every verified token so far, prompt included
@@ -256,71 +367,75 @@ class SpeculationDriver:
         self.vocab_size = vocab_size
         self.is_greedy = is_greedy
         self.step_timeout_s = step_timeout_s
-        self.has_model_free = has_model_free  # a chosen speculator hosts a model-free member of the pool
         self.unsent: list[int] = []  # verified tokens the open streams have not been told about
         self.is_awaiting = False
         self.asked_depth = 0
         self.num_unsent_steps = 0  # verified steps whose tokens the streams have not been told about
         # Whether the tree asked last costs what a steady step costs: an SSM tree right after one
-        # (not the first, which prefills the SSMs on the whole context, nor one after plain or
-        # model-free-only steps, whose tokens the SSMs catch up on first).
+        # (not the first, which prefills the SSMs on the whole context, nor one after plain steps or
+        # steps the SSMs sat out, whose tokens they catch up on first).
         self.is_steady = False
         self._is_ssm_current = False  # the SSMs built the tree asked last
         self._is_dynamic = False  # the tree asked last is a dynamic one
         self._max_nodes = shape.max_nodes  # the bound of one speculator's tree asked last
-        self._was_steady_ready = False  # a dynamic ask followed the last tree at once (one step's tokens)
+        self.asked: list[SpeculatorLink] = []  # the links asked for the tree asked last
+        self._dropped: list[str] = []  # links dropped while the tree was asked (reported with it)
 
     @property
     def is_usable(self) -> bool:
         return not self.links or any(link.is_alive for link in self.links)
 
     def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None) -> None:
-        """Requests the next tree (opening the streams with the whole context the first time).
-        `max_depth` (at least the widths' depth) bounds the speculators' model-free drafts; no
-        widths but a depth asks for the model-free drafts alone; a `budget`, a dynamic tree."""
-        is_model_free_only = budget is None and not widths and bool(max_depth) and self.has_model_free
-        if not (widths or is_model_free_only or budget is not None) or not self.is_usable:
+        """Requests the next tree (opening the streams with the whole context the first time):
+        `widths` for the SSMs, whose model-free members draft `max_depth` deep (at least the
+        widths' depth), or a dynamic tree within `budget`."""
+        if not (widths or budget is not None) or not self.is_usable:
             return
         depth = max(len(widths), max_depth or 0)
-        # A model-free-only or dynamic ask keeps the request's shape: its sampling settings (and node
-        # bound) hold for the drafts.
+        # A dynamic ask keeps the request's shape: its sampling settings hold for the drafts.
         shape = shape_to_proto(replace(self.shape, widths=widths) if widths else self.shape)
         wire_budget = budget_to_proto(budget) if budget is not None else None
-        self._max_nodes = budget.max_nodes + 1 if budget is not None else self.shape.max_nodes
         self._is_dynamic = budget is not None
-        if budget is None:
-            self.is_steady = bool(widths) and self._is_ssm_current and self.num_unsent_steps == 1
-            self._is_ssm_current = bool(widths)
-        else:  # whether its SSMs ran is known once the tree is in
-            self._was_steady_ready = self.num_unsent_steps == 1
+        self._max_nodes = budget.max_nodes + 1 if budget is not None else self.shape.max_nodes
+        # For a dynamic tree, whether its SSMs ran is known once it is in (`tree`).
+        is_steady = (self._is_ssm_current or self._is_dynamic) and self.num_unsent_steps == 1
+        if not self._is_dynamic:
+            is_steady, self._is_ssm_current = is_steady and bool(widths), bool(widths)
         if not self.links:
-            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth,
-                                      model_free_only=is_model_free_only, budget=wire_budget)
-            self.links = self.open_links(start)
+            start = pb.SpeculateStart(context_ids=self.history, shape=shape, max_depth=depth, budget=wire_budget)
+            self.links = self.asked = self.open_links(start)
+            is_steady = False
         else:
-            for link in self.links:
-                if link.is_alive:
-                    link.send_feedback(self.unsent[:-1], self.unsent[-1], depth, shape, is_model_free_only,
-                                       wire_budget)
+            live = [link for link in self.links if link.is_alive]
+            self.asked = [link for link in live if link.offer(self.unsent, depth, self.step_timeout_s, shape, wire_budget)]
+            self._dropped = [link.name for link in live if not link.is_alive]
+            # A link behind (not asked, or told several steps' tokens at once) is no steady step.
+            is_steady = (is_steady and len(self.asked) == len(live)
+                         and not any(link.is_catching_up for link in self.asked))
+        self.is_steady = is_steady
         self.unsent = []
         self.num_unsent_steps = 0
         self.is_awaiting = True
-        self.asked_depth = len(widths)  # SSM levels: 0 for model-free drafts, which cost no SSM pass
+        self.asked_depth = len(widths)
 
     def tree(self, root: int) -> DraftTree:
-        """The tree for this step (root-only when none was asked) and the speculators that failed."""
+        """The tree for this step (root-only when none was asked), the speculators that failed and
+        those it went without (late). A step that waited for a link in vain, or went without one,
+        is no steady step: its time is no speculation cost."""
         if not self.is_awaiting:
             return DraftTree(TokenTree.with_root(root), [], 0, 0.0, False)
         self.is_awaiting = False
         started = time.perf_counter()
-        tree, failed = gather_tree(self.links, root, self.step_timeout_s, self.vocab_size, self.is_greedy,
-                                   self._max_nodes)
+        tree, failed, late = gather_tree(self.links, self.asked, root, self.step_timeout_s, self.vocab_size,
+                                         self.is_greedy, self._max_nodes)
+        failed, self._dropped = self._dropped + failed, []
         depth = self.asked_depth
-        if self._is_dynamic:  # the levels the speculators took; steady: SSM trees twice in a row
-            depth = max((link.last_levels for link in self.links if link.is_alive), default=0)
-            self.is_steady = bool(depth) and self._is_ssm_current and self._was_steady_ready
+        if self._is_dynamic:  # the SSM levels the speculators ran; steady: SSM trees twice in a row
+            depth = max((link.last_levels for link in self.asked if link.is_alive), default=0)
+            self.is_steady = self.is_steady and bool(depth) and self._is_ssm_current
             self._is_ssm_current = bool(depth)
-        return DraftTree(tree, failed, depth, time.perf_counter() - started)
+        self.is_steady = self.is_steady and not failed and not late
+        return DraftTree(tree, failed, depth, time.perf_counter() - started, True, tuple(late))
 
     def after_step(self, verified: list[int]) -> None:
         """Records a verified step; its tokens go out with the next request for a tree."""

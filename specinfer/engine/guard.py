@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 POLICY, PLAIN = "policy", "plain"
@@ -85,8 +86,9 @@ class SpeculationGuard:
         """The largest batch size in a bucket."""
         return 1 << bucket
 
-    def plan(self, batch_size: int, choose: Callable[[], tuple[int, ...]]) -> tuple[tuple[int, ...], Ticket]:
-        """The widths to use (`choose()`, the policy's, or () in a plain phase) and the step's ticket."""
+    def plan(self, batch_size: int, choose: Callable[[], Any]) -> tuple[Any, Ticket]:
+        """The tree to use (`choose()`, the policy's: widths or a budget; or () in a plain phase)
+        and the step's ticket."""
         key = self.bucket_of(batch_size)
         with self._lock:
             bucket = self._buckets.get(key)
@@ -97,7 +99,7 @@ class SpeculationGuard:
                 bucket = self._buckets[key] = _Bucket(arm=prior, best=prior, is_bootstrapping=prior == POLICY,
                                                       explore_interval=self.min_explore_interval)
             ticket = Ticket(key, bucket.phase, bucket.arm)
-        return (tuple(choose()) if ticket.arm == POLICY else ()), ticket
+        return (choose() if ticket.arm == POLICY else ()), ticket
 
     def _prior_arm(self, key: int) -> str:
         smaller = [k for k, b in self._buckets.items() if k < key and not b.is_bootstrapping]

@@ -140,22 +140,19 @@ class LocalDrafts:
         self.built: tuple[Built, float] | None = None
         self._feedback: list[tuple[Built | None, list[int]]] = []  # verified steps not yet read
         self.is_steady = False
-        self.has_model_free = any(s is not None for s in session.states[len(local.speculator.runners):])
         self._has_built_ssm_tree = False  # the tree built last came from the SSMs (not the model-free alone)
         self._num_plain_steps = 0
 
     def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None) -> None:
         """Asks for a tree of `widths` (the SSMs') whose model-free drafts go `max_depth` deep
-        (default: as deep as the widths); no widths but a depth asks the model-free members only;
-        a `budget` asks for a dynamic tree."""
-        max_depth = len(widths) if max_depth is None else max_depth
-        if budget is None and not widths and not (max_depth and self.has_model_free):
+        (default: as deep as the widths), or for a dynamic tree within `budget`."""
+        if budget is None and not widths:
             return
+        max_depth = len(widths) if max_depth is None else max_depth
         session = self.session
-        self.asked = session.proposal(replace(session.shape, widths=widths), max_depth,
-                                      is_model_free_only=budget is None and not widths, budget=budget)
+        self.asked = session.proposal(replace(session.shape, widths=widths), max_depth, budget=budget)
         # Steady: the SSMs only catch up on the last step's tokens (not the prompt, not a plain run,
-        # not a model-free-only step, which they sat out). A dynamic tree knows once it is built.
+        # not a step they sat out). A dynamic tree knows once it is built.
         self.is_steady = budget is None and self._has_built_ssm_tree and self._num_plain_steps == 0
         with self.local.lock:
             self.local._asked.append(self)

@@ -35,6 +35,10 @@ class DraftTree(NamedTuple):
     depth: int  # SSM levels it took; 0 = none (model-free drafts alone, or none asked)
     seconds: float  # time spent building it
     is_asked: bool = True  # a tree was asked for (False: a plain step)
+    # Live sources whose tree was not in time for this step: it went on without them, and they are
+    # asked again (no failure: the request does not count as fallen back). Its drafts and its time
+    # say nothing of what speculation costs or yields.
+    late: tuple[str, ...] = ()
 
 
 class Drafts(Protocol):
@@ -44,8 +48,8 @@ class Drafts(Protocol):
     is_steady: bool  # the tree asked last costs what a steady step costs (no stream opening, no catch-up)
 
     # Requests the next tree: the SSMs expand `widths`, model-free members draft up to `max_depth`
-    # levels (default: as deep as the widths). () with no depth asks nothing; () with a depth asks
-    # the model-free members alone; a `budget` asks for a dynamic tree `max_depth` deep at most.
+    # levels (default: as deep as the widths); or, with a `budget`, a dynamic tree `max_depth` deep
+    # at most. () without a budget asks nothing.
     def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None
             ) -> None: ...
 
@@ -233,7 +237,8 @@ class Generation:
         step = self.result.num_llm_steps
         policy, is_greedy = self.choose.policy, self.params.sampling.is_greedy
         if policy is not None and self._draft.is_asked:
-            policy.observe_step(len(accepted), len(tree) - 1, self._draft.depth, batch_size, is_greedy)
+            if not self._draft.late:  # without a late source's drafts: not what speculation yields
+                policy.observe_step(len(accepted), len(tree) - 1, self._draft.depth, batch_size, is_greedy)
         elif policy is not None and step and self.session.last_batch_size == 1:
             # A plain step alone in its pass (not the first: that one reads the prompt). In a batch,
             # a request's step may also wait for passes of other requests: not a step's own cost.

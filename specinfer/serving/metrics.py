@@ -95,6 +95,7 @@ class SpecDecodeMetrics:
     tree_nodes: Histogram
     time_per_output_token: Histogram
     fallbacks: Counter
+    late_trees: Counter
     output_tokens: Counter
 
     @classmethod
@@ -115,6 +116,9 @@ class SpecDecodeMetrics:
                                             "Request latency divided by its output tokens", buckets=LATENCY_BUCKETS,
                                             registry=registry),
             fallbacks=Counter("specinfer_speculator_fallbacks", "Speculators dropped mid-request", registry=registry),
+            late_trees=Counter("specinfer_speculator_late_trees",
+                               "Speculator trees not in time for their step (the step went on without them)",
+                               registry=registry),
             output_tokens=Counter("specinfer_output_tokens", "Tokens generated", registry=registry),
         )
 
