@@ -105,9 +105,10 @@ def test_the_faster_candidate_is_picked(ssm_weights):
                              timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
     assert choice.dtype == "bfloat16" and not choice.is_cached
     assert choice.ms_per_pass == {"float32": 1.2, "bfloat16": 0.6}
-    # Both candidates, every trial size, interleaved: the warm-up round and TRIAL_REPEATS timed ones.
+    # Both candidates, every trial size, interleaved: a warm-up round, then timed rounds until
+    # TRIAL_MIN_S of (here fake) time was measured: 0.2 s / 5.4 ms per round -> 38 timed rounds.
     sizes, _ = dc.trial_shapes(cfg)
-    assert sorted(calls) == sorted(["float32", "bfloat16"] * len(sizes) * (dc.TRIAL_REPEATS + 1))
+    assert sorted(calls) == sorted(["float32", "bfloat16"] * len(sizes) * (1 + 38))
     firsts = [calls[i * len(sizes)] for i in range(4)]  # who leads each half-round: the order rotates
     assert firsts == ["float32", "bfloat16", "bfloat16", "float32"]
     slower_bf16 = dc.choose_dtype(cfg, weights, "cpu", ExecConfig(attention="sdpa"),
@@ -120,8 +121,18 @@ def test_the_warm_up_is_not_counted_and_the_fastest_repeat_is(ssm_weights):
     # Three sizes: a slow warm-up round, then each size hit by one busy moment in some round.
     passes = iter([100.0, 100.0, 100.0, 50.0, 1.0, 1.0, 1.0, 50.0, 1.0, 1.0, 1.0, 50.0])
     ms = dc.measure(lambda dtype: ModelRunner.from_weights(cfg, weights, dtype, "cpu", max_kv_tokens=256),
-                    ["float32"], cfg, lambda runner, work: next(passes) / 1000, repeats=3)
+                    ["float32"], cfg, lambda runner, work: next(passes) / 1000, repeats=3, min_seconds=0)
     assert dc.trial_shapes(cfg)[0] == [1, 4, 8] and ms == {"float32": pytest.approx(1.0)}
+
+
+@pytest.mark.parametrize("ms_per_pass, timed_rounds", [(50.0, dc.TRIAL_REPEATS), (0.001, dc.TRIAL_MAX_REPEATS),
+                                                       (400.0, 1)])  # 1.2 s in the first timed round
+def test_rounds_go_on_until_enough_time_was_measured_within_bounds(ssm_weights, ms_per_pass, timed_rounds):
+    cfg, weights = ssm_weights
+    calls = []
+    dc.measure(lambda dtype: ModelRunner.from_weights(cfg, weights, dtype, "cpu", max_kv_tokens=256),
+               ["float32"], cfg, fake_timer({"float32": ms_per_pass}, calls))
+    assert len(calls) == len(dc.trial_shapes(cfg)[0]) * (1 + timed_rounds)
 
 
 def test_ties_go_to_the_preferred_dtype():

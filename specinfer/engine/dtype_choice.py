@@ -10,8 +10,11 @@ default of every entry point) measures instead of guessing.
 (on a CPU float32, and bfloat16 where the CPU runs it at all; on CUDA bfloat16, float16 and
 float32), each casting the same weights with a KV cache in its own dtype. It times their
 forward passes on the shapes of one token-tree level (1, 4 and 8 new tokens over a ~128-token
-context, within the model's context), candidates and shapes interleaved, the fastest of a few
-repeats each, and keeps the dtype with the lowest mean time per pass; within `TIE_TOLERANCE` of
+context, within the model's context), candidates and shapes interleaved, the fastest of several
+repeats each (at least `TRIAL_REPEATS` rounds, more until `TRIAL_MIN_S` of passes were timed, so
+that a neighbour busy for a moment does not decide; fewer on a machine so loaded that the passes
+take `TRIAL_MAX_S`), and keeps the dtype with the lowest mean
+time per pass; within `TIE_TOLERANCE` of
 it, the preferred dtype (the LLM's) wins. A candidate that fails or computes non-finite logits
 is dropped. The runner returned is built in the chosen dtype, its KV cache too.
 
@@ -46,7 +49,10 @@ CACHE_FILE = "ssm-dtype.json"
 CACHE_VERSION = 1  # bumped when the measurement changes, so older choices are measured again
 TRIAL_SIZES = (1, 4, 8)  # new tokens per timed pass: one tree level's worth
 TRIAL_CONTEXT = 128  # committed tokens the timed passes attend to
-TRIAL_REPEATS = 5  # timed rounds per candidate and size (after one warm-up round); the fastest counts
+TRIAL_REPEATS = 3  # timed rounds per candidate and size (after one warm-up round); the fastest counts
+TRIAL_MIN_S = 0.2  # more rounds until the timed passes took this long in all...
+TRIAL_MAX_REPEATS = 50  # ...but never more rounds than this
+TRIAL_MAX_S = 1.0  # and no further round once they took this long (at least one timed round)
 TIE_TOLERANCE = 0.05  # the preferred dtype wins when within this fraction of the fastest
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHITECTURE_FIELDS = ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -213,10 +219,12 @@ def trial_shapes(cfg: ModelConfig) -> tuple[list[int], int]:
 
 
 def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelConfig,
-            timer: TimePass = time_pass, repeats: int = TRIAL_REPEATS) -> dict[str, float]:
+            timer: TimePass = time_pass, repeats: int = TRIAL_REPEATS, min_seconds: float = TRIAL_MIN_S,
+            max_repeats: int = TRIAL_MAX_REPEATS, max_seconds: float = TRIAL_MAX_S) -> dict[str, float]:
     """Milliseconds per pass of each candidate that works: the mean over the trial sizes of the
-    fastest of `repeats` timed passes. `make_runner(dtype)` builds a runner whose KV holds the
-    trial context and the largest trial level."""
+    fastest of at least `repeats` timed passes (more, up to `max_repeats`, until `min_seconds` of
+    passes were timed; fewer, at least one, once `max_seconds` were). `make_runner(dtype)` builds
+    a runner whose KV holds the trial context and the largest trial level."""
     from specinfer.engine.runner import Work
 
     sizes, context = trial_shapes(cfg)
@@ -245,12 +253,17 @@ def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelCo
         return {}
     best = {dtype: {n: float("inf") for n in sizes} for dtype in runners}
     order = list(runners)
-    for r in range(repeats + 1):  # interleaved, so a busy moment hits every candidate alike
-        for dtype in order[r % len(order):] + order[: r % len(order)]:
+    timed, r = 0.0, 0  # r: rounds run, the warm-up included
+    while r <= max_repeats:
+        for dtype in order[r % len(order):] + order[: r % len(order)]:  # interleaved: a busy moment hits all alike
             for n in sizes:
                 seconds = timer(runners[dtype], works[dtype][n])
                 if r:  # the first round is a warm-up
                     best[dtype][n] = min(best[dtype][n], seconds)
+                    timed += seconds
+        r += 1
+        if (r > 1 and timed >= max_seconds) or (r > repeats and timed >= min_seconds):
+            break
     return {dtype: round(1000 * sum(per.values()) / len(per), 4) for dtype, per in best.items()}
 
 
