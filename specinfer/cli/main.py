@@ -32,7 +32,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="dtype of the SSMs: auto (default) measures which is fastest on this machine when they load "
                         "(cached); it never changes the output")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached")
+    p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached, and the SSMs' measured dtype")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the LLM over N processes on this host (GPUs with NCCL, else CPU with gloo)")
     add_exec_flags(p)
