@@ -43,6 +43,12 @@ SUFFIX_MIN_PROB = 0.1  # a branch's empirical probability below this is not draf
 SUFFIX_DEPTH_PER_MATCH = 2.0  # draft depth per matched token (adaptive depth)
 SUFFIX_MAX_SOURCES = 32  # continuations counted per source (the context, the cache)
 
+# ---- model dtypes (specinfer/engine/dtype_choice.py) -------------------------------------------
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+AUTO_DTYPE = "auto"  # the SSMs' dtype: the fastest on this machine, measured once when they load
+SSM_DTYPES = (AUTO_DTYPE, *MODEL_DTYPES)
+DEFAULT_SSM_DTYPE = AUTO_DTYPE  # SSMs only propose: their dtype never changes the output
+
 # ---- sampling --------------------------------------------------------------------------------
 # Below this temperature decoding is greedy: the warped distribution is the argmax there anyway,
 # and dividing logits by a far smaller temperature overflows to inf/NaN probabilities.

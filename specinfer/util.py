@@ -13,17 +13,18 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 CACHE_DIR_ENV = "SPECINFER_CACHE_DIR"
 
 
-def default_cache_dir(flag: str | Path | None = None) -> Path:
-    """Where models are built and cached: `--cache-dir`, else $SPECINFER_CACHE_DIR, else ~/.cache/specinfer."""
+def default_cache_dir(flag: str | Path | None = None, env: Mapping[str, str] | None = None) -> Path:
+    """Where models are built and cached: `--cache-dir`, else $SPECINFER_CACHE_DIR (of `env`,
+    default the process's environment), else ~/.cache/specinfer."""
     if flag:
         return Path(flag)
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "specinfer"
+    value = (os.environ if env is None else env).get(CACHE_DIR_ENV)
+    return Path(value) if value else Path.home() / ".cache" / "specinfer"
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:

@@ -16,6 +16,23 @@ from util import perturbed_copy, save_text_pair, save_tiny_llama
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_cache_dir(tmp_path_factory):
+    """What the product measures at load time (the SSMs' dtype) is cached under the cache dir:
+    the tests, and the processes they start, use a fresh one instead of the user's."""
+    import os
+
+    from specinfer.util import CACHE_DIR_ENV
+
+    before = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(tmp_path_factory.mktemp("specinfer-cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = before
+
+
 @dataclass(frozen=True)
 class TinyPair:
     llm: Path

@@ -470,10 +470,15 @@ def test_config_defaults_are_the_product_constants():
     from services.verifier.config import DEFAULT_CO_LOCATED
 
     # Without speculators the command line co-locates the model-free members (a verifier alone
-    # still speculates); every other field is the dataclass's default.
+    # still speculates), and it caches load-time measurements in the default cache directory;
+    # every other field is the dataclass's default.
     assert v.co_located == DEFAULT_CO_LOCATED == limits.MODEL_FREE_NAMES
-    assert v == VerifierConfig(Path("/models/llm"), co_located=DEFAULT_CO_LOCATED)
-    assert s == SpeculatorConfig((Path("/models/ssm"),))
+    from specinfer.util import default_cache_dir
+
+    cache_dir = default_cache_dir(env={})
+    assert v.cache_dir == s.cache_dir == cache_dir and v.ssm_dtype == s.dtype == limits.DEFAULT_SSM_DTYPE
+    assert v == VerifierConfig(Path("/models/llm"), co_located=DEFAULT_CO_LOCATED, cache_dir=cache_dir)
+    assert s == SpeculatorConfig((Path("/models/ssm"),), cache_dir=cache_dir)
 
 
 def test_config_flag_beats_env_beats_default():

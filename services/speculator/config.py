@@ -14,12 +14,15 @@ from typing import Mapping
 
 from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_auto_switch, parse_cuda_graphs
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE
+from specinfer.limits import (
+    DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE, SSM_DTYPES,
+)
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, common_flags, one_of, port_flag,
+    DEFAULT_GRACE_S, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, cache_dir_flag, common_flags, one_of, port_flag,
     read_flags, security_flags,
 )
 from specinfer.serving.security import ServerSecurity, server_security
+from specinfer.util import default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -28,7 +31,8 @@ class SpeculatorConfig:
     model_free: tuple[str, ...] = ()  # model-free pool members hosted next to the SSMs (lookup, suffix)
     host: str = LOCAL_HOST
     port: int = SPECULATOR_PORT
-    dtype: str = "float32"
+    dtype: str = DEFAULT_SSM_DTYPE  # the SSMs' dtype (auto: the fastest here); never changes the output
+    cache_dir: Path | None = None  # where load-time measurements (the SSMs' dtype) are cached; None: not cached
     device: str = "auto"
     max_kv_tokens: int = DEFAULT_KV_TOKENS
     max_batch: int = DEFAULT_MAX_BATCH
@@ -50,7 +54,9 @@ def _flags() -> list[Flag]:
              "(lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated", is_list=True),
         Flag("--host", "SPECINFER_SPECULATOR_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_SPECULATOR_PORT", d["port"], "gRPC port"),
-        Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "SSM weights dtype"),
+        Flag("--dtype", "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), d["dtype"],
+             "the SSMs' dtype: auto (the fastest on this machine, measured when they load) or a dtype"),
+        cache_dir_flag(),
         Flag("--device", "SPECINFER_SSM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
         Flag("--max-kv-tokens", "SPECINFER_SSM_KV_TOKENS", int, d["max_kv_tokens"], "SSM KV-cache budget in tokens",
              is_positive=True),
@@ -83,6 +89,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         raise UserError("the speculator needs at least one SSM directory: --ssm or SPECINFER_SSM_DIRS")
     return SpeculatorConfig(
         ssm_dirs=ssm_dirs, model_free=model_free, host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
+        cache_dir=default_cache_dir(a["cache_dir"], env),
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], is_pipelined=a["pipeline"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env),

@@ -122,12 +122,11 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, SpeculatorServicer]:
     """Loads the SSMs and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
+    from specinfer.engine.dtype_choice import load_ssm
     from specinfer.engine.load import resolve_device
-    from specinfer.engine.runner import ModelRunner
 
     device = resolve_device(cfg.device)
-    runners = [ModelRunner.from_dir(d, dtype=cfg.dtype, device=device, max_kv_tokens=cfg.max_kv_tokens,
-                                    exec_cfg=cfg.execution)
+    runners = [load_ssm(d, cfg.dtype, device, cfg.max_kv_tokens, cfg.execution, cache_dir=cfg.cache_dir)
                for d in cfg.ssm_dirs]
     if len({r.cfg.vocab_size for r in runners}) != 1:
         raise UserError("all SSMs of one speculator must share a vocabulary")

@@ -25,6 +25,9 @@ from specinfer.serving.settings import (
     port_flag, read_flags, security_flags,
 )
 from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_security, server_security
+from specinfer.limits import DEFAULT_SSM_DTYPE, SSM_DTYPES
+from specinfer.serving.settings import cache_dir_flag
+from specinfer.util import default_cache_dir
 
 DEFAULT_CO_LOCATED = MODEL_FREE_NAMES  # without speculators, the verifier drafts with the model-free members
 
@@ -36,7 +39,8 @@ class VerifierConfig:
     # The pool hosted in this process (co-located: SSM directories, lookup, suffix) when no speculator
     # is configured. The command line's default is DEFAULT_CO_LOCATED: a verifier alone still speculates.
     co_located: tuple[str, ...] = ()
-    ssm_dtype: str | None = None  # co-located SSMs' dtype (default: dtype); never changes the output
+    ssm_dtype: str = DEFAULT_SSM_DTYPE  # co-located SSMs' dtype (auto: the fastest here); never changes the output
+    cache_dir: Path | None = None  # where load-time measurements (the SSMs' dtype) are cached; None: not cached
     host: str = LOCAL_HOST
     port: int = VERIFIER_PORT
     dtype: str = "float32"
@@ -79,7 +83,9 @@ def _flags() -> list[Flag]:
         Flag("--ssm", "SPECINFER_VERIFIER_SSMS", str, (), "speculate in this process (no speculator): an SSM "
              "directory, lookup or suffix; repeatable, comma-separated in the variable; default without "
              "--speculator: lookup and suffix; none: no speculation", is_list=True),
-        Flag("--ssm-dtype", "SPECINFER_SSM_DTYPE", one_of(DTYPES), None, "co-located SSMs' dtype (default: --dtype)"),
+        Flag("--ssm-dtype", "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), d["ssm_dtype"],
+             "co-located SSMs' dtype: auto (the fastest on this machine, measured when they load) or a dtype"),
+        cache_dir_flag(),
         Flag("--host", "SPECINFER_VERIFIER_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
         Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "LLM weights dtype"),
@@ -149,6 +155,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     co_located = () if co_located == ("none",) else co_located
     return VerifierConfig(
         model_dir=a["model"], speculators=a["speculator"], co_located=co_located, ssm_dtype=a["ssm_dtype"],
+        cache_dir=default_cache_dir(a["cache_dir"], env),
         host=a["host"], port=a["port"], dtype=a["dtype"],
         device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,
         limits=RequestLimits(max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"]),

@@ -448,23 +448,23 @@ class SpeculationDriver:
             link.close()
 
 
-def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, execution=None
-                    ) -> LocalSpeculation | None:
+def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, execution=None, prefer: str = "float32",
+                    cache_dir=None) -> LocalSpeculation | None:
     """The pool this verifier hosts itself (single-host deployments: no speculator hop): SSM
     directories and model-free members, the in-process engine's `LocalSpeculation` with the same
     pool semantics; None for an empty pool (incremental decoding). The SSMs run on the LLM's
-    attention backend and CUDA graphs (`execution`, an ExecConfig), never offloaded."""
+    attention backend and CUDA graphs (`execution`, an ExecConfig), never offloaded, in `dtype`
+    ("auto": the fastest here, `prefer` on ties, the measurement cached under `cache_dir`)."""
     from dataclasses import replace
 
+    from specinfer.engine.dtype_choice import load_ssm
     from specinfer.engine.load import split_pool
-    from specinfer.engine.runner import ModelRunner
 
     dirs, names = split_pool(entries)
     if not dirs and not names:
         return None
     ssm_exec = None if execution is None else replace(execution, offload=False)
-    ssms = [ModelRunner.from_dir(d, dtype=dtype, device=device, max_kv_tokens=llm.kv.num_slots, exec_cfg=ssm_exec)
-            for d in dirs]
+    ssms = [load_ssm(d, dtype, device, llm.kv.num_slots, ssm_exec, prefer=prefer, cache_dir=cache_dir) for d in dirs]
     for d, ssm in zip(dirs, ssms):
         if ssm.cfg.vocab_size != llm.cfg.vocab_size:
             raise UserError(f"SSM {d}: vocabulary {ssm.cfg.vocab_size}, the LLM's is {llm.cfg.vocab_size}")

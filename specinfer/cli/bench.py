@@ -110,10 +110,12 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     prompts = bench_prompts(args, demo_prompts)
     if args.num_prompts > 0:
         prompts = prompts[: args.num_prompts]
-    _, prompt_ids, engine = load_for_prompts(args, paths, prompts)
+    _, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)
     single = None
     if args.tensor_parallel > 1:  # the same LLM in one process: "tp1_" arms, interleaved with the sharded ones
-        _, _, single = load_for_prompts(argparse.Namespace(**{**vars(args), "tensor_parallel": 1}), paths, prompts)
+        _, _, single = load_for_prompts(argparse.Namespace(**{**vars(args), "tensor_parallel": 1}), paths, prompts,
+                                        cache_dir)
+    ssm_dtypes, ssm_dtype_choice = resolved_ssm_dtypes(engine, paths)
     pool = engine.source.names
     model_free = tuple(paths.model_free)
     ssm_names = tuple(n for n in pool if n not in model_free)
@@ -141,7 +143,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         arms[f"tree_n{args.samples}_shared"] = arms[f"tree_n{args.samples}_separate"] = ("tree", ssm_names[:1])
     if not paths.ssms:
         args.no_transformers = True  # assisted generation needs an SSM
-    hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, args.ssm_dtype or args.dtype,
+    hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, ssm_dtypes[0],
                                                              engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
     results = {name: ArmResult() for name in names}
@@ -190,7 +192,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "tree_width": list(widths),
             "max_tree_nodes": args.max_tree_nodes,
             "min_path_prob": args.min_path_prob,
-            "ssm_dtype": args.ssm_dtype or args.dtype,
+            "ssm_dtype": ssm_dtypes[0] if len(set(ssm_dtypes)) == 1 else (ssm_dtypes or None),  # resolved
+            "ssm_dtype_choice": ssm_dtype_choice,  # with --ssm-dtype auto: what was measured
             "tensor_parallel": args.tensor_parallel,
             "attention": "sdpa" if engine.verifier.runner.model.attention_backend is None else "triton",  # resolved
             "cuda_graphs": engine.verifier.runner.graphs is not None,
@@ -205,6 +208,16 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     engine.verifier.runner.close()
     print_report(report, args.output)
     return 0
+
+
+def resolved_ssm_dtypes(engine, paths: ModelPaths) -> tuple[list[str], dict | None]:
+    """The dtype each SSM runs in, and, for those measured (`--ssm-dtype auto`), by SSM
+    directory name: the choice and the milliseconds per pass of every candidate."""
+    from specinfer.engine.dtype_choice import dtype_name
+
+    runners = engine.source.speculator.runners if engine.source is not None else []
+    choices = {p.name: r.dtype_choice.to_json() for p, r in zip(paths.ssms, runners) if r.dtype_choice is not None}
+    return [dtype_name(r.model.dtype) for r in runners], choices or None
 
 
 def print_report(report: dict, output: str | Path | None) -> None:

@@ -122,10 +122,11 @@ def summarize(loads: list[dict]) -> dict:
 
 
 def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...], max_tokens: int, dtype: str,
-                     ssm_dtype: str | None, ssm_names: tuple[str, ...] = ()) -> dict:
+                     ssm_dtype: str | None, ssm_names: tuple[str, ...] = (), cache_dir=None) -> dict:
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
+    from specinfer.engine.dtype_choice import dtype_name
     from specinfer.engine.load import load_engine, load_tokenizer, check_models
     from specinfer.engine.llm_engine import mode_params
     from specinfer.params import TreeShape
@@ -133,7 +134,7 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
     llm_cfg, _ = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
     engine = load_engine(type(paths)(paths.llm, paths.ssms[:1], paths.model_free), dtype, "cpu", max_kv_tokens=8192,
-                         ssm_dtype=ssm_dtype)
+                         ssm_dtype=ssm_dtype, cache_dir=cache_dir)
     shape = TreeShape(widths)
     engine.generate(tokenizer.encode(prompts[0]), mode_params("tree", 8, shape))  # warm-up, as the services had
     params = mode_params("tree", max_tokens, shape, is_ignore_eos=True)
@@ -155,7 +156,8 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
         is_equal = is_equal and outputs["in_process"] == outputs["service"]
     ms = {arm: 1000 * t / max(1, n) for arm, (t, n) in totals.items()}
     return {"in_process_ms_per_token": round(ms["in_process"], 3), "service_ms_per_token": round(ms["service"], 3),
-            "ratio": round(ms["service"] / ms["in_process"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts)}
+            "ratio": round(ms["service"] / ms["in_process"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts),
+            "in_process_ssm_dtype": [dtype_name(r.model.dtype) for r in engine.source.speculator.runners]}
 
 
 def measure_http_overhead(client, http_url: str, model: str, prompts: list[str], widths: tuple[int, ...],
@@ -214,7 +216,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port, http_port=args.port + 3,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 4, dtype=args.dtype,
-                              ssm_dtype=args.ssm_dtype, verifier_threads=args.verifier_threads,
+                              ssm_dtype=args.ssm_dtype, cache_dir=cache_dir, verifier_threads=args.verifier_threads,
                               speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
                               tree_width=args.tree_width,
                               admission_latency_factor=None if args.adaptive_admission else 0.0))
@@ -228,7 +230,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
         arms = [arms[0], replace(arms[1], ssm_names=plain_pool), ArmSpec("fixed_tree_ahead", True, widths, ahead_pool),
                 replace(arms[2], ssm_names=plain_pool), ArmSpec("load_aware_ahead", True, (), ahead_pool)]
     report = {"config": {"llm": str(paths.llm), "ssm": str(paths.ssms[0]), "model_free": list(paths.model_free),
-                         "co_located": stack.cfg.is_co_located, "concurrency": levels,
+                         "co_located": stack.cfg.is_co_located, "concurrency": levels, "ssm_dtype": args.ssm_dtype,
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
                          "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline),
@@ -244,7 +246,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
             print(f"bench: a noisy phase of {args.noisy_phase_s:g}s", file=sys.stderr, flush=True)
             report["noisy_phase"] = noisy_phase(client, prompts, args.noisy_phase_s, args.max_new_tokens)
         report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
-                                                      args.max_new_tokens, args.dtype, args.ssm_dtype, plain_pool)
+                                                      args.max_new_tokens, args.dtype, args.ssm_dtype, plain_pool,
+                                                      cache_dir)
         report["http_overhead"] = measure_http_overhead(client, f"http://127.0.0.1:{args.port + 3}", paths.llm.name,
                                                         prompts[: args.requests_per_level], widths,
                                                         args.max_new_tokens)

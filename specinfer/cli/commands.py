@@ -46,11 +46,12 @@ def bench_prompts(args: argparse.Namespace, demo_prompts: Path | None) -> list[s
     return read_prompts(path)
 
 
-def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[str]):
+def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[str], cache_dir: Path | None = None):
     """Checks models and prompts before any weights load (configs, vocabularies, every prompt
     plus `--max-new-tokens` within the context), then loads the engine with a KV cache for the
     longest prompt, its new tokens and one token tree per SSM, and the tree flags as the shape of
-    `auto` mode. Returns (tokenizer, prompt ids, engine)."""
+    `auto` mode; the SSMs' measured dtype is cached under `cache_dir` and told on stderr.
+    Returns (tokenizer, prompt ids, engine)."""
     from specinfer.engine.llm_engine import EngineConfig
 
     llm_cfg, ssm_cfgs = check_models(paths)
@@ -62,7 +63,8 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     per_request = needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64
     engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=per_request * max(1, getattr(args, "samples", 1)),
                          ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)),
-                         parallel=tensor_parallel(args), exec_cfg=exec_config(args))
+                         parallel=tensor_parallel(args), exec_cfg=exec_config(args),
+                         cache_dir=cache_dir, report=lambda line: print(f"specinfer: {line}", file=sys.stderr))
     return tokenizer, prompt_ids, engine
 
 
@@ -124,7 +126,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
     parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
     paths, _ = resolve_paths(args, cache_dir)
     mode, gen_params = generation_params(args, bool(paths.ssms or paths.model_free), args.mode, params)
-    tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts)
+    tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)
     out = open(args.output, "w") if args.output else sys.stdout
     try:
         for text, ids in zip(prompts, prompt_ids):

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.errors import UserError
-from specinfer.limits import PAPER_TREE_WIDTH
+from specinfer.limits import DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH, SSM_DTYPES
 from specinfer.serving.settings import HTTP_PORT, reconnect_options
+from specinfer.util import CACHE_DIR_ENV
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class StackConfig:
     num_speculators: int = 1
     redis_url: str | None = None
     dtype: str = "float32"
-    ssm_dtype: str | None = None  # the speculators' dtype (default: `dtype`); never changes the output
+    ssm_dtype: str | None = DEFAULT_SSM_DTYPE  # auto: the fastest here; None: `dtype`; never changes the output
+    cache_dir: Path | None = None  # the children's cache directory (load-time measurements); None: their default
     model_free: tuple[str, ...] = ()  # model-free pool members (lookup, suffix), next to the SSMs
     is_co_located: bool = False  # the verifier hosts the pool itself: no speculator process, no hop
     tree_width: str = ",".join(map(str, PAPER_TREE_WIDTH))
@@ -123,6 +125,8 @@ class Stack:
             common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:
             common_env["SPECINFER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
+        if cfg.cache_dir:
+            common_env[CACHE_DIR_ENV] = str(cfg.cache_dir)
         spec_targets = []
         groups = [] if cfg.is_co_located else _split(cfg.ssms, cfg.num_speculators)
         for i, group in enumerate(groups):
@@ -234,7 +238,8 @@ def add_up_parser(sub) -> None:
     up.add_argument("--speculator-port", type=int, default=50053, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
     up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    up.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"], help="default: --dtype")
+    up.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
+                    help="auto (default): the fastest on this machine, measured when the SSMs load")
     up.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)))
     up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
@@ -278,6 +283,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         http_port=args.http_port, verifier_port=args.verifier_port,
         speculator_base_port=args.speculator_port, num_speculators=max(1, args.num_speculators),
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
+        cache_dir=cache_dir,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"),

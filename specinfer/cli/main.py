@@ -13,6 +13,7 @@ from pathlib import Path
 from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
 from specinfer.limits import PAPER_TREE_WIDTH
+from specinfer.limits import DEFAULT_SSM_DTYPE, SSM_DTYPES
 from specinfer.util import default_cache_dir
 
 
@@ -27,10 +28,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="SSM checkpoint directory, or a model-free speculator: lookup (n-grams of the request's "
                         "own context) or suffix (its context and recent outputs); repeatable")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--ssm-dtype", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the SSMs (default: --dtype); it never changes the output")
+    p.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
+                   help="dtype of the SSMs: auto (default) measures which is fastest on this machine when they load "
+                        "(cached); it never changes the output")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached")
+    p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached, and the SSMs' measured dtype")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the LLM over N processes on this host (GPUs with NCCL, else CPU with gloo)")
     add_exec_flags(p)

@@ -70,20 +70,23 @@ def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
 
 
 def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, ssm_dtype: str | None = None,
-                cfg=None, parallel=None, exec_cfg=None):
+                cfg=None, parallel=None, exec_cfg=None, cache_dir: Path | None = None, report=None):
     """Loads the LLM and SSM runners with KV caches sized for `max_kv_tokens` tokens each, into
     an in-process engine configured by `cfg` (an `EngineConfig`; its defaults when None).
     `exec_cfg` (an `ExecConfig`) picks the attention backend and CUDA graphs of the LLM and the
     SSMs alike, and whether the LLM's weights are offloaded (never the SSMs': they are small).
 
     The SSMs may run in another dtype than the LLM: they only propose tokens, and verification
-    against the LLM keeps the output exact whatever they compute in. With a tensor-parallel
+    against the LLM keeps the output exact whatever they compute in. `ssm_dtype` "auto" (None:
+    the LLM's `dtype`) measures which is fastest here (`dtype_choice`), cached under `cache_dir`
+    and told to `report` (default: logged) on one line per SSM. With a tensor-parallel
     `parallel` (a `ParallelConfig`) the LLM is sharded over its ranks; `engine.verifier.runner.close()`
     stops them."""
     from dataclasses import replace
 
     from specinfer.engine.backend import resolve_exec
     from specinfer.engine.config import ExecConfig
+    from specinfer.engine.dtype_choice import load_ssm
     from specinfer.engine.llm_engine import Engine, EngineConfig
     from specinfer.engine.runner import ModelRunner
 
@@ -96,8 +99,8 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     from specinfer.engine.speculator import model_free_member
 
     ssm_exec = replace(exec_cfg, offload=False)
-    ssms = [ModelRunner.from_dir(p, dtype=ssm_dtype or dtype, device=device, max_kv_tokens=max_kv_tokens,
-                                 exec_cfg=ssm_exec)
+    ssms = [load_ssm(p, ssm_dtype or dtype, device, max_kv_tokens, ssm_exec, prefer=dtype, cache_dir=cache_dir,
+                     report=report)
             for p in paths.ssms]
     return Engine.from_runners(llm, ssms, cfg or EngineConfig(),
                                model_free=[model_free_member(n) for n in paths.model_free])

@@ -68,6 +68,7 @@ class ModelRunner:
         # A kernels.TritonAttention given each step's metadata from the work items (no dense masks).
         self.tree_backend = None
         self.graphs = None  # a kernels.cuda_graphs.GraphRunner routing `run` through captured steps
+        self.dtype_choice = None  # a dtype_choice.DtypeChoice when the dtype was measured at load time
 
     @classmethod
     def from_dir(
@@ -78,10 +79,10 @@ class ModelRunner:
         """Loads a checkpoint; with a tensor-parallel `parallel`, this process is rank 0 of the
         group (its other ranks spawned here unless a launcher started them). `exec_cfg` picks the
         attention backend, CUDA graphs and offloading (resolved for `device` here)."""
-        from specinfer.engine.backend import apply_exec, resolve_exec
+        from specinfer.engine.backend import resolve_exec
 
         cfg = ModelConfig.from_dir(model_dir)
-        torch_dtype = parse_dtype(dtype)
+        parse_dtype(dtype)  # an unknown dtype fails before any process starts
         num_blocks = -(-max_kv_tokens // block_size)
         is_parallel = parallel is not None and parallel.is_parallel
         ex = resolve_exec(exec_cfg or ExecConfig(), device, is_parallel)
@@ -91,14 +92,28 @@ class ModelRunner:
             check_divisible(cfg, parallel.num_ranks)  # before any process starts
             return leader_runner(ShardSpec(str(model_dir), dtype, device, num_blocks * block_size, ex.attention),
                                  parallel, block_size)
-        weights = llama_weights(cfg, load_state_dict(model_dir))
+        return cls.from_weights(cfg, llama_weights(cfg, load_state_dict(model_dir)), dtype, device, max_kv_tokens,
+                                block_size, ex)
+
+    @classmethod
+    def from_weights(
+        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
+        max_kv_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
+    ) -> "ModelRunner":
+        """A one-process runner over weights already read (`loader.llama_weights`), cast to
+        `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
+        build runners in several dtypes."""
+        from specinfer.engine.backend import apply_exec, resolve_exec
+
+        torch_dtype = parse_dtype(dtype)
+        ex = resolve_exec(exec_cfg or ExecConfig(), device)
         if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
             from specinfer.engine.offload import offload_model
 
             model = offload_model(LlamaModel(cfg, weights, torch_dtype, "cpu"), device)
         else:
             model = LlamaModel(cfg, weights, torch_dtype, device)
-        runner = cls(model, num_blocks=num_blocks, block_size=block_size)
+        runner = cls(model, num_blocks=-(-max_kv_tokens // block_size), block_size=block_size)
         apply_exec(runner, ex)
         return runner
 

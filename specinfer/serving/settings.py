@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, MIN_MESSAGE_BYTES
 from specinfer.limits import INITIAL_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS, MIN_CONNECT_TIMEOUT_MS
+from specinfer.util import CACHE_DIR_ENV
 
 T = TypeVar("T")
 
@@ -216,6 +217,14 @@ def read_flags(p: argparse.ArgumentParser, flags: Sequence[Flag], argv: list[str
                 positive(where, value)
         args[flag.dest] = value
     return args
+
+
+def cache_dir_flag() -> Flag:
+    """Where a model service caches what it measures at load time (the SSMs' dtype); without it,
+    $SPECINFER_CACHE_DIR, else ~/.cache/specinfer (`specinfer.util.default_cache_dir`)."""
+    return Flag("--cache-dir", CACHE_DIR_ENV, Path, None,
+                "where load-time measurements are cached; unwritable: measured at every start",
+                shown_default="~/.cache/specinfer")
 
 
 def port_flag(name: str, env: str, default: int, help_text: str) -> Flag:

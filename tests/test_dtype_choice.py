@@ -1,0 +1,384 @@
+"""`--ssm-dtype auto`: the SSMs' dtype is the fastest measured on this machine, chosen once at
+load time and cached, and it never changes the output.
+
+Fake timers make the choice deterministic where a test needs a given winner; the real timer
+runs where only the contract (a working dtype, the same output) matters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specinfer.engine import dtype_choice as dc
+from specinfer.engine.config import ExecConfig, ModelConfig
+from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.load import ModelPaths, load_engine
+from specinfer.engine.loader import llama_weights, load_state_dict
+from specinfer.engine.runner import ModelRunner
+from specinfer.params import TreeShape
+
+NEW_TOKENS = 24
+CPUINFO = "processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse avx512f avx512_bf16\n"
+
+
+def fake_timer(ms: dict[str, float], calls: list | None = None):
+    """A pass takes `ms[dtype]` milliseconds, whatever it computes."""
+
+    def timer(runner, work) -> float:
+        if calls is not None:
+            calls.append(dc.dtype_name(runner.model.dtype))
+        return ms[dc.dtype_name(runner.model.dtype)] / 1000
+
+    return timer
+
+
+def failing_timer(runner, work) -> float:
+    raise AssertionError("measured although the choice is cached")
+
+
+@pytest.fixture(scope="module")
+def ssm_weights(tiny_pair):
+    cfg = ModelConfig.from_dir(tiny_pair.ssms[0])
+    return cfg, llama_weights(cfg, load_state_dict(tiny_pair.ssms[0]))
+
+
+@pytest.fixture(scope="module")
+def incremental(pair_runners, greedy_prompts):
+    llm, _ = pair_runners
+    engine = Engine.from_runners(llm)
+    return [engine.generate(p, mode_params("incremental", NEW_TOKENS)).output_ids for p in greedy_prompts[:8]]
+
+
+# ---- it never changes the output -----------------------------------------------------------------
+@pytest.mark.parametrize("winner", ["bfloat16", "float32"])
+def test_auto_greedy_tree_equals_incremental_whichever_dtype_wins(pair_runners, tiny_pair, greedy_prompts,
+                                                                 incremental, tmp_path, winner):
+    llm, _ = pair_runners
+    loser = "float32" if winner == "bfloat16" else "bfloat16"
+    ssm = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 4096, cache_dir=tmp_path,
+                      timer=fake_timer({winner: 1.0, loser: 2.0}))
+    torch_dtype = getattr(torch, winner)
+    assert ssm.dtype_choice.dtype == winner and ssm.model.dtype == torch_dtype
+    assert ssm.kv.k.dtype == ssm.kv.v.dtype == torch_dtype  # the KV cache is in the chosen dtype too
+    engine = Engine.from_runners(llm, [ssm])
+    params = mode_params("tree", NEW_TOKENS, TreeShape((2, 2, 1, 1)))
+    accepted = 0
+    for prompt, expected in zip(greedy_prompts, incremental):
+        r = engine.generate(prompt, params)
+        assert r.output_ids == expected
+        accepted += sum(r.accepted_per_step)
+    assert accepted > 0  # the SSM's drafts were used, not just ignored
+
+
+def test_load_engine_with_auto_measures_for_real_and_equals_incremental(tiny_pair, greedy_prompts, incremental,
+                                                                        tmp_path):
+    lines = []
+    engine = load_engine(ModelPaths(tiny_pair.llm, tiny_pair.ssms[:1]), "float32", "cpu", 4096, ssm_dtype="auto",
+                         cache_dir=tmp_path, report=lines.append)
+    (ssm,) = engine.source.speculator.runners
+    choice = ssm.dtype_choice
+    assert choice is not None and set(choice.ms_per_pass) == set(dc.candidates("cpu"))
+    assert choice.dtype in choice.ms_per_pass and all(ms > 0 for ms in choice.ms_per_pass.values())
+    assert ssm.model.dtype == ssm.kv.k.dtype == getattr(torch, choice.dtype)
+    assert lines == [f"SSM {tiny_pair.ssms[0].name}: {choice.describe()}"]
+    params = mode_params("tree", NEW_TOKENS, TreeShape((1, 1, 3, 1)))
+    assert [engine.generate(p, params).output_ids for p in greedy_prompts[:8]] == incremental
+
+
+def test_an_explicit_dtype_is_used_as_given_and_measures_nothing(tiny_pair):
+    ssm = dc.load_ssm(tiny_pair.ssms[0], "bfloat16", "cpu", 1024, timer=failing_timer)
+    assert ssm.model.dtype == ssm.kv.k.dtype == torch.bfloat16 and ssm.dtype_choice is None
+    with pytest.raises(Exception, match="unsupported dtype"):
+        dc.load_ssm(tiny_pair.ssms[0], "int8", "cpu", 1024)
+
+
+# ---- the choice --------------------------------------------------------------------------------
+def test_the_faster_candidate_is_picked(ssm_weights):
+    cfg, weights = ssm_weights
+    assert dc.candidates("cpu")[0] == "float32" and "bfloat16" in dc.candidates("cpu")
+    calls = []
+    choice = dc.choose_dtype(cfg, weights, "cpu", ExecConfig(attention="sdpa"),
+                             timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
+    assert choice.dtype == "bfloat16" and not choice.is_cached
+    assert choice.ms_per_pass == {"float32": 1.2, "bfloat16": 0.6}
+    # Both candidates, every trial size, interleaved: a warm-up round, then timed rounds until
+    # TRIAL_MIN_S of (here fake) time was measured: 0.2 s / 5.4 ms per round -> 38 timed rounds.
+    sizes, _ = dc.trial_shapes(cfg)
+    assert sorted(calls) == sorted(["float32", "bfloat16"] * len(sizes) * (1 + 38))
+    firsts = [calls[i * len(sizes)] for i in range(4)]  # who leads each half-round: the order rotates
+    assert firsts == ["float32", "bfloat16", "bfloat16", "float32"]
+    slower_bf16 = dc.choose_dtype(cfg, weights, "cpu", ExecConfig(attention="sdpa"),
+                                  timer=fake_timer({"float32": 0.6, "bfloat16": 1.2}))
+    assert slower_bf16.dtype == "float32"
+
+
+def test_the_warm_up_is_not_counted_and_the_fastest_repeat_is(ssm_weights):
+    cfg, weights = ssm_weights
+    # Three sizes: a slow warm-up round, then each size hit by one busy moment in some round.
+    passes = iter([100.0, 100.0, 100.0, 50.0, 1.0, 1.0, 1.0, 50.0, 1.0, 1.0, 1.0, 50.0])
+    ms = dc.measure(lambda dtype: ModelRunner.from_weights(cfg, weights, dtype, "cpu", max_kv_tokens=256),
+                    ["float32"], cfg, lambda runner, work: next(passes) / 1000, repeats=3, min_seconds=0)
+    assert dc.trial_shapes(cfg)[0] == [1, 4, 8] and ms == {"float32": pytest.approx(1.0)}
+
+
+@pytest.mark.parametrize("ms_per_pass, timed_rounds", [(50.0, dc.TRIAL_REPEATS), (0.001, dc.TRIAL_MAX_REPEATS),
+                                                       (400.0, 1)])  # 1.2 s in the first timed round
+def test_rounds_go_on_until_enough_time_was_measured_within_bounds(ssm_weights, ms_per_pass, timed_rounds):
+    cfg, weights = ssm_weights
+    calls = []
+    dc.measure(lambda dtype: ModelRunner.from_weights(cfg, weights, dtype, "cpu", max_kv_tokens=256),
+               ["float32"], cfg, fake_timer({"float32": ms_per_pass}, calls))
+    assert len(calls) == len(dc.trial_shapes(cfg)[0]) * (1 + timed_rounds)
+
+
+def test_ties_go_to_the_preferred_dtype():
+    assert dc.pick({"float32": 1.00, "bfloat16": 0.97}, prefer="float32") == "float32"  # within 5%
+    assert dc.pick({"float32": 1.00, "bfloat16": 0.80}, prefer="float32") == "bfloat16"
+    assert dc.pick({"float32": 0.80, "bfloat16": 0.78}, prefer="bfloat16") == "bfloat16"
+    assert dc.pick({"float32": 1.00, "bfloat16": 0.80}, prefer="float16") == "bfloat16"  # not a candidate
+
+
+def test_a_candidate_that_fails_or_computes_non_finite_logits_is_dropped(ssm_weights):
+    cfg, weights = ssm_weights
+    nan_weights = {name: torch.full_like(t, float("nan")) for name, t in weights.items()}
+
+    def make_runner(dtype):
+        if dtype == "float16":
+            raise RuntimeError("not implemented for 'Half'")
+        return ModelRunner.from_weights(cfg, nan_weights if dtype == "bfloat16" else weights, dtype, "cpu",
+                                        max_kv_tokens=256)
+
+    ms = dc.measure(make_runner, ["float32", "bfloat16", "float16"], cfg, fake_timer({"float32": 1.0}))
+    assert list(ms) == ["float32"]
+
+
+def test_trial_shapes_stay_within_a_small_models_context(tmp_path):
+    from util import save_tiny_llama
+
+    small = ModelConfig.from_dir(save_tiny_llama(tmp_path / "m", max_pos=10))
+    sizes, context = dc.trial_shapes(small)
+    assert sizes == [1, 4, 8] and context + max(sizes) <= 10
+    weights = llama_weights(small, load_state_dict(tmp_path / "m"))
+    choice = dc.choose_dtype(small, weights, "cpu", ExecConfig(attention="sdpa"))
+    assert choice.dtype in dc.candidates("cpu")
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+def test_a_second_load_reads_the_cache_and_measures_nothing(tiny_pair, tmp_path):
+    calls = []
+    first = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 1024, cache_dir=tmp_path,
+                        timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
+    assert calls and first.dtype_choice.dtype == "bfloat16" and not first.dtype_choice.is_cached
+    entries = json.loads((tmp_path / dc.CACHE_FILE).read_text())
+    (entry,) = entries.values()
+    assert entry["dtype"] == "bfloat16" and entry["key"]["model"]["hidden_size"] == 64
+    lines = []
+    second = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 1024, cache_dir=tmp_path, timer=failing_timer,
+                         report=lines.append)
+    assert second.dtype_choice == dc.DtypeChoice("bfloat16", {"float32": 1.2, "bfloat16": 0.6}, is_cached=True)
+    assert second.model.dtype == second.kv.k.dtype == torch.bfloat16
+    assert lines == [f"SSM {tiny_pair.ssms[0].name}: dtype bfloat16 (measured earlier: bf16 0.60 ms, "
+                     "fp32 1.20 ms per pass)"]
+    # Another architecture is another entry, measured on its own.
+    from util import save_tiny_llama
+
+    other_dir = save_tiny_llama(tmp_path / "models" / "other", vocab=128, hidden=32)
+    other = dc.load_ssm(other_dir, "auto", "cpu", 1024, cache_dir=tmp_path,
+                        timer=fake_timer({"float32": 0.5, "bfloat16": 0.6}))
+    assert other.dtype_choice.dtype == "float32" and not other.dtype_choice.is_cached
+    assert len(json.loads((tmp_path / dc.CACHE_FILE).read_text())) == 2
+
+
+def test_the_cache_key_holds_what_decides_the_choice(ssm_weights):
+    cfg, _ = ssm_weights
+    cands = ["float32", "bfloat16"]
+    key = dc.cache_key(cfg, "cpu", "sdpa", "float32", cands, CPUINFO)
+    assert key["device"] == "cpu" and key["device_name"].startswith("Some CPU 9000 (flags ")
+    assert key["torch"] == torch.__version__ and key["threads"] == torch.get_num_threads()
+    assert key["model"]["num_layers"] == cfg.num_layers and key["model"]["vocab_size"] == cfg.vocab_size
+    assert dc.key_id(key) == dc.key_id(dc.cache_key(cfg, "cpu", "sdpa", "float32", cands, CPUINFO))
+    from dataclasses import replace
+
+    no_bf16 = CPUINFO.replace(" avx512_bf16", "")
+    variants = [
+        dc.cache_key(replace(cfg, hidden_size=cfg.hidden_size * 2), "cpu", "sdpa", "float32", cands, CPUINFO),
+        dc.cache_key(replace(cfg, num_layers=cfg.num_layers + 1), "cpu", "sdpa", "float32", cands, CPUINFO),
+        dc.cache_key(cfg, "cpu", "sdpa", "float32", cands, no_bf16),  # same model name, other instructions
+        dc.cache_key(cfg, "cpu", "sdpa", "bfloat16", cands, CPUINFO),  # another LLM dtype to prefer
+        dc.cache_key(cfg, "cpu", "triton", "float32", cands, CPUINFO),
+        dc.cache_key(cfg, "cpu", "sdpa", "float32", ["float32"], CPUINFO),
+        {**key, "torch": "0.0.1"},
+        {**key, "threads": key["threads"] + 1},
+    ]
+    assert len({dc.key_id(key)} | {dc.key_id(v) for v in variants}) == len(variants) + 1
+    # Fields that do not change a pass's speed do not split the cache.
+    assert dc.key_id(dc.cache_key(replace(cfg, eos_token_ids=(5,)), "cpu", "sdpa", "float32", cands,
+                                  CPUINFO)) == dc.key_id(key)
+
+
+def test_an_unwritable_cache_dir_does_not_fail_the_load(tiny_pair, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    for cache_dir in (blocker, blocker / "below"):
+        calls = []
+        ssm = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 1024, cache_dir=cache_dir,
+                          timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
+        assert ssm.dtype_choice.dtype == "bfloat16" and calls  # measured, not cached
+    assert not dc.write_cached(blocker, {"candidates": []}, dc.DtypeChoice("float32", {}))
+    assert blocker.read_text() == "a file where the cache directory should be"
+    assert list(tmp_path.iterdir()) == [blocker]  # no temporary file left behind
+
+
+def test_a_corrupt_or_foreign_cache_entry_is_measured_again(ssm_weights, tmp_path):
+    cfg, weights = ssm_weights
+    (tmp_path / dc.CACHE_FILE).write_text("{not json")
+    calls = []
+    choice = dc.choose_dtype(cfg, weights, "cpu", ExecConfig(attention="sdpa"), cache_dir=tmp_path,
+                             timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
+    assert calls and choice.dtype == "bfloat16"
+    entries = json.loads((tmp_path / dc.CACHE_FILE).read_text())  # rewritten whole
+    (kid,) = entries
+    entries[kid]["dtype"] = "float64"  # not a candidate: ignored
+    (tmp_path / dc.CACHE_FILE).write_text(json.dumps(entries))
+    calls.clear()
+    again = dc.choose_dtype(cfg, weights, "cpu", ExecConfig(attention="sdpa"), cache_dir=tmp_path,
+                            timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
+    assert calls and again.dtype == "bfloat16" and not again.is_cached
+
+
+def test_without_a_cache_dir_every_load_measures(ssm_weights):
+    cfg, weights = ssm_weights
+    for _ in range(2):
+        calls = []
+        dc.choose_dtype(cfg, weights, "cpu", ExecConfig(attention="sdpa"), cache_dir=None,
+                        timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}, calls))
+        assert calls
+
+
+def test_device_name_is_the_cpu_model_and_its_flags():
+    name = dc.device_name("cpu", CPUINFO)
+    assert name.startswith("Some CPU 9000") and name != dc.device_name("cpu", CPUINFO.replace("avx512f ", ""))
+    assert dc.device_name("cpu", "") != ""  # no /proc/cpuinfo: still a name
+
+
+def test_describe_lists_the_fastest_first():
+    choice = dc.DtypeChoice("bfloat16", {"float32": 1.2, "bfloat16": 0.61})
+    assert choice.describe() == "dtype bfloat16 (measured: bf16 0.61 ms, fp32 1.20 ms per pass)"
+    assert choice.to_json() == {"dtype": "bfloat16", "ms_per_pass": {"float32": 1.2, "bfloat16": 0.61},
+                                "cached": False}
+
+
+# ---- every entry point defaults to auto; a bad value is a clear error ------------------------------
+def test_every_entry_point_defaults_to_auto(monkeypatch, tmp_path):
+    from services.speculator.config import SpeculatorConfig, parse_config as speculator_config
+    from services.verifier.config import VerifierConfig, parse_config as verifier_config
+    from specinfer.cli.launcher import Stack, StackConfig
+    from specinfer.cli.main import build_parser
+    from specinfer.limits import DEFAULT_SSM_DTYPE
+
+    assert DEFAULT_SSM_DTYPE == "auto"
+    parser = build_parser()
+    for argv in (["generate", "--prompt", "x"], ["bench"], ["bench", "--concurrency", "1"], ["up"]):
+        assert parser.parse_args(argv).ssm_dtype == "auto", argv
+    assert VerifierConfig(Path("m")).ssm_dtype == SpeculatorConfig((Path("s"),)).dtype == StackConfig(
+        Path("l"), ()).ssm_dtype == "auto"
+    env = {"SPECINFER_CACHE_DIR": str(tmp_path)}
+    v, s = verifier_config(["--model", "m"], env), speculator_config(["--ssm", "s"], env)
+    assert v.ssm_dtype == s.dtype == "auto" and v.cache_dir == s.cache_dir == tmp_path
+    # The LLM's dtype variable is not the SSMs': it leaves the speculator on auto.
+    assert speculator_config(["--ssm", "s"], {"SPECINFER_DTYPE": "float32"}).dtype == "auto"
+    pinned = {"SPECINFER_SSM_DTYPE": "bfloat16"}
+    assert verifier_config(["--model", "m"], pinned).ssm_dtype == speculator_config(["--ssm", "s"], pinned).dtype
+    assert speculator_config(["--ssm", "s"], pinned).dtype == "bfloat16"
+
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.append((name, args, env)))
+    Stack(StackConfig(llm=tmp_path / "llm", ssms=(tmp_path / "ssm",), cache_dir=tmp_path / "c")).start()
+    children = {name: (args, env) for name, args, env in spawned}
+    speculator_args, speculator_env = children["speculator-0"]
+    assert speculator_args[speculator_args.index("--dtype") + 1] == "auto"
+    assert speculator_env["SPECINFER_CACHE_DIR"] == str(tmp_path / "c")
+    spawned.clear()
+    Stack(StackConfig(llm=tmp_path / "llm", ssms=(tmp_path / "ssm",), is_co_located=True)).start()
+    verifier_args = dict((name, args) for name, args, _ in spawned)["verifier"]
+    assert verifier_args[verifier_args.index("--ssm-dtype") + 1] == "auto"
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt", "x", "--ssm-dtype", "int8"],
+                                  ["bench", "--ssm-dtype", "int8"],
+                                  ["up", "--ssm-dtype", "fp32"]])
+def test_an_unknown_ssm_dtype_exits_2_on_one_line(capsys, argv):
+    from specinfer.cli.main import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and "--ssm-dtype" in lines[0] and "invalid choice" in lines[0]
+
+
+def test_an_unknown_ssm_dtype_in_a_services_environment_names_the_variable():
+    from services.speculator.config import parse_config as speculator_config
+    from services.verifier.config import parse_config as verifier_config
+    from specinfer.errors import UserError
+
+    with pytest.raises(UserError, match="SPECINFER_SSM_DTYPE='int8'"):
+        verifier_config(["--model", "m"], {"SPECINFER_SSM_DTYPE": "int8"})
+    with pytest.raises(UserError, match="SPECINFER_SSM_DTYPE='int8'"):
+        speculator_config(["--ssm", "s"], {"SPECINFER_SSM_DTYPE": "int8"})
+
+
+def test_the_co_located_pool_measures_and_prefers_the_llms_dtype(pair_runners, tiny_pair, tmp_path):
+    from services.verifier.speculators import co_located_pool
+
+    llm, _ = pair_runners
+    pool = co_located_pool((str(tiny_pair.ssms[0]), "lookup"), llm, "auto", "cpu", prefer="float32",
+                           cache_dir=tmp_path)
+    (ssm,) = pool.speculator.runners
+    assert ssm.dtype_choice is not None and ssm.model.dtype == getattr(torch, ssm.dtype_choice.dtype)
+    (entry,) = json.loads((tmp_path / dc.CACHE_FILE).read_text()).values()
+    assert entry["key"]["prefer"] == "float32" and entry["dtype"] == ssm.dtype_choice.dtype
+
+
+def test_bench_reports_the_resolved_ssm_dtype(text_pair, tmp_path, capsys):
+    from specinfer.cli.main import main
+
+    llm, ssm = text_pair
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    code = main(["bench", "--llm", str(llm), "--ssm", str(ssm), "--prompts", str(prompts), "--max-new-tokens", "6",
+                 "--no-transformers", "--device", "cpu", "--tree-width", "2,1", "--cache-dir", str(tmp_path / "c")])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    config = json.loads(out)["config"]
+    choice = config["ssm_dtype_choice"][ssm.name]
+    assert config["ssm_dtype"] == choice["dtype"] in ("float32", "bfloat16")
+    assert set(choice["ms_per_pass"]) == set(dc.candidates("cpu"))
+    assert f"specinfer: SSM {ssm.name}: dtype {choice['dtype']} (measured" in err
+    assert (tmp_path / "c" / dc.CACHE_FILE).is_file()
+    pinned = main(["bench", "--llm", str(llm), "--ssm", str(ssm), "--prompts", str(prompts), "--max-new-tokens", "6",
+                   "--no-transformers", "--device", "cpu", "--tree-width", "2,1", "--ssm-dtype", "float32"])
+    out, _ = capsys.readouterr()
+    assert pinned == 0 and json.loads(out)["config"]["ssm_dtype"] == "float32"
+    assert json.loads(out)["config"]["ssm_dtype_choice"] is None
+
+
+# ---- deployments -------------------------------------------------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compose_and_kubernetes_run_the_ssms_on_auto():
+    import yaml
+
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    speculator_env = compose["services"]["speculator"]["environment"]
+    assert "SPECINFER_DTYPE" not in speculator_env  # the LLM's dtype does not pin the SSMs'
+    common = compose["x-common-env"]
+    assert common["SPECINFER_SSM_DTYPE"] == "${SPECINFER_SSM_DTYPE:-auto}"
+    configmap = yaml.safe_load((ROOT / "docker/k8s/configmap.yaml").read_text())
+    assert configmap["data"]["SPECINFER_SSM_DTYPE"] == "auto"
+    assert "# SPECINFER_SSM_DTYPE=auto" in (ROOT / ".env.example").read_text()
+
