@@ -184,7 +184,7 @@ def test_cli_generate_on_each_backend_gives_one_output(text_pair, capsys):
     outputs = []
     for attention in ("sdpa", "triton"):
         assert main(["generate", "--llm", str(llm), "--ssm", str(ssm), "--prompt", "import os", "--max-new-tokens",
-                     "6", "--device", "cpu", "--attention", attention, "--no-cuda-graphs"]) == 0
+                     "6", "--device", "cpu", "--attention", attention, "--no-cuda-graphs", "--mode", "tree"]) == 0
         outputs.append({k: v for k, v in json.loads(capsys.readouterr().out).items() if "latency" not in k})
     assert outputs[0] == outputs[1] and outputs[0]["text"]
 

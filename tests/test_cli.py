@@ -80,7 +80,7 @@ BAD = {
     "ssm vocabulary differs": (["--llm", "{llm}", "--ssm", "{other}"], "vocabulary"),
     "bad max tokens": (["--llm", "{llm}", "--max-new-tokens", "0"], "max-new-tokens"),
     "bad temperature": (["--llm", "{llm}", "--temperature", "-1"], "temperature"),
-    "tree mode without ssm": (["--llm", "{llm}", "--mode", "tree"], "needs at least one --ssm"),
+    "tree mode without ssm": (["--llm", "{llm}", "--ssm", "none", "--mode", "tree"], "needs at least one --ssm"),
 }
 
 

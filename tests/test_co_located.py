@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.verifier.config import DEFAULT_CO_LOCATED, parse_config
+from services.verifier.config import parse_config
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runner import ModelRunner
 from specinfer.errors import UserError
@@ -56,7 +56,7 @@ def test_co_located_ssms_give_the_speculator_services_outputs(tiny_pair, samplin
 
 def test_a_verifier_alone_speculates_with_the_model_free_members(tiny_pair):
     cfg = parse_config(["--model", str(tiny_pair.llm)], env={})
-    assert cfg.co_located == DEFAULT_CO_LOCATED == ("lookup", "suffix")
+    assert cfg.co_located == ("lookup", "suffix")
     stack = start_stack(tiny_pair.llm, co_located=cfg.co_located)
     try:
         first, _ = generate(stack, PROMPTS[0])

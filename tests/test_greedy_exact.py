@@ -128,7 +128,7 @@ def test_dynamic_trees_keep_greedy_output(pair_runners, greedy_prompts, incremen
     llm, ssms = pair_runners
     engine = (dynamic_engine(llm, ssms[:1], BUDGETS[budget]) if pool == "one-ssm"
               else dynamic_engine(llm, ssms, BUDGETS[budget], ("lookup", "suffix")))
-    accepted, sizes, depths = 0, set(), set()
+    accepted, sizes = 0, set()
     for prompt, expected in zip(greedy_prompts, incremental_outputs):
         r = engine.generate(prompt, mode_params("auto", NEW_TOKENS))
         assert r.output_ids == expected

@@ -8,6 +8,7 @@ import torch
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.pipeline import build_ahead, predicted_path, settle
 from specinfer.engine.runner import ModelRunner
+from specinfer.engine.sampling import SamplingNoise
 from specinfer.engine.speculator import Proposal, Speculator
 from specinfer.params import SamplingParams, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
@@ -79,7 +80,7 @@ def test_sampled_requests_never_draft_ahead(runners, greedy_prompts):
     spec = Speculator([ssm_a])
     states = spec.start(greedy_prompts[0])
     p = Proposal(states, TreeShape(WIDTHS, policy="merge"), SamplingParams(temperature=1.0, seed=3),
-                 torch.Generator().manual_seed(3))
+                 SamplingNoise(3, ssm_a.cfg.vocab_size))
     trees = spec.propose([p])[0].ssm_trees
     assert build_ahead(spec, [(p, trees)], max_context=512) == [None]
     spec.release(states)

@@ -1,5 +1,5 @@
-"""The target distribution's warping equals transformers' logits processors, and verification
-edge cases behave."""
+"""The target distribution's warping equals transformers' logits processors, the sampling noise
+samples it (fixed by seed and position), and trees are verified against the LLM's own tokens."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from transformers.generation.logits_process import (
 )
 
 from specinfer.errors import UserError
-from specinfer.engine.sampling import proposal_probs, target_probs, warp_logits
+from specinfer.engine.sampling import SamplingNoise, sample, target_probs, warp_logits
 from specinfer.params import SamplingParams
 from specinfer.engine.tree import TokenTree
-from specinfer.engine.verify import residual_distribution, verify_stochastic
+from specinfer.engine.verify import verify_tree
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 10, 0.8), (1.0, 3, 0.5)])
@@ -41,36 +41,43 @@ def test_invalid_sampling_params(kwargs):
         SamplingParams(**kwargs)
 
 
-def test_proposal_truncation_is_exactly_sparse():
-    q = proposal_probs(torch.randn(2, 30), SamplingParams(1.0), top_k=4)
-    assert ((q > 0).sum(dim=-1) == 4).all()
-    assert torch.allclose(q.sum(dim=-1), torch.ones(2))
+def test_noise_is_fixed_by_seed_and_position_alone():
+    a, b = SamplingNoise(7, 50), SamplingNoise(7, 50)
+    assert torch.equal(a.row(12), b.row(12)) and torch.equal(a.rows([3, 12]), b.rows([3, 12]))
+    assert not torch.equal(a.row(12), a.row(13)) and not torch.equal(a.row(12), SamplingNoise(8, 50).row(12))
+    assert torch.isfinite(a.rows(list(range(200)))).all()
 
 
-def test_residual_distribution():
-    p = torch.tensor([0.5, 0.3, 0.2])
-    q = torch.tensor([0.6, 0.1, 0.3])
-    assert torch.allclose(residual_distribution(p, q), torch.tensor([0.0, 1.0, 0.0]))
-    assert torch.equal(residual_distribution(p, p), p)  # nothing left: keep p, never NaN
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.8), SamplingParams(1.3, top_k=3)])
+def test_the_noise_samples_the_warped_distribution(params):
+    """Gumbel-max over positions (each its own noise): the sampled tokens follow softmax of the
+    warped logits, and tokens the warping filters out never come."""
+    from scipy.stats import chisquare
+
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0]])
+    p = target_probs(logits, params)[0]
+    noise, n = SamplingNoise(3, 8), 20_000
+    tokens = sample(logits.expand(n, 8), params, noise, list(range(n)))
+    counts = torch.bincount(torch.tensor(tokens), minlength=8).float()
+    assert (counts[p == 0] == 0).all()
+    support = p > 0
+    assert chisquare(counts[support].numpy(), (p[support] * n).numpy()).pvalue > 0.001
 
 
-def test_point_mass_draft_accepted_with_target_probability():
-    """A deterministic child is accepted with probability p[x], else x is excluded."""
-    probs = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
-    probs = torch.cat([probs, torch.full((1, 4), 0.25)])
-    gen = torch.Generator().manual_seed(0)
-    hits, bonus_counts = 0, torch.zeros(4)
-    n = 4000
-    for _ in range(n):
-        tree = TokenTree.with_root(3)
-        tree.add_draft(0, 1, None)
-        path, bonus = verify_stochastic(tree, probs, gen)
-        if len(path) == 2:
-            hits += 1
-        else:
-            bonus_counts[bonus] += 1
-    assert abs(hits / n - 0.75) < 0.03
-    assert bonus_counts[1] == 0 and bonus_counts[0] == n - hits  # residual excludes the rejected token
+def test_the_same_noise_at_every_position_fails_that_test():
+    """The test has teeth: tokens drawn with one position's noise for all are one token, not a sample."""
+    logits = torch.tensor([[2.0, 1.5, 1.0, 0.5]])
+    tokens = sample(logits.expand(1000, 4), SamplingParams(1.0), SamplingNoise(3, 4), [5] * 1000)
+    assert len(set(tokens)) == 1
+
+
+def test_a_tree_is_verified_against_the_llms_own_tokens():
+    tree = TokenTree.with_root(3)
+    a = tree.add_draft(0, 1, None)
+    tree.add_draft(0, 2, None)
+    tree.add_draft(a, 4, None)
+    assert verify_tree(tree, [1, 4, 0, 0]) == ([0, a, 3], 0)  # both levels accepted, then the LLM's bonus
+    assert verify_tree(tree, [5, 0, 0, 0]) == ([0], 5)  # no child matches: the LLM's own token
 
 
 def test_target_probs_sum_to_one():

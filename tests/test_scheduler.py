@@ -227,9 +227,9 @@ def test_model_passes_run_only_on_the_thread_that_runs_the_worker(tiny_pair, exe
 
 
 def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair):
-    """One pass verifies three requests' trees; the middle one's tree is poisoned (a sampled
-    draft whose proposal has the wrong size). It fails alone; the others decode on, exactly."""
-    import torch
+    """One pass verifies three requests' trees; the middle one's verification is poisoned (sampling
+    noise of the wrong vocabulary size). It fails alone; the others decode on, exactly."""
+    from specinfer.engine.sampling import SamplingNoise
 
     engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
     runner = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=1024, block_size=8)
@@ -247,9 +247,9 @@ def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair)
                     continue
                 root = session.state.pending[-1]
                 tree = TokenTree.with_root(root)
-                if i == 1 and step == 3:  # poison: a child drawn from a proposal of the wrong size
-                    tree.add_draft(0, 4, torch.full((3,), 1 / 3))
-                    futures.append(scheduler.verify(session, tree, sampled, torch.Generator().manual_seed(0)))
+                if i == 1 and step == 3:  # poison: noise that does not fit the LLM's logits
+                    tree.add_draft(0, 4, None)
+                    futures.append(scheduler.verify(session, tree, sampled, SamplingNoise(1, 3)))
                 else:
                     futures.append(scheduler.verify(session, tree, SamplingParams(), None))
             scheduler.pump([f for f in futures if f is not None])  # all of them in one forward pass
@@ -257,7 +257,7 @@ def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair)
                 if future is None:
                     continue
                 if i == 1 and step == 3:
-                    with pytest.raises(IndexError):
+                    with pytest.raises(RuntimeError):
                         future.result(timeout=30)
                     scheduler.close(sessions[1], None)
                     sessions[1] = None

@@ -467,18 +467,17 @@ def test_config_defaults_are_the_product_constants():
     assert (v.max_batch, v.token_budget, v.max_waiting, v.admission_timeout_s, v.max_sessions) == (
         sc.max_batch, sc.token_budget, sc.max_waiting, sc.admission_timeout_s, sc.max_sessions)
     assert v.is_load_aware and v.speculators == () and v.otlp_endpoint is None
-    from services.verifier.config import DEFAULT_CO_LOCATED
 
     # Without speculators the command line co-locates the model-free members (a verifier alone
-    # still speculates), and it caches load-time measurements in the default cache directory;
-    # every other field is the dataclass's default.
-    assert v.co_located == DEFAULT_CO_LOCATED == limits.MODEL_FREE_NAMES
+    # still speculates); the model-free members join a speculator's SSMs; both cache load-time
+    # measurements in the default cache directory; every other field is the dataclass's default.
+    assert v.co_located == limits.MODEL_FREE_NAMES
     from specinfer.util import default_cache_dir
 
     cache_dir = default_cache_dir(env={})
     assert v.cache_dir == s.cache_dir == cache_dir and v.ssm_dtype == s.dtype == limits.DEFAULT_SSM_DTYPE
-    assert v == VerifierConfig(Path("/models/llm"), co_located=DEFAULT_CO_LOCATED, cache_dir=cache_dir)
-    assert s == SpeculatorConfig((Path("/models/ssm"),), cache_dir=cache_dir)
+    assert v == VerifierConfig(Path("/models/llm"), co_located=limits.MODEL_FREE_NAMES, cache_dir=cache_dir)
+    assert s == SpeculatorConfig((Path("/models/ssm"),), model_free=limits.MODEL_FREE_NAMES, cache_dir=cache_dir)
 
 
 def test_config_flag_beats_env_beats_default():

@@ -3,9 +3,11 @@
 On an 8-token vocabulary, the joint distribution of the first 3 generated tokens is computed
 exactly from transformers' model (8^3 cells, with the same warping), and compared by a
 chi-square test with 20,000 seeded speculative samples per configuration: static trees, merged
-pools, and dynamic trees that mix sampled SSM children with deterministic (model-free and top-k)
-picks. The test has teeth: with the residual correction removed, with point masses taken as
-certain, or with a dynamic tree pruning its own draws by their value, it fails.
+pools, and dynamic trees that mix coupled SSM children (the Gumbel-top-k of the SSM with the
+request's noise) with deterministic (model-free and top-k) picks. The test has teeth: with one
+noise for every position, or trees verified against the LLM's most likely token, it fails. And
+since the noise fixes each token by seed and position, sampled speculation outputs exactly what
+sampling alone does (with teeth too).
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-import specinfer.engine.verify
-from specinfer.engine.dynamic import Candidates
+import specinfer.engine.verifier
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import target_probs
+from specinfer.engine.sampling import SamplingNoise, target_probs, warp_logits
 from specinfer.engine.speculator import model_free_member
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
 from util import perturbed_copy, save_tiny_llama
@@ -168,57 +169,58 @@ def test_speculative_sampling_matches_llm_distribution(models, name):
     assert pvalue > 0.001, (name, pvalue)
 
 
-def test_deterministic_drafts_taken_as_certain_fail_the_test(models, monkeypatch):
-    """A point-mass draft must be accepted with p[x], not always: treated as q = p (accepted
-    whenever p[x] > 0), the mixed tree's distribution is wrong and the test says so."""
-    monkeypatch.setattr(specinfer.engine.verify, "_point_mass", lambda p, x: p.clone())
-    engine, params, shape = configured(models, "t1-sampled-ssm+model-free")
+def test_one_noise_for_every_position_fails_the_test(models, monkeypatch):
+    """The test has teeth: with every position drawn from the same noise, tokens are no longer
+    independent samples, and the test says so."""
+    row = SamplingNoise.row
+    monkeypatch.setattr(SamplingNoise, "row", lambda self, position: row(self, 0))
+    engine, params, shape = configured(models, "t1-sampled-tree")
     counts, _ = speculative_counts(engine, params, shape)
-    pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
-    assert pvalue < 0.001, pvalue
+    assert chi_square_pvalue(counts, exact_joint(models[0], params)) < 0.001
 
 
-@pytest.mark.parametrize("name", ["t1-sampled-tree", "t1-topk-tree"])
-def test_without_residual_correction_the_test_fails(models, name, monkeypatch):
-    monkeypatch.setattr(specinfer.engine.verify, "residual_distribution", lambda p, q: p)
+def test_a_tree_verified_against_the_warped_argmax_fails_the_test(models, monkeypatch):
+    """Sampled trees must be verified against the LLM's sample, not its most likely token."""
+    monkeypatch.setattr(specinfer.engine.verifier, "sample",
+                        lambda logits, params, noise, positions: warp_logits(logits, params).argmax(-1).tolist())
+    engine, params, shape = configured(models, "t0.7-p0.9-topk-tree")
+    counts, _ = speculative_counts(engine, params, shape)
+    assert chi_square_pvalue(counts, exact_joint(models[0], params)) < 0.001
+
+
+@pytest.mark.parametrize("name", ["t1-sampled-tree", "t1-merged-2-ssms", "t1-dynamic-sampled+model-free",
+                                  "t0.7-p0.9-dynamic-sampled-2-ssms"])
+def test_sampled_speculation_outputs_exactly_what_sampling_alone_does(models, name):
+    """The noise fixes every sampled token by seed and position: speculative output, whatever the
+    tree and in a batch, is token for token the LLM's own sampled output for that seed."""
     engine, params, shape = configured(models, name)
-    counts, _ = speculative_counts(engine, params, shape)
-    pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
-    assert pvalue < 0.001, (name, pvalue)
+    seeds = range(40)
+    plain = Engine.from_runners(ModelRunner.from_dir(models[0]))
+    mode = "auto" if isinstance(engine.load_policy, FixedBudget) else "tree"
+    expected = [plain.generate(PROMPT, mode_params("incremental", 12, sampling=SamplingParams(
+        params.temperature, params.top_p, params.top_k, seed=s))).output_ids for s in seeds]
+    reqs = [engine.start(PROMPT, mode_params(mode, 12, shape, SamplingParams(
+        params.temperature, params.top_p, params.top_k, seed=s))) for s in seeds]
+    results = engine.generate_batch(reqs)
+    assert [r.output_ids for r in results] == expected
+    assert sum(sum(r.accepted_per_step) for r in results) > 40  # trees were accepted, not only the LLM's tokens
 
 
-def test_a_dynamic_tree_pruning_its_own_draws_fails_the_test(models, monkeypatch):
-    """A draw from q must stay in the tree whatever it drew: a dynamic tree that kept only its
-    most valuable draws (pruning the others with the point masses) would favour the tokens q
-    likes, and the test says so."""
-    original_build = Candidates.build
+def test_accepting_a_draft_the_llm_did_not_sample_breaks_the_equality(models, monkeypatch):
+    """The equality has teeth: a verifier that also accepted the LLM's second most likely token
+    would output something else."""
+    original = specinfer.engine.verifier.verify_tree
 
-    def prune_draws(self, chosen):
-        kept = set(chosen)
-        self.draws = [[(c, q) for c, q in draws if c in kept] for draws in self.draws]
-        return original_build(self, chosen)
+    def lenient(tree, llm_tokens):
+        llm_tokens = list(llm_tokens)
+        for node in range(len(tree)):  # take the first child whatever the LLM sampled
+            if tree.children[node]:
+                llm_tokens[node] = tree.tokens[tree.children[node][0]]
+        return original(tree, llm_tokens)
 
-    monkeypatch.setattr(Candidates, "build", prune_draws)
-    # Draws compete with the other candidates by value instead of being fixed.
-    monkeypatch.setattr(Candidates, "select", _select_ignoring_fixed_draws)
-    engine, params, shape = configured(models, "t1-dynamic-sampled+model-free")
-    engine.load_policy.fixed = TreeBudget(max_nodes=12, max_depth=3, node_cost=0.12, level_cost=0.0)
-    counts, _ = speculative_counts(engine, params, shape)
-    pvalue = chi_square_pvalue(counts, exact_joint(models[0], params))
-    assert pvalue < 0.001, pvalue
-
-
-_original_select = Candidates.select
-
-
-def _select_ignoring_fixed_draws(self, budget, num_levels):
-    fixed = list(self.is_fixed)
-    drawn = {c for draws in self.draws for c, _ in draws}
-    self.is_fixed = [f and n not in drawn for n, f in enumerate(fixed)]
-    try:
-        return _original_select(self, budget, num_levels)
-    finally:
-        self.is_fixed = fixed
+    monkeypatch.setattr(specinfer.engine.verifier, "verify_tree", lenient)
+    with pytest.raises(AssertionError):
+        test_sampled_speculation_outputs_exactly_what_sampling_alone_does(models, "t1-sampled-tree")
 
 
 def test_seeded_runs_are_reproducible(models):

@@ -6,9 +6,9 @@ import pytest
 
 from specinfer.engine.blocks import BlockAllocator, SequenceKV
 from specinfer.errors import CapacityError, UserError
-from specinfer.engine.tree import TokenTree, ancestor_rows, is_chain, merge_trees, plan_level, visibility
+from specinfer.engine.tree import TokenTree, ancestor_rows, is_chain, merge_trees, visibility
 from specinfer.limits import parse_tree_width
-from specinfer.engine.verify import verify_greedy
+from specinfer.engine.verify import verify_tree
 
 
 def make_tree(edges: list[tuple[int, int]], root: int = 100) -> TokenTree:
@@ -76,9 +76,9 @@ def test_greedy_walk_takes_longest_matching_path_plus_bonus():
     tree = make_tree([(0, 10), (0, 20), (1, 11), (2, 21), (3, 12)])
     # argmax per node: root->20, node2(20)->21, node4(21)->99 (no such child)
     argmax = [20, 11, 21, 12, 99, 0]
-    path, bonus = verify_greedy(tree, argmax)
+    path, bonus = verify_tree(tree, argmax)
     assert [tree.tokens[n] for n in path[1:]] == [20, 21] and bonus == 99
-    path, bonus = verify_greedy(tree, [42] + [0] * 5)
+    path, bonus = verify_tree(tree, [42] + [0] * 5)
     assert path == [0] and bonus == 42
 
 
@@ -91,11 +91,6 @@ def test_parse_tree_width(text, expected):
 def test_parse_tree_width_rejects_malformed(text):
     with pytest.raises(UserError, match="tree width"):
         parse_tree_width(text)
-
-
-def test_plan_level_respects_node_cap_first_come():
-    assert plan_level([3, 3, 3], num_nodes=4, max_nodes=10) == [3, 3, 0]
-    assert plan_level([2, 2], num_nodes=10, max_nodes=10) == [0, 0]
 
 
 def test_block_allocator_and_sequence_slots():

@@ -16,10 +16,11 @@ from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_auto_s
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE, SSM_DTYPES,
+    SUFFIX_CACHE_TOKENS,
 )
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, cache_dir_flag, common_flags, one_of, port_flag,
-    read_flags, security_flags,
+    DEFAULT_GRACE_S, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, cache_dir_flag, common_flags, one_of, parse_bool,
+    port_flag, read_flags, security_flags,
 )
 from specinfer.serving.security import ServerSecurity, server_security
 from specinfer.util import default_cache_dir
@@ -29,6 +30,7 @@ from specinfer.util import default_cache_dir
 class SpeculatorConfig:
     ssm_dirs: tuple[Path, ...]
     model_free: tuple[str, ...] = ()  # model-free pool members hosted next to the SSMs (lookup, suffix)
+    suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS  # recent outputs the suffix member shares across requests
     host: str = LOCAL_HOST
     port: int = SPECULATOR_PORT
     dtype: str = DEFAULT_SSM_DTYPE  # the SSMs' dtype (auto: the fastest here); never changes the output
@@ -51,7 +53,11 @@ def _flags() -> list[Flag]:
     d = {f.name: f.default for f in fields(SpeculatorConfig)}
     return [
         Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory, or a model-free speculator "
-             "(lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated", is_list=True),
+             "(lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated; lookup and "
+             "suffix join the pool unless one is named", is_list=True),
+        Flag("--model-free", "SPECINFER_MODEL_FREE", parse_bool, True,
+             "lookup and suffix join the pool this speculator hosts (on or off)"),
+        Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
         Flag("--host", "SPECINFER_SPECULATOR_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_SPECULATOR_PORT", d["port"], "gRPC port"),
         Flag("--dtype", "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), d["dtype"],
@@ -84,11 +90,11 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     a = read_flags(p, flags, argv, env)
     from specinfer.engine.load import split_pool
 
-    ssm_dirs, model_free = split_pool(a["ssm"])
+    ssm_dirs, model_free = split_pool(a["ssm"], a["model_free"])
     if not ssm_dirs:
         raise UserError("the speculator needs at least one SSM directory: --ssm or SPECINFER_SSM_DIRS")
     return SpeculatorConfig(
-        ssm_dirs=ssm_dirs, model_free=model_free, host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
+        ssm_dirs=ssm_dirs, model_free=model_free, suffix_cache_tokens=a["suffix_cache_tokens"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
         cache_dir=default_cache_dir(a["cache_dir"], env),
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], is_pipelined=a["pipeline"], otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], grace_s=a["grace_s"], num_threads=a["threads"],

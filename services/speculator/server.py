@@ -133,7 +133,7 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
     names = [d.name for d in cfg.ssm_dirs] + list(cfg.model_free)
     # Drafting ahead overlaps the verifier's pass only where the SSMs do not share its CPU cores.
     is_pipelined = cfg.is_pipelined if cfg.is_pipelined is not None else str(device).startswith("cuda")
-    model_free = [model_free_member(name) for name in cfg.model_free]
+    model_free = [model_free_member(name, cfg.suffix_cache_tokens) for name in cfg.model_free]
 
     def create(tracer, registry):
         worker = SpeculatorWorker(Speculator(runners, model_free), max_batch=cfg.max_batch,

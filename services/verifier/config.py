@@ -17,8 +17,8 @@ from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_SESSIONS,
-    DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, MODEL_FREE_NAMES, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
-    RequestLimits, parse_tree_width,
+    DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
+    SUFFIX_CACHE_TOKENS, RequestLimits, parse_tree_width,
 )
 from specinfer.serving.settings import (
     DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, one_of, parse_bool, pick,
@@ -29,17 +29,16 @@ from specinfer.limits import DEFAULT_SSM_DTYPE, SSM_DTYPES
 from specinfer.serving.settings import cache_dir_flag
 from specinfer.util import default_cache_dir
 
-DEFAULT_CO_LOCATED = MODEL_FREE_NAMES  # without speculators, the verifier drafts with the model-free members
-
 
 @dataclass(frozen=True)
 class VerifierConfig:
     model_dir: Path
     speculators: tuple[str, ...] = ()  # gRPC targets, e.g. 127.0.0.1:50053 or dns:///speculator:50053
     # The pool hosted in this process (co-located: SSM directories, lookup, suffix) when no speculator
-    # is configured. The command line's default is DEFAULT_CO_LOCATED: a verifier alone still speculates.
+    # is configured. The command line's default is lookup and suffix: a verifier alone still speculates.
     co_located: tuple[str, ...] = ()
     ssm_dtype: str = DEFAULT_SSM_DTYPE  # co-located SSMs' dtype (auto: the fastest here); never changes the output
+    suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS  # recent outputs a co-located suffix member shares
     cache_dir: Path | None = None  # where load-time measurements (the SSMs' dtype) are cached; None: not cached
     host: str = LOCAL_HOST
     port: int = VERIFIER_PORT
@@ -81,8 +80,12 @@ def _flags() -> list[Flag]:
         Flag("--speculator", "SPECINFER_SPECULATORS", str, d["speculators"],
              "speculator gRPC target, repeatable; the variable is comma-separated", is_list=True),
         Flag("--ssm", "SPECINFER_VERIFIER_SSMS", str, (), "speculate in this process (no speculator): an SSM "
-             "directory, lookup or suffix; repeatable, comma-separated in the variable; default without "
-             "--speculator: lookup and suffix; none: no speculation", is_list=True),
+             "directory, lookup or suffix; repeatable, comma-separated in the variable; lookup and suffix join "
+             "the pool unless one is named (default without --speculator: them alone); none: no speculation",
+             is_list=True),
+        Flag("--model-free", "SPECINFER_MODEL_FREE", parse_bool, True,
+             "lookup and suffix join the pool this process hosts (on or off)"),
+        Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
         Flag("--ssm-dtype", "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), d["ssm_dtype"],
              "co-located SSMs' dtype: auto (the fastest on this machine, measured when they load) or a dtype"),
         cache_dir_flag(),
@@ -145,16 +148,17 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
 
     parallel = ParallelConfig.from_env(a["tensor_parallel"], env)
     execution = ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"], offload=a["offload"])
-    co_located = tuple(a["ssm"])
-    if co_located and a["speculator"]:
+    from specinfer.engine.load import split_pool
+
+    if a["ssm"] and a["speculator"]:
         raise UserError("--ssm (a pool in this process) and --speculator (speculator services): choose one")
-    if "none" in co_located and len(co_located) > 1:
-        raise UserError("--ssm none excludes every other --ssm")
-    if not co_located and not a["speculator"]:
-        co_located = DEFAULT_CO_LOCATED
-    co_located = () if co_located == ("none",) else co_located
+    co_located: tuple[str, ...] = ()
+    if not a["speculator"]:  # the pool as a list of entries, model-free members resolved
+        dirs, names = split_pool(a["ssm"], a["model_free"])
+        co_located = tuple(map(str, dirs)) + names
     return VerifierConfig(
         model_dir=a["model"], speculators=a["speculator"], co_located=co_located, ssm_dtype=a["ssm_dtype"],
+        suffix_cache_tokens=a["suffix_cache_tokens"],
         cache_dir=default_cache_dir(a["cache_dir"], env),
         host=a["host"], port=a["port"], dtype=a["dtype"],
         device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,

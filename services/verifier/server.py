@@ -192,7 +192,8 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
                                      cfg.max_message_bytes, cfg.speculator_security)
                    if cfg.speculators else co_located_pool(cfg.co_located, runner, cfg.ssm_dtype,
                                                                    resolve_device(cfg.device), cfg.execution,
-                                                                   prefer=cfg.dtype, cache_dir=cfg.cache_dir))
+                                                                   prefer=cfg.dtype, cache_dir=cfg.cache_dir,
+                                                                   suffix_cache_tokens=cfg.suffix_cache_tokens))
     engine_cfg = EngineConfig(default_shape=TreeShape(cfg.tree_width, cfg.max_tree_nodes),
                               is_load_aware=cfg.is_load_aware, is_guarded=True,
                               scheduler=SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget,

@@ -32,7 +32,7 @@ from specinfer.params import GenerationParams, TreeBudget, TreeShape
 from specinfer.serving.convert import budget_to_proto, sampling_to_proto, shape_to_proto
 from specinfer.limits import (
     DEFAULT_MAX_MESSAGE_BYTES, SPECULATOR_DEADLINE_FACTOR, SPECULATOR_DEADLINE_FLOOR_S,
-    SPECULATOR_INFO_RETRY_S, SPECULATOR_LATENCY_PERCENTILE, SPECULATOR_LATENCY_WINDOW,
+    SPECULATOR_INFO_RETRY_S, SPECULATOR_LATENCY_PERCENTILE, SPECULATOR_LATENCY_WINDOW, SUFFIX_CACHE_TOKENS,
 )
 from specinfer.serving.security import ChannelSecurity, open_channel
 from specinfer.serving.settings import message_options, reconnect_options
@@ -449,7 +449,7 @@ class SpeculationDriver:
 
 
 def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, execution=None, prefer: str = "float32",
-                    cache_dir=None) -> LocalSpeculation | None:
+                    cache_dir=None, suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS) -> LocalSpeculation | None:
     """The pool this verifier hosts itself (single-host deployments: no speculator hop): SSM
     directories and model-free members, the in-process engine's `LocalSpeculation` with the same
     pool semantics; None for an empty pool (incremental decoding). The SSMs run on the LLM's
@@ -460,7 +460,7 @@ def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, exec
     from specinfer.engine.dtype_choice import load_ssm
     from specinfer.engine.load import split_pool
 
-    dirs, names = split_pool(entries)
+    dirs, names = split_pool(entries, is_model_free=False)  # the configuration resolved the pool
     if not dirs and not names:
         return None
     ssm_exec = None if execution is None else replace(execution, offload=False)
@@ -468,7 +468,8 @@ def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, exec
     for d, ssm in zip(dirs, ssms):
         if ssm.cfg.vocab_size != llm.cfg.vocab_size:
             raise UserError(f"SSM {d}: vocabulary {ssm.cfg.vocab_size}, the LLM's is {llm.cfg.vocab_size}")
-    return LocalSpeculation(Speculator(ssms, [model_free_member(n) for n in names]), [d.name for d in dirs])
+    members = [model_free_member(n, suffix_cache_tokens) for n in names]
+    return LocalSpeculation(Speculator(ssms, members), [d.name for d in dirs])
 
 
 def pool_context(source, llm) -> int:

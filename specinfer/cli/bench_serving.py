@@ -5,7 +5,8 @@ decoding as the batch grows. This starts the stack (speculator, verifier, gatewa
 then, at each concurrency, runs the same prompts through the gateway in three arms, interleaved
 in rounds (each round runs every arm on a share of the requests, in rotating order, so that the
 machine's drifts hit all arms alike): incremental decoding (the verifier batches requests), a
-fixed token tree, and load-aware speculation (the verifier picks each step's tree, or none). It
+fixed token tree (`--tree-width`, the paper's static expansion), and the defaults (what a
+request naming no tree gets: dynamic trees priced by the load-aware policy, or none). It
 reports output tokens/s, p50/p99 per-token latency (request latency / output tokens), and whether
 every greedy output equals the single-request output.
 
@@ -93,7 +94,7 @@ def noisy_phase(client, prompts: list[str], seconds: float, max_tokens: int) -> 
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             for temperature in (0.0, 1.0):
-                load = run_load(client, prompts, 2, 2, ArmSpec("load_aware", True, ()), max_tokens, temperature,
+                load = run_load(client, prompts, 2, 2, ArmSpec("defaults", True, ()), max_tokens, temperature,
                                 num_requests)
                 num_requests += len(load["records"])
                 errors += load["errors"]
@@ -122,7 +123,8 @@ def summarize(loads: list[dict]) -> dict:
 
 
 def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...], max_tokens: int, dtype: str,
-                     ssm_dtype: str | None, ssm_names: tuple[str, ...] = (), cache_dir=None) -> dict:
+                     ssm_dtype: str | None, ssm_names: tuple[str, ...] = (), cache_dir=None,
+                     suffix_cache_tokens: int | None = None) -> dict:
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
@@ -145,6 +147,9 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
         order = ["in_process", "service"] if i % 2 == 0 else ["service", "in_process"]
         outputs = {}
         for arm in order:
+            for member in engine.source.speculator.model_free:  # as the stack's: no outputs shared across requests
+                if hasattr(member, "cache") and suffix_cache_tokens == 0:
+                    member.cache.clear()
             start = time.perf_counter()
             if arm == "in_process":
                 outputs[arm] = engine.generate(ids, params).output_ids
@@ -219,11 +224,15 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                               ssm_dtype=args.ssm_dtype, cache_dir=cache_dir, verifier_threads=args.verifier_threads,
                               speculator_threads=args.speculator_threads, omp_wait_policy=args.omp_wait_policy,
                               tree_width=args.tree_width,
-                              admission_latency_factor=None if args.adaptive_admission else 0.0))
+                              admission_latency_factor=None if args.adaptive_admission else 0.0,
+                              # Arms and rounds send the same prompts: a shared suffix cache would draft
+                              # each greedy output from an earlier arm's (the repeated-task case).
+                              suffix_cache_tokens=None if args.shared_suffix_cache else 0))
     # As `specinfer up` starts it: the verifier hosts the pool unless speculator processes are asked for.
     stack = Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
                           is_co_located=args.co_located or not args.num_speculators or not paths.ssms))
-    arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("load_aware", True, ())]
+    # "defaults": what a request that names no tree gets (the verifier's dynamic trees, load-aware).
+    arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("defaults", True, ())]
     plain_pool: tuple[str, ...] = ()
     if args.compare_pipeline:
         stack, plain_pool, ahead_pool = _pipeline_stack(stack, cache_dir)
@@ -234,7 +243,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                          "max_tokens": args.max_new_tokens, "tree_width": list(widths),
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
                          "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline),
-                         "noisy_phase_s": args.noisy_phase_s, "adaptive_admission": bool(args.adaptive_admission)},
+                         "noisy_phase_s": args.noisy_phase_s, "adaptive_admission": bool(args.adaptive_admission),
+                         "shared_suffix_cache": bool(args.shared_suffix_cache)},
               "results": {}}
     try:
         stack.start()
@@ -247,7 +257,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
             report["noisy_phase"] = noisy_phase(client, prompts, args.noisy_phase_s, args.max_new_tokens)
         report["service_overhead"] = measure_overhead(client, paths, prompts[: args.requests_per_level], widths,
                                                       args.max_new_tokens, args.dtype, args.ssm_dtype, plain_pool,
-                                                      cache_dir)
+                                                      cache_dir, stack.cfg.suffix_cache_tokens)
         report["http_overhead"] = measure_http_overhead(client, f"http://127.0.0.1:{args.port + 3}", paths.llm.name,
                                                         prompts[: args.requests_per_level], widths,
                                                         args.max_new_tokens)

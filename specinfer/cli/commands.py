@@ -23,14 +23,16 @@ def resolve_paths(
     Returns the paths and, for the demo models, their held-out prompts file. With
     `ssm_needed_by` (what needs them, e.g. "the stack"), no SSM at all is a `UserError`.
     """
-    ssm_dirs, model_free = split_pool(args.ssm)
+    ssm_dirs, model_free = split_pool(args.ssm, getattr(args, "model_free", True))
+    is_none = [str(e) for e in args.ssm] == ["none"]
     if args.llm is None:
         if ssm_dirs:
             raise UserError("--ssm given without --llm")
         from specinfer.pool.demo_models import ensure_demo_models
 
         demo = ensure_demo_models(cache_dir, progress=True)
-        paths, demo_prompts = ModelPaths(demo.llm, tuple(demo.ssms), model_free), demo.prompts
+        paths = ModelPaths(demo.llm, () if is_none else tuple(demo.ssms), model_free)
+        demo_prompts = demo.prompts
     else:
         paths, demo_prompts = ModelPaths(args.llm, ssm_dirs, model_free), None
     if ssm_needed_by and not paths.ssms and not paths.model_free:
@@ -102,12 +104,12 @@ def tree_shape(args: argparse.Namespace):
 
 
 def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None, sampling):
-    """The request parameters of the mode flags (`--mode`, else tree with SSMs and incremental
+    """The request parameters of the mode flags (`--mode`, else auto with a pool and incremental
     without). Returns (mode, params)."""
     from specinfer.engine.llm_engine import mode_params
 
     shape = tree_shape(args)
-    mode = mode or ("tree" if has_ssm else "incremental")
+    mode = mode or ("auto" if has_ssm else "incremental")
     if mode != "incremental" and not has_ssm:
         raise UserError(f"--mode {mode} needs at least one --ssm")
     return mode, mode_params(mode, args.max_new_tokens, shape, sampling)

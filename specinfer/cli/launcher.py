@@ -41,6 +41,7 @@ class StackConfig:
     ssm_dtype: str | None = DEFAULT_SSM_DTYPE  # auto: the fastest here; None: `dtype`; never changes the output
     cache_dir: Path | None = None  # the children's cache directory (load-time measurements); None: their default
     model_free: tuple[str, ...] = ()  # model-free pool members (lookup, suffix), next to the SSMs
+    suffix_cache_tokens: int | None = None  # recent outputs the suffix member shares (None: the services' default)
     is_co_located: bool = False  # the verifier hosts the pool itself: no speculator process, no hop
     tree_width: str = ",".join(map(str, PAPER_TREE_WIDTH))
     metrics_base_port: int = 0
@@ -127,11 +128,14 @@ class Stack:
             common_env["SPECINFER_OTLP_ENDPOINT"] = cfg.otlp_endpoint
         if cfg.cache_dir:
             common_env[CACHE_DIR_ENV] = str(cfg.cache_dir)
+        if cfg.suffix_cache_tokens is not None:
+            common_env["SPECINFER_SUFFIX_CACHE_TOKENS"] = str(cfg.suffix_cache_tokens)
         spec_targets = []
         groups = [] if cfg.is_co_located else _split(cfg.ssms, cfg.num_speculators)
         for i, group in enumerate(groups):
             port = cfg.speculator_base_port + i
-            args = [a for ssm in group + (cfg.model_free if i == 0 else ()) for a in ("--ssm", str(ssm))]
+            members = group + (cfg.model_free if i == 0 else ())  # the model-free members in one speculator
+            args = [a for ssm in members for a in ("--ssm", str(ssm))] + ["--model-free", "off"]
             args += ["--host", cfg.host, "--port", str(port), "--dtype", cfg.ssm_dtype or cfg.dtype,
                      "--threads", str(cfg.speculator_threads or default_speculator_threads(cfg.num_speculators))]
             args += _exec_args(cfg)
@@ -147,7 +151,7 @@ class Stack:
         args += [a for t in spec_targets for a in ("--speculator", t)]
         if cfg.is_co_located:
             pool = tuple(map(str, cfg.ssms)) + cfg.model_free
-            args += [a for entry in pool or ("none",) for a in ("--ssm", entry)]
+            args += [a for entry in pool or ("none",) for a in ("--ssm", entry)] + ["--model-free", "off"]
             args += ["--ssm-dtype", cfg.ssm_dtype or cfg.dtype]
         if cfg.tensor_parallel > 1:
             args += ["--tensor-parallel", str(cfg.tensor_parallel)]
@@ -225,7 +229,11 @@ def add_up_parser(sub) -> None:
     up = sub.add_parser("up", help="start speculator(s), verifier and gateway on localhost")
     up.add_argument("--llm", type=Path, help="LLM directory (default: demo models)")
     up.add_argument("--ssm", type=Path, action="append", default=[],
-                    help="SSM directory, or lookup / suffix (model-free speculators); repeatable")
+                    help="SSM directory, or lookup / suffix (model-free speculators); repeatable; both model-free "
+                         "members join the pool unless one is named or --no-model-free is given; none: no pool")
+    from specinfer.cli.main import add_model_free_flag
+
+    add_model_free_flag(up)
     up.add_argument("--co-located", action="store_true",
                     help="the verifier hosts the SSMs itself (the default: --num-speculators 0)")
     up.add_argument("--cache-dir", type=Path)

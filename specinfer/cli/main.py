@@ -26,7 +26,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llm", type=Path, help="LLM checkpoint directory (default: the built-in demo models)")
     p.add_argument("--ssm", type=Path, action="append", default=[],
                    help="SSM checkpoint directory, or a model-free speculator: lookup (n-grams of the request's "
-                        "own context) or suffix (its context and recent outputs); repeatable")
+                        "own context) or suffix (its context and recent outputs); repeatable. Both model-free "
+                        "members join the pool unless one is named or --no-model-free is given; none: no pool")
+    add_model_free_flag(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
                    help="dtype of the SSMs: auto (default) measures which is fastest on this machine when they load "
@@ -36,6 +38,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the LLM over N processes on this host (GPUs with NCCL, else CPU with gloo)")
     add_exec_flags(p)
+
+
+def add_model_free_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-free", action=argparse.BooleanOptionalAction, default=True,
+                   help="lookup and suffix join the SSM pool (default; a pool naming either is taken as given)")
 
 
 def add_exec_flags(p: argparse.ArgumentParser) -> None:
@@ -52,8 +59,10 @@ def add_exec_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)), help="children per level, e.g. 1,1,3,1")
-    p.add_argument("--max-tree-nodes", type=int, default=64, help="cap on token-tree nodes per step")
+    p.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)),
+                   help="the static expansion of tree and sequence modes: children per level, e.g. 1,1,3,1 "
+                        "(default: the paper's)")
+    p.add_argument("--max-tree-nodes", type=int, default=64, help="cap on a static tree's nodes per step")
     p.add_argument("--min-path-prob", type=float, default=0.0,
                    help="prune tree branches whose SSM path probability is below this (0 = off)")
 
@@ -69,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts", type=Path, help='JSONL file with one {"prompt": "..."} per line')
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--mode", choices=["incremental", "sequence", "tree", "auto"],
-                   help="default: tree with SSMs, else incremental; auto = load-aware shapes within --tree-width")
+                   help="default: auto with a pool, else incremental. auto: dynamic trees, each step's grown from the "
+                        "drafts' calibrated chances of acceptance and sized by the load-aware policy (or none where "
+                        "speculation does not pay); tree: the static expansion --tree-width; sequence: a chain")
     _add_spec_flags(g)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -110,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --concurrency: keep the gateway's measured admission limit (one limit for all arms, "
                         "so one arm's latencies set the next arm's); default: a fixed limit, so the arms compare "
                         "decoding alone")
+    b.add_argument("--shared-suffix-cache", action="store_true",
+                   help="with --concurrency: keep the suffix member's cache of recent outputs shared across requests "
+                        "(off by default here: every arm and round sends the same prompts, so it would draft each "
+                        "output from an earlier arm's)")
     b.add_argument("--port", type=int, default=50151, help="with --concurrency: first port of the stack")
     b.add_argument("--verifier-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
     b.add_argument("--speculator-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")

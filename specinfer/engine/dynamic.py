@@ -24,13 +24,11 @@ the best estimate. Before its first pass the SSM runs only if what it added on r
 model-free candidates as good as this step's is worth its levels (`SsmGain`): per step,
 speculation goes down to the model-free members alone, or to no tree at all.
 
-Exactness (Section 4.3). Greedy verification keeps exactly the LLM's argmax path, so any tree is
-exact. For sampled requests, an SSM's children at a node are draws from its proposal q there, and
-no draw is ever pruned: how many draws a node gets is fixed from what was known before drawing
-there (its value), and every draw stays in the tree, before any point mass at that node. The
-model-free members' point masses are chosen before any SSM draw. So no draft's existence
-depends on its own outcome, which is all multi-step speculative sampling needs. Plain Python
-around one softmax and top-k (or multinomial) per expanded level.
+Exactness (Section 4.3). Verification keeps exactly the LLM's own tokens (its argmax, or its
+sample with the request's noise: `sampling.SamplingNoise`), so any tree is exact, and the
+drafts may be chosen, pruned and merged freely. For sampled requests an SSM's children are the
+Gumbel-top-k of its own distribution with the same noise (coupled drafts), valued by their rank
+there. Plain Python around one softmax and top-k per expanded level.
 """
 
 from __future__ import annotations
@@ -42,17 +40,17 @@ from typing import Any
 
 import torch
 
-from specinfer.engine.sampling import proposal_probs
-from specinfer.engine.tree import Draft, ScoredTree, TokenTree
-from specinfer.limits import DYNAMIC_EXPAND_TOP_K, DYNAMIC_EXPAND_WIDTH, DYNAMIC_MAX_ATTEMPTS
+from specinfer.engine.sampling import SamplingNoise, perturbed, warp_logits
+from specinfer.engine.tree import ScoredTree, TokenTree
+from specinfer.limits import DYNAMIC_EXPAND_TOP_K, DYNAMIC_EXPAND_WIDTH
 from specinfer.params import SamplingParams, TreeBudget
 
-SSM, SAMPLED, ATTEMPT = "ssm", "ssm-sampled", "ssm-attempt"  # the SSMs' drafters (model-free: their names)
+SSM = "ssm"  # the SSMs' drafter name (a sampled request's: by rank, "ssm~1"...; model-free members: theirs)
 CONFIDENCE_EDGES = (0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
 MAX_DEPTH_BUCKET = 4  # depths 4 and deeper share their statistics
 PRIOR_WEIGHT = 4.0  # observations behind a cell's prior (the drafter's confidence)
 CELL_WINDOW = 512.0  # observations a cell remembers (older ones fade: acceptance drifts with the text)
-PRIOR_ATTEMPT = (0.45, 0.2)  # P(the j-th draw at a node is accepted | the earlier ones were not)
+PRIOR_COUPLED = (0.5, 0.15, 0.05)  # a coupled draft's acceptance by rank, before its confidence
 PRIOR_EXPAND = 0.6  # the best child's conditional acceptance at an expanded node, before any evidence
 MIN_RATE = 1e-3  # candidates less likely than this are not even kept as candidates
 
@@ -62,10 +60,11 @@ Feature = tuple[str, int, float]  # (drafter, depth, confidence): what a candida
 def _prior(source: str, conf: float) -> float:
     """A cell's estimate before evidence: an SSM's probability at its word; a model-free member's
     branch probability, trusted more the longer its match (its name is suffixed with the match)."""
-    if source == SSM or source == SAMPLED:
+    if source == SSM:
         return conf
-    if source == ATTEMPT:
-        return PRIOR_ATTEMPT[min(int(conf), len(PRIOR_ATTEMPT)) - 1]
+    if source.startswith(SSM + "~"):  # coupled: the rank-r Gumbel-max draft of the SSM's distribution
+        base = PRIOR_COUPLED[int(source[len(SSM) + 1:]) - 1]
+        return base + (1 - base) * conf
     num_matched = int(source.rsplit(":", 1)[-1]) if ":" in source else 1
     return conf * min(0.9, 0.3 + 0.2 * num_matched)
 
@@ -87,8 +86,7 @@ class Calibration:
 
     @staticmethod
     def _key(source: str, depth: int, conf: float) -> tuple[str, int, int]:
-        bucket = int(conf) if source == ATTEMPT else bisect.bisect(CONFIDENCE_EDGES, conf)
-        return source, min(depth, MAX_DEPTH_BUCKET), bucket
+        return source, min(depth, MAX_DEPTH_BUCKET), bisect.bisect(CONFIDENCE_EDGES, conf)
 
     def rate(self, source: str, depth: int, conf: float) -> float:
         prior = _prior(source, conf)
@@ -151,15 +149,13 @@ class SsmGain:
 class Candidates:
     """One request's candidate nodes for one step: a token tree (structure only; node 0 the root)
     whose nodes carry their drafters, their conditional acceptance (the best drafter's) and
-    their value (the product along the path); and the SSM draws made at each node."""
+    their value (the product along the path)."""
 
     def __init__(self, root: int):
         self.tree = TokenTree.with_root(root)
         self.cond = [1.0]
         self.value = [1.0]
         self.features: list[list[Feature]] = [[]]
-        self.draws: list[list[tuple[int, Any]]] = [[]]  # per node: (child, q) of each SSM draw, in order
-        self.is_fixed = [True]  # in the tree whatever its value: the root, SSM draws, chosen point masses
 
     def __len__(self) -> int:
         return len(self.tree)
@@ -173,8 +169,6 @@ class Candidates:
             self.cond.append(rate)
             self.value.append(self.value[parent] * rate)
             self.features.append([feature])
-            self.draws.append([])
-            self.is_fixed.append(False)
             return child
         self.features[child].append(feature)
         if rate > self.cond[child]:
@@ -190,54 +184,30 @@ class Candidates:
             stack.extend(self.tree.children[n])
 
     def select(self, budget: TreeBudget, num_levels: int) -> tuple[list[int], float]:
-        """The step's nodes (root first) and their summed value: the fixed ones, then the most
-        valuable others while each raises the expected rate (a prefix of the value order is a
-        tree: a child is never worth more than its parent, and ties go to the shallower)."""
-        fixed = [n for n in range(1, len(self)) if self.is_fixed[n]]
-        free = sorted((n for n in range(1, len(self)) if not self.is_fixed[n]),
-                      key=lambda n: (-self.value[n], self.tree.depths[n], n))
-        total = sum(self.value[n] for n in fixed)
+        """The step's nodes (root first) and their summed value: the most valuable candidates
+        while each raises the expected rate (a prefix of the value order is a tree: a child is
+        never worth more than its parent, and ties go to the shallower)."""
+        order = sorted(range(1, len(self)), key=lambda n: (-self.value[n], self.tree.depths[n], n))
         base = 1 + budget.level_cost * num_levels
-        best_rate, best_k, best_total = (1 + total) / (base + budget.node_cost * len(fixed)), 0, total
-        room = budget.max_nodes - len(fixed)
-        for k, n in enumerate(free[:max(0, room)], 1):
+        best_rate, best_k, best_total, total = 1 / base, 0, 0.0, 0.0
+        for k, n in enumerate(order[:max(0, budget.max_nodes)], 1):
             total += self.value[n]
-            rate = (1 + total) / (base + budget.node_cost * (len(fixed) + k))
+            rate = (1 + total) / (base + budget.node_cost * k)
             if rate > best_rate:
                 best_rate, best_k, best_total = rate, k, total
-        return [0] + fixed + free[:best_k], best_total
+        return [0] + order[:best_k], best_total
 
     def build(self, chosen: list[int]) -> tuple[TokenTree, list[int]]:
-        """The step's tree of the chosen nodes, level by level, with each node's attempts in a
-        valid order (its SSM draws as drawn, then a point mass for every other chosen child, the
-        most valuable first); and each tree node's candidate."""
+        """The step's tree of the chosen nodes, level by level, each node's children the most
+        valuable first; and each tree node's candidate."""
         cand = self.tree
-        order = sorted(chosen[1:], key=lambda n: (cand.depths[n], n))
+        order = sorted(chosen[1:], key=lambda n: (cand.depths[n], -self.value[n], n))
         tree = TokenTree.with_root(cand.tokens[0])
         index, of = {0: 0}, [0]
         for n in order:
-            parent = index[cand.parents[n]]
-            index[n] = tree._append(cand.tokens[n], parent, cand.depths[n])
-            tree.children[parent].append(index[n])
+            index[n] = tree.add_draft(index[cand.parents[n]], cand.tokens[n], None)
             of.append(n)
-        for n in [0] + order:
-            drafts, drawn = tree.drafts[index[n]], set()
-            for child, q in self.draws[n]:
-                drafts.append(Draft(index[child], q))
-                drawn.add(child)
-            others = sorted((c for c in cand.children[n] if c in index and c not in drawn), key=lambda c: -self.value[c])
-            drafts.extend(Draft(index[c], None) for c in others)
         return tree, of
-
-    def pruned_to(self, keep: list[int]) -> "Candidates":
-        """A copy holding only `keep` (root first, parents before children), each fixed."""
-        out = Candidates(self.tree.tokens[0])
-        index = {0: 0}
-        for n in keep[1:]:
-            index[n] = out.add(index[self.tree.parents[n]], self.tree.tokens[n], self.features[n][0], self.cond[n])
-            out.features[index[n]] = list(self.features[n])
-            out.is_fixed[index[n]] = True
-        return out
 
 
 @dataclass
@@ -246,37 +216,21 @@ class BuiltTree:
 
     candidates: Candidates
     of: list[int]  # the step's tree node -> its candidate
-    is_greedy: bool
+    is_greedy: bool  # which calibration it feeds
 
 
 def learn(calibration: Calibration, built: BuiltTree, accepted: list[int], bonus: int) -> None:
-    """Feeds a verified step to the calibration. Greedy: every candidate whose parent verification
-    reached, kept or not, was accepted exactly when its token is the LLM's there. Sampled: the
-    kept children of reached nodes, and the SSM draws at them by rank."""
+    """Feeds a verified step to the calibration: every candidate whose parent verification
+    reached, kept in the tree or not, was accepted exactly when its token is the LLM's there (its
+    argmax, or its sample: the noise fixes it whatever the tree)."""
     cands = built.candidates
     tree = cands.tree
     path = tree.find_path(accepted)
-    kept = set(built.of)
     samples: list[tuple[Feature, bool]] = []
     for i, node in enumerate(path):
         llm_token = accepted[i] if i < len(accepted) else bonus
-        nxt = path[i + 1] if i + 1 < len(path) else None
         for c in tree.children[node]:
-            if built.is_greedy:
-                is_accepted = tree.tokens[c] == llm_token
-            elif c in kept:
-                is_accepted = c == nxt
-            else:
-                continue
-            samples.extend((f, is_accepted) for f in cands.features[c])
-        seen: set[int] = set()
-        for rank, (child, _) in enumerate(cands.draws[node], 1):
-            if child in seen:
-                continue
-            seen.add(child)
-            samples.append(((ATTEMPT, tree.depths[node] + 1, min(rank, DYNAMIC_MAX_ATTEMPTS)), child == nxt))
-            if child == nxt:
-                break
+            samples.extend((f, tree.tokens[c] == llm_token) for f in cands.features[c])
     calibration.observe(samples)
 
 
@@ -292,24 +246,24 @@ class DynamicBuild:
     """One request's dynamic tree for one step. The model-free candidates come first (they cost
     nothing); then, when worth it, the SSMs (`ssm_seqs`: runner index -> the request's SSM cache,
     caught up by the caller) expand the most valuable nodes level by level, each `grow` reading
-    every SSM's logits at the last level's expanded nodes; `finish` keeps the best tree."""
+    every SSM's logits at the last level's expanded nodes; `finish` keeps the best tree.
+    `root_position` is the root's position in the request (a sampled request's noise is by position)."""
 
-    def __init__(self, root: int, budget: TreeBudget, params: SamplingParams, generator: torch.Generator | None,
-                 calibration: Calibration, gain: SsmGain, scored: list[tuple[str, ScoredTree]],
-                 ssm_seqs: dict[int, Any], is_sampled: bool, proposal_top_k: int):
-        self.budget, self.params, self.generator = budget, params, generator
+    def __init__(self, root: int, root_position: int, budget: TreeBudget, params: SamplingParams,
+                 noise: SamplingNoise | None, calibration: Calibration, gain: SsmGain,
+                 scored: list[tuple[str, ScoredTree]], ssm_seqs: dict[int, Any], is_sampled: bool = True):
+        self.budget, self.params, self.noise = budget, params, noise
+        self.root_position = root_position
         self.calibration, self.gain = calibration, gain
         self.is_greedy = params.is_greedy
-        self.is_sampled = is_sampled and not params.is_greedy  # SSM children drawn from q (else top-k picks)
-        self.proposal_top_k = proposal_top_k
+        # Sampled requests: the SSMs' Gumbel-top-k with the request's noise (coupled), else their top-k.
+        self.is_coupled = is_sampled and not params.is_greedy and noise is not None
         self.cands = Candidates(root)
         self.num_levels = 0
         for name, (tree, confidence, num_matched) in scored:
             self._add_model_free(tree, confidence, model_free_source(name, num_matched))
         chosen, self.model_free_value = self.cands.select(budget, 0)
         self.num_model_free_nodes = len(chosen) - 1
-        if self.is_sampled:  # point masses are chosen before any SSM draw, and stay
-            self.cands = self.cands.pruned_to(chosen)
         self.ssm_seqs = ssm_seqs if ssm_seqs and budget.max_depth > 0 else {}
         if self.ssm_seqs and not gain.is_worth(self.model_free_value, self.num_model_free_nodes, budget):
             self.ssm_seqs = {}
@@ -341,51 +295,30 @@ class DynamicBuild:
         then picks the next frontier, or ends the expansion."""
         depth = self.num_levels + 1
         self.num_levels = depth
-        price, _, _ = self._price()
         best_rates = []
-        for m, rows in logits.items():
-            if self.is_sampled:
-                self._draw(rows, depth, price)
-                continue
-            probs = torch.softmax(rows.float(), dim=-1) if self.is_greedy else proposal_probs(rows, self.params, 0)
-            top = torch.topk(probs, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1)
-            for node, confs, tokens in zip(self.frontier, top.values.tolist(), top.indices.tolist()):
-                rates = [self.calibration.rate(SSM, depth, c) for c in confs]
+        for rows in logits.values():
+            if self.is_greedy:
+                probs = torch.softmax(rows.float(), dim=-1)
+                top = torch.topk(probs, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1)
+                confs, tokens = top.values.tolist(), top.indices.tolist()
+            else:
+                warped = warp_logits(rows, self.params)
+                probs = torch.softmax(warped, dim=-1)
+                order = (perturbed(warped, self.noise, [self.root_position + depth] * len(self.frontier))
+                         if self.is_coupled else warped)
+                tokens = torch.topk(order, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1).indices
+                confs, tokens = probs.gather(-1, tokens).tolist(), tokens.tolist()
+            for node, node_confs, node_tokens in zip(self.frontier, confs, tokens):
+                sources = [SSM if self.is_greedy else f"{SSM}~{min(r, len(PRIOR_COUPLED))}"
+                           for r in range(1, len(node_tokens) + 1)]
+                rates = [self.calibration.rate(src, depth, c) for src, c in zip(sources, node_confs)]
                 best_rates.append(max(rates))
-                for conf, token, rate in zip(confs, tokens, rates):
-                    if self.cands.value[node] * rate >= MIN_RATE:
-                        self.cands.add(node, token, (SSM, depth, conf), rate)
+                for src, conf, token, rate in zip(sources, node_confs, node_tokens, rates):
+                    if self.cands.value[node] * rate >= MIN_RATE and conf > 0:
+                        self.cands.add(node, token, (src, depth, conf), rate)
         for rate in best_rates:
             self.calibration.observe_expansion(rate)
         self.frontier = self._next_frontier(depth)
-
-    def _draw(self, rows: torch.Tensor, depth: int, price: float) -> None:
-        """Sampled requests: each frontier node gets as many draws from q as its value pays for
-        (decided before drawing), and every draw is a fixed node of the tree."""
-        q = proposal_probs(rows, self.params, self.proposal_top_k)  # (F, V)
-        cands = self.cands
-        for row, node in enumerate(self.frontier):
-            num = self._num_draws(node, depth, price)
-            if num == 0:
-                continue
-            draws = torch.multinomial(q[row], num, replacement=True, generator=self.generator).tolist()
-            qrow = q[row]
-            for token in draws:
-                conf = float(qrow[token])
-                child = cands.add(node, token, (SAMPLED, depth, conf), self.calibration.rate(SAMPLED, depth, conf))
-                cands.is_fixed[child] = True
-                cands.draws[node].append((child, qrow))
-
-    def _num_draws(self, node: int, depth: int, price: float) -> int:
-        if len(self.cands) > self.budget.max_nodes:
-            return 0
-        num, missed = 0, 1.0
-        for rank in range(1, DYNAMIC_MAX_ATTEMPTS + 1):
-            rate = self.calibration.rate(ATTEMPT, depth, rank)
-            if self.cands.value[node] * missed * rate < price:
-                break
-            num, missed = rank, missed * (1 - rate)
-        return num
 
     def _next_frontier(self, depth: int) -> list[int]:
         """The next level's nodes to expand: children of this level's, the most valuable that

@@ -25,7 +25,7 @@ from specinfer.engine.loop import (
 )
 from specinfer.engine.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import make_generator
+from specinfer.engine.sampling import SamplingNoise, fresh_seed
 from specinfer.engine.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.speculator import Built, DraftSession, Proposal, Speculator
 from specinfer.engine.tree import TokenTree
@@ -225,6 +225,8 @@ class Engine:
         """Admits one request (its worst-case KV reserved) and returns its decode loop. Requests
         of one `prefix_group` (the samples of an n > 1 request) share their common prompt's KV."""
         llm_cfg = self.verifier.runner.cfg
+        if not params.sampling.is_greedy and params.sampling.seed is None:  # the noise needs a seed; drafts share it
+            params = replace(params, sampling=replace(params.sampling, seed=fresh_seed()))
         limits.check_prompt_ids(prompt_ids, params.max_new_tokens, llm_cfg.vocab_size, self.max_context)
         limits.check_stop_token_ids(params.stop_token_ids, llm_cfg.vocab_size)
         num_sources = self.source.num_sources(params.ssm_names) if self.source and params.is_speculative else 0
@@ -245,15 +247,17 @@ class Engine:
             raise
         choose = WidthChoice(shape.widths, self.policy() if is_load_aware else None, self.guard,
                              params.sampling.is_greedy)
+        noise = None if params.sampling.is_greedy else SamplingNoise(params.sampling.seed, llm_cfg.vocab_size,
+                                                                      self.verifier.runner.model.device)
         return Generation(prompt_ids, params, params.stop_tokens(llm_cfg.eos_token_ids), drafts, choose,
-                          self.max_context, session, make_generator(params.sampling.seed, 2), observer)
+                          self.max_context, session, noise, observer)
 
     def step(self, generations: list[Generation], should_stop: Callable[[], None] | None = None) -> list[list[int]]:
         """One speculate + verify iteration for every unfinished request; the tokens each kept.
         While waiting for a scheduler that runs elsewhere, `should_stop()` may raise to abandon
         the wait."""
         def verify(items: list[tuple[Generation, TokenTree]]) -> list[tuple[list[int], int]]:
-            futures = [self.scheduler.verify(g.session, tree, g.params.sampling, g.verify_generator)
+            futures = [self.scheduler.verify(g.session, tree, g.params.sampling, g.noise)
                        for g, tree in items]
             if self.scheduler.worker.is_inline:
                 self.scheduler.pump(futures)

@@ -22,19 +22,29 @@ class ModelPaths:
     model_free: tuple[str, ...] = ()  # model-free pool members by name (limits.MODEL_FREE_NAMES)
 
 
-def split_pool(entries) -> tuple[tuple[Path, ...], tuple[str, ...]]:
-    """`--ssm` values: checkpoint directories, and the model-free members' names ("lookup",
-    "suffix"; a checkpoint directory of that name is given as ./lookup)."""
+def split_pool(entries, is_model_free: bool = True) -> tuple[tuple[Path, ...], tuple[str, ...]]:
+    """`--ssm` values as a pool: checkpoint directories, and the model-free members' names
+    ("lookup", "suffix"; a checkpoint directory of that name is given as ./lookup). The
+    model-free members join every pool, as they cost no model pass and dynamic trees keep only
+    the drafts that pay, unless the entries name one of them (the pool is then exactly what they
+    name) or `is_model_free` is False. `none` alone is the empty pool."""
     from specinfer.limits import MODEL_FREE_NAMES
 
+    entries = [str(e) if str(e) in MODEL_FREE_NAMES + ("none",) else e for e in entries]
+    if "none" in entries:
+        if len(entries) > 1:
+            raise UserError("--ssm none excludes every other --ssm")
+        return (), ()
     dirs, names = [], []
     for entry in entries:
-        if str(entry) in MODEL_FREE_NAMES:
-            if str(entry) in names:
+        if entry in MODEL_FREE_NAMES:
+            if entry in names:
                 raise UserError(f"--ssm {entry} given twice")
-            names.append(str(entry))
+            names.append(entry)
         else:
             dirs.append(Path(entry))
+    if not names and is_model_free:
+        names = list(MODEL_FREE_NAMES)
     return tuple(dirs), tuple(names)
 
 

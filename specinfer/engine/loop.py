@@ -166,7 +166,7 @@ class Generation:
     """One request in flight: its drafts, its LLM-side session, its width choice and its result."""
 
     def __init__(self, prompt_ids: list[int], params: GenerationParams, stops: frozenset[int], drafts: Drafts,
-                 choose: WidthChoice, max_context: int, session: Any, verify_generator,
+                 choose: WidthChoice, max_context: int, session: Any, noise,
                  observer: StepObserver | None = None):
         self.params = params
         self.stops = stops
@@ -174,7 +174,7 @@ class Generation:
         self.choose = choose
         self.max_context = max_context
         self.session = session  # the scheduler's handle on this request's LLM state
-        self.verify_generator = verify_generator
+        self.noise = noise  # a sampled request's `sampling.SamplingNoise` (None: greedy)
         self.observer = observer
         self.result = GenerationResult(list(prompt_ids))
         self.is_done = False

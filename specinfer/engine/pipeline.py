@@ -11,11 +11,11 @@ arrives (`settle`):
 - it is not: tree t+1 is dropped, each SSM keeps the part of its cache the two outcomes share,
   and re-reads the rest (the ordinary catch-up), as if nothing had been drafted ahead.
 
-Which tree the LLM verifies never changes its output (greedy verification keeps exactly the
-LLM's own tokens whatever the tree), so outputs are identical with and without pipelining.
-Trees are drafted ahead for greedy requests only: a sampled tree's draws must stay i.i.d. from
-the proposal given the verified context, and the random stream they consume must not depend on
-timing, so sampled requests always draft after the verdict.
+Which tree the LLM verifies never changes its output (verification keeps exactly the LLM's own
+tokens whatever the tree), so outputs are identical with and without pipelining. Trees are
+drafted ahead for greedy requests of static widths; a dynamic tree's budget is priced after the
+verdict, and a sampled request's assumed outcome would need the LLM's sample, which only the
+verdict brings.
 """
 
 from __future__ import annotations

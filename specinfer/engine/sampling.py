@@ -1,12 +1,25 @@
-"""Sampling parameters and the logits warping that defines the LLM's target distribution.
+"""Sampling: the logits warping that defines the LLM's target distribution, and the noise every
+sampled token is drawn with.
 
 SpecInfer's stochastic verification (Section 4.3) guarantees the output follows the LLM's
 distribution. With temperature, top-k and top-p, that distribution is the *warped* one; this
 module defines it once, applied in the same order as Hugging Face's generate (temperature, then
 top-k, then top-p), and both the verifier and plain incremental sampling use it.
+
+A sampled token is the Gumbel-max of the warped logits, argmax(warped - log E) with E ~ Exp(1)
+per vocabulary entry, and E is fixed by the request's seed and the token's position alone
+(`SamplingNoise`). So a request's output is a function of its seed and prompt: the same whether
+it was decoded plainly or speculated, with whatever trees, in whatever batch, resumed or not.
+And the token at position t is an exact sample of the LLM's distribution given the tokens
+before it, since its noise is independent of theirs. Drafters use the same noise (their
+children are the Gumbel-max of their own distribution), so a draft matches the LLM's sample
+as often as the two distributions' coupling allows; verification keeps a draft exactly when it
+is the LLM's sample (`verify.verify_tree`).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -38,20 +51,6 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return warp_logits(logits, params).softmax(dim=-1)
 
 
-def proposal_probs(logits: torch.Tensor, params: SamplingParams, top_k: int) -> torch.Tensor:
-    """An SSM's proposal q: the same warping as the target, then truncated to its top `top_k`.
-
-    Truncating makes q exactly sparse, so it can be sent compactly; exactness only needs the
-    verifier to know the q that each draft was really drawn from.
-    """
-    probs = target_probs(logits, params)
-    if 0 < top_k < probs.shape[-1]:
-        vals, idx = torch.topk(probs, top_k, dim=-1)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, vals)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
-
-
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], params: SamplingParams, num_top: int
                    ) -> list[TokenLogprob]:
     """Each token's logprob, and the `num_top` most likely tokens', under the distribution it was
@@ -69,11 +68,54 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], params: SamplingP
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids, chosen, tops)]
 
 
-def make_generator(seed: int | None, stream: int, device="cpu") -> torch.Generator:
-    """A per-request RNG. `stream` separates the speculator's and the verifier's draws."""
-    gen = torch.Generator(device=device)
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed((int(seed) * 1_000_003 + stream) % (1 << 63))
-    return gen
+def fresh_seed() -> int:
+    """A random seed for a sampled request that names none (the noise needs one)."""
+    return int.from_bytes(os.urandom(8), "little") % (1 << 63)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64's finalizer, so nearby seeds and
+    positions give unrelated streams."""
+    z = (int(seed) * 0x9E3779B97F4A7C15 + int(position) * 0xD1B54A32D192ED03 + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class SamplingNoise:
+    """One request's sampling noise: per token position, log E over the vocabulary with E ~ Exp(1),
+    drawn from a generator seeded by (seed, position). The most recent positions are kept (a
+    step's tree reaches positions the next step reads again)."""
+
+    def __init__(self, seed: int, vocab_size: int, device="cpu", num_kept: int = 64):
+        self.seed, self.vocab_size, self.device, self.num_kept = int(seed), vocab_size, device, num_kept
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def row(self, position: int) -> torch.Tensor:
+        row = self._rows.get(position)
+        if row is None:
+            gen = torch.Generator().manual_seed(_mix(self.seed, position))
+            uniform = torch.rand(self.vocab_size, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+            row = torch.log(-torch.log(uniform)).float().to(self.device)
+            if len(self._rows) >= self.num_kept:
+                del self._rows[min(self._rows)]
+            self._rows[position] = row
+        return row
+
+    def rows(self, positions: list[int]) -> torch.Tensor:
+        """(len(positions), V): the noise of each position."""
+        return torch.stack([self.row(p) for p in positions])
+
+
+def perturbed(warped: torch.Tensor, noise: SamplingNoise, positions: list[int]) -> torch.Tensor:
+    """Warped logits (n, V) minus the noise of the positions they sample: their argmax is the
+    sampled token (Gumbel-max), their order the drafts' (Gumbel-top-k)."""
+    return warped - noise.rows(positions).to(warped.device)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, noise: SamplingNoise, positions: list[int]) -> list[int]:
+    """The sampled token of each row of (n, V) logits, row i sampling the token at positions[i]."""
+    return perturbed(warp_logits(logits, params), noise, positions).argmax(dim=-1).tolist()

@@ -20,9 +20,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
-
 from specinfer import limits
+from specinfer.engine.sampling import SamplingNoise
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verifier import LLMState, Verifier
 from specinfer.engine.workers import BatchWorker, Job, WorkerMetrics
@@ -108,8 +107,8 @@ class Scheduler:
         return self.worker.call("draft", build)
 
     def verify(self, session: VerifySession, tree: TokenTree, params: SamplingParams,
-               generator: torch.Generator | None) -> Future:
-        return self.worker.submit("verify", session, tree, params, generator)
+               noise: SamplingNoise | None) -> Future:
+        return self.worker.submit("verify", session, tree, params, noise)
 
     def close(self, session: VerifySession, history: list[int] | None) -> None:
         """Frees the request's KV, or keeps it as its session's cache when `history` is given

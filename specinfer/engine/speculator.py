@@ -23,11 +23,11 @@ import torch
 from specinfer.engine.blocks import SequenceKV
 from specinfer.engine.dynamic import BuiltTree, Calibration, DynamicBuild, SsmGain, learn
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import make_generator, proposal_probs
+from specinfer.engine.sampling import SamplingNoise, fresh_seed, perturbed, warp_logits
 from specinfer.engine.lookup import PromptLookup
 from specinfer.engine.suffix import SuffixCache, SuffixSpeculator
-from specinfer.engine.tree import ScoredTree, TokenTree, graft, merge_trees, plan_level
-from specinfer.limits import MODEL_FREE_MAX_DEPTH, MODEL_FREE_MAX_NODES, MODEL_FREE_NAMES
+from specinfer.engine.tree import ScoredTree, TokenTree, graft, merge_trees
+from specinfer.limits import MODEL_FREE_MAX_DEPTH, MODEL_FREE_MAX_NODES, MODEL_FREE_NAMES, SUFFIX_CACHE_TOKENS
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
 
 @dataclass
@@ -47,11 +47,11 @@ class SSMTree:
 class _Expansion:
     """Builds one request's tree in one SSM, level by level."""
 
-    def __init__(self, state: SSMState, shape: TreeShape, params: SamplingParams, generator: torch.Generator | None):
+    def __init__(self, state: SSMState, shape: TreeShape, params: SamplingParams, noise: SamplingNoise | None):
         self.state = state
         self.shape = shape
         self.params = params
-        self.generator = generator
+        self.noise = noise
         self.tree = TokenTree.with_root(state.pending[-1])
         self.scratch_of = [-1]
         self.scratch_parents: list[int] = []
@@ -60,8 +60,9 @@ class _Expansion:
         self.level = 0
 
     @property
-    def is_sampled(self) -> bool:
-        return not self.params.is_greedy and self.shape.is_sampled
+    def is_coupled(self) -> bool:
+        """Children are the Gumbel-top-k of the SSM's distribution with the request's noise."""
+        return not self.params.is_greedy and self.shape.is_sampled and self.noise is not None
 
     def grow(self, logits: torch.Tensor) -> Work | None:
         """Adds children to the frontier from its SSM logits (rows follow `self.frontier`).
@@ -74,36 +75,27 @@ class _Expansion:
         self.level += 1
         tree = self.tree
         before = len(tree)
-        if self.is_sampled:
-            # Draft counts are fixed per node before anything is drawn at it, so the drafts stay
-            # i.i.d. from q (what exact verification assumes).
-            wanted = [k if self.path_logprob[n] >= min_logprob else 0 for n in self.frontier]
-            plan = plan_level(wanted, len(tree), shape.max_nodes)
-            q = proposal_probs(logits, self.params, shape.proposal_top_k)  # (F, V)
-            for row, node in enumerate(self.frontier):
-                if plan[row] == 0:
-                    continue
-                draws = torch.multinomial(q[row], plan[row], replacement=True, generator=self.generator).tolist()
-                qrow = q[row]
-                for token in draws:
-                    child = tree.add_draft(node, token, qrow)
-                    if child >= len(self.path_logprob):
-                        self.path_logprob.append(self.path_logprob[node] + math.log(max(qrow[token].item(), 1e-30)))
-        else:
-            # Deterministic children: the level's most probable paths win the node budget.
-            logp = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
-            values, indices = top.values.tolist(), top.indices.tolist()
-            candidates = [
-                (self.path_logprob[node] + values[row][j], node, indices[row][j])
-                for row, node in enumerate(self.frontier)
-                for j in range(len(values[row]))
-            ]
-            candidates = [c for c in candidates if c[0] >= min_logprob]
-            candidates.sort(key=lambda c: -c[0])
-            for path_lp, node, token in candidates[: max(0, shape.max_nodes - len(tree))]:
-                tree.add_draft(node, token, None)
-                self.path_logprob.append(path_lp)
+        # The level's most probable paths win the node budget (coupled: each child's rank among its
+        # siblings stands for its chance, as its Gumbel-max order does).
+        warped = logits.float() if self.params.is_greedy else warp_logits(logits, self.params)
+        logp = torch.log_softmax(warped, dim=-1)
+        order = logp
+        if self.is_coupled:  # the children of this level sample the token at the root's position + level
+            position = self.state.seq.num_committed - 1 + self.level
+            order = perturbed(logp, self.noise, [position] * len(self.frontier))
+        indices = torch.topk(order, min(k, logp.shape[-1]), dim=-1).indices
+        values, indices = logp.gather(-1, indices).tolist(), indices.tolist()
+        candidates = [
+            (self.path_logprob[node] + (RANK_LOGPROB[min(j, len(RANK_LOGPROB) - 1)] if self.is_coupled
+                                        else values[row][j]), node, indices[row][j])
+            for row, node in enumerate(self.frontier)
+            for j in range(len(values[row])) if values[row][j] > -math.inf
+        ]
+        candidates = [c for c in candidates if c[0] >= min_logprob]
+        candidates.sort(key=lambda c: -c[0])
+        for path_lp, node, token in candidates[: max(0, shape.max_nodes - len(tree))]:
+            tree.add_draft(node, token, None)
+            self.path_logprob.append(path_lp)
         new_nodes = list(range(before, len(tree)))
         # Most probable paths first, so the node cap spends its budget on them next level.
         new_nodes.sort(key=lambda n: -self.path_logprob[n])
@@ -126,6 +118,9 @@ class _Expansion:
         )
 
 
+RANK_LOGPROB = tuple(math.log(p) for p in (0.6, 0.15, 0.05, 0.02))  # a coupled child's chance by rank
+
+
 class ModelFree(Protocol):
     """A pool member that drafts without a model (`lookup.PromptLookup`, `suffix.SuffixSpeculator`):
     deterministic children only, so its proposals are point masses."""
@@ -143,12 +138,13 @@ class ModelFree(Protocol):
     def release(self, state: Any) -> None: ...
 
 
-def model_free_member(name: str, cache: SuffixCache | None = None) -> ModelFree:
-    """The model-free pool member called `name` (one of `limits.MODEL_FREE_NAMES`)."""
+def model_free_member(name: str, cache_tokens: int = SUFFIX_CACHE_TOKENS) -> ModelFree:
+    """The model-free pool member called `name` (one of `limits.MODEL_FREE_NAMES`); `suffix`
+    shares the recent outputs of up to `cache_tokens` tokens across requests (0: none)."""
     if name == "lookup":
         return PromptLookup()
     if name == "suffix":
-        return SuffixSpeculator(cache)
+        return SuffixSpeculator(SuffixCache(cache_tokens))
     raise ValueError(f"no model-free speculator named {name!r} (have {', '.join(MODEL_FREE_NAMES)})")
 
 
@@ -160,7 +156,7 @@ class Proposal:
     states: list[Any]
     shape: TreeShape
     params: SamplingParams
-    generator: torch.Generator | None
+    noise: SamplingNoise | None  # a sampled request's: coupled drafts (None: greedy, or uncoupled)
     max_depth: int = MODEL_FREE_MAX_DEPTH
     is_model_free_only: bool = False  # the SSMs sit this step out
     max_nodes: int | None = None  # the merged tree's bound (one speculator's share of the request's KV)
@@ -188,7 +184,7 @@ class DraftSession:
     states: list[Any]
     params: SamplingParams
     shape: TreeShape
-    generator: torch.Generator | None
+    noise: SamplingNoise | None  # a sampled request's (its drafts coupled with the LLM's sample)
     last: Built | None = None  # the tree handed out last
     last_proposal: Proposal | None = None  # what it was asked as
     last_batch_size: int = 0  # requests whose trees were built together with this one's last
@@ -197,8 +193,7 @@ class DraftSession:
 
     def proposal(self, shape: TreeShape, max_depth: int, is_model_free_only: bool = False,
                  max_nodes: int | None = None, budget: TreeBudget | None = None) -> Proposal:
-        return Proposal(self.states, shape, self.params, self.generator, max_depth, is_model_free_only, max_nodes,
-                        budget)
+        return Proposal(self.states, shape, self.params, self.noise, max_depth, is_model_free_only, max_nodes, budget)
 
 
 class Speculator:
@@ -228,8 +223,14 @@ class Speculator:
 
     def open(self, prompt_ids: list[int], params: SamplingParams, shape: TreeShape,
              ssm_indices: list[int] | None = None) -> DraftSession:
-        """A request's drafting state (see `start`), with its own random stream for sampled drafts."""
-        return DraftSession(self.start(prompt_ids, ssm_indices), params, shape, make_generator(params.seed, 1))
+        """A request's drafting state (see `start`), with a sampled request's noise: the verifier's
+        own when the request names its seed (the verifier always does), else one of its own."""
+        noise = None
+        if not params.is_greedy and self.runners:
+            runner = self.runners[0]
+            noise = SamplingNoise(params.seed if params.seed is not None else fresh_seed(), runner.cfg.vocab_size,
+                                  runner.model.device)
+        return DraftSession(self.start(prompt_ids, ssm_indices), params, shape, noise)
 
     def release(self, states: list[Any]) -> None:
         for m, s in enumerate(states):
@@ -248,6 +249,13 @@ class Speculator:
         for m, s in enumerate(states):
             if s is not None:
                 return s.pending[-1] if m < len(self.runners) else s.tokens[-1]
+        raise ValueError("request uses no pool member")
+
+    def root_position(self, states: list[Any]) -> int:
+        """The root's position in the request: its verified tokens but one."""
+        for m, s in enumerate(states):
+            if s is not None:
+                return (s.seq.num_committed + len(s.pending) if m < len(self.runners) else len(s.tokens)) - 1
         raise ValueError("request uses no pool member")
 
     def propose(self, batch: list[Proposal | tuple]) -> list[Built]:
@@ -275,7 +283,7 @@ class Speculator:
                 continue
             expansions = [
                 _Expansion(batch[b].states[m], batch[b].shape.for_ssm(m == _first_used(batch[b].states)),
-                           batch[b].params, batch[b].generator)
+                           batch[b].params, batch[b].noise)
                 for b in users
             ]
             for b, built in zip(users, self._expand(runner, expansions)):
@@ -347,8 +355,8 @@ class Speculator:
                       if p.states[base + i] is not None]
         ssm_seqs = {} if p.is_model_free_only else {m: s for m, s in enumerate(p.states[:base]) if s is not None}
         is_greedy = p.params.is_greedy
-        return DynamicBuild(self.root(p.states), budget, p.params, p.generator, self.calibration[is_greedy],
-                            self.ssm_gain[is_greedy], scored, ssm_seqs, p.shape.is_sampled, p.shape.proposal_top_k)
+        return DynamicBuild(self.root(p.states), self.root_position(p.states), budget, p.params, p.noise,
+                            self.calibration[is_greedy], self.ssm_gain[is_greedy], scored, ssm_seqs, p.shape.is_sampled)
 
     @staticmethod
     def _expand(runner: ModelRunner, expansions: list[_Expansion]) -> list[SSMTree]:

@@ -45,8 +45,8 @@ class SuffixCache:
         return self._num_tokens
 
     def add(self, tokens: list[int]) -> None:
-        tokens = list(tokens[-self.max_tokens:])
-        if len(tokens) < 2:
+        tokens = list(tokens[-self.max_tokens:]) if self.max_tokens > 0 else []
+        if len(tokens) < 2:  # a cache of 0 tokens holds nothing: each request drafts from its own context
             return
         with self._lock:
             doc, self._next_id = self._next_id, self._next_id + 1

@@ -4,10 +4,10 @@ Plain Python, no tensors. Node 0 is the root: the last verified token, whose suc
 LLM predicts. Nodes are kept in topological order (a parent's index is below its children's),
 level by level, so a node's depth never exceeds its index.
 
-Stochastic verification (Section 4.3, Algorithm 2) needs to know, for every node, the draft
-attempts made at it: which child each attempt produced and the exact proposal distribution q it
-was drawn from. `Draft.proposal` is None for a deterministic child (a top-k pick), which the
-verifier treats as a point mass. Proposal payloads are opaque here (tensors, in practice).
+Every node records the draft attempts made at it: which child each produced and, for a draft
+drawn from a proposal distribution q, that q (`Draft.proposal`; None for a deterministic pick).
+Verification keeps the LLM's own tokens (its argmax, or its seeded sample), so it never reads
+them; the wire carries them for speculators that send them. Proposal payloads are opaque here.
 """
 
 from __future__ import annotations
@@ -230,18 +230,3 @@ def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
             for d in tree.drafts[node]:
                 merged.drafts[maps[ti][node]].append(Draft(maps[ti][d.child], d.proposal))
     return merged, maps
-
-
-def plan_level(num_frontier_children: list[int], num_nodes: int, max_nodes: int) -> list[int]:
-    """How many draft attempts each frontier node gets at one level, under the node cap.
-
-    Decided before anything is drawn, so a sampled tree's drafts stay i.i.d. from q.
-    Earlier frontier nodes (higher-ranked paths) are served first.
-    """
-    budget = max(0, max_nodes - num_nodes)
-    plan = []
-    for k in num_frontier_children:
-        take = min(k, budget)
-        plan.append(take)
-        budget -= take
-    return plan

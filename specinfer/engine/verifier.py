@@ -1,22 +1,23 @@
 """The LLM side: per-request KV state and one forward pass that verifies many token trees.
 
 SpecInfer Section 4: the tree (rooted at the last verified token) and any verified tokens not yet
-in the cache go through the LLM in one pass with a topology-aware mask; greedy or multi-step
-speculative sampling picks the accepted path and one bonus token, and only the accepted nodes'
-KV is committed. Prompt chunks of requests still being prefilled ride in the same pass.
+in the cache go through the LLM in one pass with a topology-aware mask; the LLM's own token at
+every node (its argmax, or its seeded sample: `sampling.SamplingNoise`) picks the accepted path
+and one bonus token, and only the accepted nodes' KV is committed. Prompt chunks of requests still being prefilled ride in the same pass.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from specinfer.engine.blocks import SequenceKV
 from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import target_probs, token_logprobs
+from specinfer.engine.sampling import SamplingNoise, sample, token_logprobs
 from specinfer.engine.tree import TokenTree
-from specinfer.engine.verify import verify_greedy, verify_stochastic
+from specinfer.engine.verify import verify_tree
 from specinfer.params import SamplingParams
 
 
@@ -28,7 +29,7 @@ class LLMState:
     last_logprobs: list = field(default_factory=list)  # the last step's, one per accepted token and the bonus
 
 
-VerifyItem = tuple[LLMState, TokenTree, SamplingParams, torch.Generator | None]
+VerifyItem = tuple[LLMState, TokenTree, SamplingParams, SamplingNoise | None]  # noise: sampled requests
 
 
 class Verifier:
@@ -61,15 +62,17 @@ class Verifier:
                 results.append(exc)
         return results
 
-    def _accept(self, state: LLMState, tree: TokenTree, params: SamplingParams, generator, logits: torch.Tensor
-                ) -> tuple[list[int], int]:
+    def _accept(self, state: LLMState, tree: TokenTree, params: SamplingParams, noise: SamplingNoise | None,
+                logits: torch.Tensor) -> tuple[list[int], int]:
         """Verifies one tree against its logits and commits the accepted path's KV."""
-        if not bool(torch.isfinite(logits).all()):
+        if not math.isfinite(float(logits.sum())):  # one reduction: any inf or NaN makes the sum non-finite
             raise ArithmeticError("the LLM produced non-finite logits for this request")
         if params.is_greedy:
-            path, bonus = verify_greedy(tree, logits.argmax(dim=-1).tolist())
-        else:
-            path, bonus = verify_stochastic(tree, target_probs(logits, params), generator)
+            llm_tokens = logits.argmax(dim=-1).tolist()
+        else:  # node n's logits sample the token right after it
+            root = state.seq.num_committed + len(state.pending) - 1
+            llm_tokens = sample(logits, params, noise, [root + d + 1 for d in tree.depths])
+        path, bonus = verify_tree(tree, llm_tokens)
         if state.num_logprobs is not None:  # from the logits at hand: the rows of the accepted path
             state.last_logprobs = token_logprobs(logits[path], [tree.tokens[n] for n in path[1:]] + [bonus], params,
                                                  state.num_logprobs)
