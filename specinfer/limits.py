@@ -189,13 +189,13 @@ def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, mi
         raise UserError(f"shape.policy: unknown tree policy {policy!r}: choose one of {', '.join(TREE_POLICIES)}")
 
 
-def check_budget(max_nodes: int, max_depth: int, node_cost: float, level_cost: float) -> None:
+def check_budget(max_nodes: int, max_depth: int, node_cost: float, level_cost: float, ssm_cost: float = 0.0) -> None:
     """TreeBudget: 0..MAX_TREE_NODES - 1 nodes beyond the root, 0..MAX_TREE_DEPTH levels, costs >= 0."""
     if not 0 <= max_nodes < MAX_TREE_NODES:
         raise UserError(f"budget.max_nodes: must be in [0, {MAX_TREE_NODES - 1}], got {max_nodes}")
     if not 0 <= max_depth <= MAX_TREE_DEPTH:
         raise UserError(f"budget.max_depth: must be in [0, {MAX_TREE_DEPTH}], got {max_depth}")
-    for name, value in (("node_cost", node_cost), ("level_cost", level_cost)):
+    for name, value in (("node_cost", node_cost), ("level_cost", level_cost), ("ssm_cost", ssm_cost)):
         if not isinstance(value, (int, float)) or math.isnan(value) or not 0.0 <= value < math.inf:
             raise UserError(f"budget.{name}: must be a finite number >= 0, got {value}")
 

@@ -70,17 +70,19 @@ class TreeBudget:
     """One step's dynamic token tree, as the verifier asks its drafts for it (the default for
     requests that name no widths). The drafts grow the tree node by node, each candidate valued
     by its estimated chance of being accepted, and keep the nodes that raise the step's expected
-    rate (1 + expected accepted tokens) / (1 + node_cost * nodes + level_cost * SSM levels):
-    the costs are shares of the step's time that one more node in the LLM's pass, and one more
-    SSM level, would add, priced by the verifier's cost model for the current batch and device."""
+    rate (1 + expected accepted tokens) / (1 + node_cost * nodes + ssm_cost + level_cost * SSM
+    levels): the costs are shares of a step without a tree that one more node in the LLM's pass,
+    running the SSMs at all, and one more SSM level would add, priced by the verifier's cost
+    model for the current batch and device."""
 
     max_nodes: int = limits.DYNAMIC_MAX_NODES  # nodes beyond the root
     max_depth: int = limits.DYNAMIC_MAX_DEPTH
     node_cost: float = 0.02
     level_cost: float = 0.05
+    ssm_cost: float = 0.0
 
     def __post_init__(self):
-        limits.check_budget(self.max_nodes, self.max_depth, self.node_cost, self.level_cost)
+        limits.check_budget(self.max_nodes, self.max_depth, self.node_cost, self.level_cost, self.ssm_cost)
 
     def clipped(self, max_depth: int) -> "TreeBudget":
         return replace(self, max_depth=max(0, min(self.max_depth, max_depth)))

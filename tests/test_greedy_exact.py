@@ -103,7 +103,7 @@ class FixedBudget(LoadAwarePolicy):
         super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
         self.fixed = budget
 
-    def choose(self, batch_size, is_greedy=True):
+    def choose(self, batch_size, is_greedy=True, pool=()):
         return self.fixed
 
 

@@ -225,7 +225,7 @@ class AlternatingPolicy(LoadAwarePolicy):
         cheap, pricey = TreeBudget(16, 6, 0.005, 0.01), TreeBudget(8, 3, 0.05, 0.05)
         self._shapes = itertools.cycle([first, (), (1, 1, 1, 1), cheap, (), (), (3,), pricey, cheap])
 
-    def choose(self, batch_size, is_greedy=True):
+    def choose(self, batch_size, is_greedy=True, pool=()):
         return next(self._shapes)
 
 

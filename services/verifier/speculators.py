@@ -377,6 +377,7 @@ class SpeculationDriver:
         self.is_steady = False
         self._is_ssm_current = False  # the SSMs built the tree asked last
         self._is_dynamic = False  # the tree asked last is a dynamic one
+        self._has_ever_run_ssm = False  # a dynamic tree's SSMs have read the prompt
         self._max_nodes = shape.max_nodes  # the bound of one speculator's tree asked last
         self.asked: list[SpeculatorLink] = []  # the links asked for the tree asked last
         self._dropped: list[str] = []  # links dropped while the tree was asked (reported with it)
@@ -397,8 +398,9 @@ class SpeculationDriver:
         wire_budget = budget_to_proto(budget) if budget is not None else None
         self._is_dynamic = budget is not None
         self._max_nodes = budget.max_nodes + 1 if budget is not None else self.shape.max_nodes
-        # For a dynamic tree, whether its SSMs ran is known once it is in (`tree`).
-        is_steady = (self._is_ssm_current or self._is_dynamic) and self.num_unsent_steps == 1
+        # For a dynamic tree, whether its SSMs ran is known once it is in (`tree`); its SSMs' first
+        # pass reads the tokens of the steps they sat out, one pass of whatever length.
+        is_steady = self._is_dynamic or (self._is_ssm_current and self.num_unsent_steps == 1)
         if not self._is_dynamic:
             is_steady, self._is_ssm_current = is_steady and bool(widths), bool(widths)
         if not self.links:
@@ -430,10 +432,10 @@ class SpeculationDriver:
                                          self.is_greedy, self._max_nodes)
         failed, self._dropped = self._dropped + failed, []
         depth = self.asked_depth
-        if self._is_dynamic:  # the SSM levels the speculators ran; steady: SSM trees twice in a row
+        if self._is_dynamic:  # the SSM levels the speculators ran; steady: not the SSMs' first tree (the prompt)
             depth = max((link.last_levels for link in self.asked if link.is_alive), default=0)
-            self.is_steady = self.is_steady and bool(depth) and self._is_ssm_current
-            self._is_ssm_current = bool(depth)
+            self.is_steady = self.is_steady and (not depth or self._has_ever_run_ssm)
+            self._has_ever_run_ssm = self._has_ever_run_ssm or bool(depth)
         self.is_steady = self.is_steady and not failed and not late
         return DraftTree(tree, failed, depth, time.perf_counter() - started, True, tuple(late))
 

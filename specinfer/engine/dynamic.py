@@ -45,7 +45,11 @@ from specinfer.engine.tree import ScoredTree, TokenTree
 from specinfer.limits import DYNAMIC_EXPAND_TOP_K, DYNAMIC_EXPAND_WIDTH
 from specinfer.params import SamplingParams, TreeBudget
 
-SSM = "ssm"  # the SSMs' drafter name (a sampled request's: by rank, "ssm~1"...; model-free members: theirs)
+# The SSMs' candidates are calibrated by their rank among their siblings: "ssm#r" (the r-th most
+# likely child) for greedy requests, "ssm~r" (the r-th of the coupled Gumbel-top-k) for sampled
+# ones. Model-free members' candidates go by the member's name and match length.
+SSM = "ssm"
+REACH = "reach"  # the calibration of whole values (see Calibration.reach)
 CONFIDENCE_EDGES = (0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
 MAX_DEPTH_BUCKET = 4  # depths 4 and deeper share their statistics
 PRIOR_WEIGHT = 4.0  # observations behind a cell's prior (the drafter's confidence)
@@ -60,7 +64,7 @@ Feature = tuple[str, int, float]  # (drafter, depth, confidence): what a candida
 def _prior(source: str, conf: float) -> float:
     """A cell's estimate before evidence: an SSM's probability at its word; a model-free member's
     branch probability, trusted more the longer its match (its name is suffixed with the match)."""
-    if source == SSM:
+    if source.startswith(SSM + "#") or source == REACH:
         return conf
     if source.startswith(SSM + "~"):  # coupled: the rank-r Gumbel-max draft of the SSM's distribution
         base = PRIOR_COUPLED[int(source[len(SSM) + 1:]) - 1]
@@ -105,6 +109,12 @@ class Calibration:
                 cell[0] += is_accepted
                 cell[1] += 1.0
 
+    def reach(self, value: float, depth: int = 0) -> float:
+        """The measured chance that a kept node of this value (its estimated chance, the product
+        along its path) is accepted: the estimates' errors compound along paths, and the most
+        valuable of many estimates is an overestimate (the winner's curse)."""
+        return self.rate(REACH, depth, value)
+
     def observe_expansion(self, best_rate: float, weight: float = 0.02) -> None:
         self.expand_rate += weight * (best_rate - self.expand_rate)
 
@@ -131,7 +141,8 @@ class SsmGain:
         with self._lock:
             gain, extra_nodes, levels = self._ema[b]
             base = 1 + budget.node_cost * model_free_nodes
-            with_ssm = (1 + model_free_value + gain) / (base + budget.node_cost * extra_nodes + budget.level_cost * levels)
+            with_ssm = (1 + model_free_value + gain) / (base + budget.node_cost * extra_nodes + budget.ssm_cost
+                                                        + budget.level_cost * levels)
             if with_ssm > (1 + model_free_value) / base or self._skipped[b] + 1 >= self.FORCE_EVERY:
                 self._skipped[b] = 0
                 return True
@@ -183,15 +194,16 @@ class Candidates:
             self.value[n] = self.value[self.tree.parents[n]] * self.cond[n]
             stack.extend(self.tree.children[n])
 
-    def select(self, budget: TreeBudget, num_levels: int) -> tuple[list[int], float]:
-        """The step's nodes (root first) and their summed value: the most valuable candidates
-        while each raises the expected rate (a prefix of the value order is a tree: a child is
-        never worth more than its parent, and ties go to the shallower)."""
+    def select(self, budget: TreeBudget, num_levels: int, reach=lambda value: value) -> tuple[list[int], float]:
+        """The step's nodes (root first) and their expected accepted tokens: the most valuable
+        candidates while each raises the expected rate (a prefix of the value order is a tree: a
+        child is never worth more than its parent, and ties go to the shallower). `reach` maps a
+        value to the measured chance that a node of that value is accepted."""
         order = sorted(range(1, len(self)), key=lambda n: (-self.value[n], self.tree.depths[n], n))
         base = 1 + budget.level_cost * num_levels
         best_rate, best_k, best_total, total = 1 / base, 0, 0.0, 0.0
         for k, n in enumerate(order[:max(0, budget.max_nodes)], 1):
-            total += self.value[n]
+            total += reach(self.value[n], self.tree.depths[n])
             rate = (1 + total) / (base + budget.node_cost * k)
             if rate > best_rate:
                 best_rate, best_k, best_total = rate, k, total
@@ -231,6 +243,8 @@ def learn(calibration: Calibration, built: BuiltTree, accepted: list[int], bonus
         llm_token = accepted[i] if i < len(accepted) else bonus
         for c in tree.children[node]:
             samples.extend((f, tree.tokens[c] == llm_token) for f in cands.features[c])
+    on_path = set(path)
+    samples.extend(((REACH, tree.depths[n], cands.value[n]), n in on_path) for n in built.of[1:])
     calibration.observe(samples)
 
 
@@ -262,7 +276,7 @@ class DynamicBuild:
         self.num_levels = 0
         for name, (tree, confidence, num_matched) in scored:
             self._add_model_free(tree, confidence, model_free_source(name, num_matched))
-        chosen, self.model_free_value = self.cands.select(budget, 0)
+        chosen, self.model_free_value = self.cands.select(budget, 0, calibration.reach)
         self.num_model_free_nodes = len(chosen) - 1
         self.ssm_seqs = ssm_seqs if ssm_seqs and budget.max_depth > 0 else {}
         if self.ssm_seqs and not gain.is_worth(self.model_free_value, self.num_model_free_nodes, budget):
@@ -286,7 +300,7 @@ class DynamicBuild:
 
     def _price(self) -> tuple[float, int, float]:
         """The value a node must add to pay for itself now; the nodes and value of the best tree so far."""
-        chosen, total = self.cands.select(self.budget, self.num_levels)
+        chosen, total = self.cands.select(self.budget, self.num_levels, self.calibration.reach)
         base = 1 + self.budget.level_cost * self.num_levels + self.budget.node_cost * (len(chosen) - 1)
         return self.budget.node_cost * (1 + total) / base, len(chosen) - 1, total
 
@@ -309,8 +323,8 @@ class DynamicBuild:
                 tokens = torch.topk(order, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1).indices
                 confs, tokens = probs.gather(-1, tokens).tolist(), tokens.tolist()
             for node, node_confs, node_tokens in zip(self.frontier, confs, tokens):
-                sources = [SSM if self.is_greedy else f"{SSM}~{min(r, len(PRIOR_COUPLED))}"
-                           for r in range(1, len(node_tokens) + 1)]
+                mark = "#" if self.is_greedy else "~"
+                sources = [f"{SSM}{mark}{min(r, len(PRIOR_COUPLED))}" for r in range(1, len(node_tokens) + 1)]
                 rates = [self.calibration.rate(src, depth, c) for src, c in zip(sources, node_confs)]
                 best_rates.append(max(rates))
                 for src, conf, token, rate in zip(sources, node_confs, node_tokens, rates):
@@ -354,7 +368,7 @@ class DynamicBuild:
 
     def finish(self) -> tuple[TokenTree, BuiltTree]:
         """The step's tree, and what it was built from."""
-        chosen, total = self.cands.select(self.budget, self.num_levels)
+        chosen, total = self.cands.select(self.budget, self.num_levels, self.calibration.reach)
         if self.ssm_seqs:
             self.gain.observe(self.model_free_value, total - self.model_free_value,
                               len(chosen) - 1 - self.num_model_free_nodes, self.num_levels)

@@ -141,6 +141,7 @@ class LocalDrafts:
         self._feedback: list[tuple[Built | None, list[int]]] = []  # verified steps not yet read
         self.is_steady = False
         self._has_built_ssm_tree = False  # the tree built last came from the SSMs (not the model-free alone)
+        self._has_ever_built_ssm_tree = False  # the SSMs have read the prompt
         self._num_plain_steps = 0
 
     def ask(self, widths: tuple[int, ...], max_depth: int | None = None, budget: TreeBudget | None = None) -> None:
@@ -165,8 +166,10 @@ class LocalDrafts:
             self.local.run_drafting(self.local.build_asked)
         (built, seconds), is_dynamic = self.built, self.asked.budget is not None
         self.session.last = built
-        if is_dynamic:
-            self.is_steady = bool(built.num_levels) and self._has_built_ssm_tree and self._num_plain_steps == 0
+        if is_dynamic:  # its SSMs' first pass reads what they have not seen yet: one pass, whatever its
+            # length on the tokens of the steps they sat out; but not the prompt (their first tree)
+            self.is_steady = not built.num_levels or self._has_ever_built_ssm_tree
+            self._has_ever_built_ssm_tree = self._has_ever_built_ssm_tree or bool(built.num_levels)
         self._has_built_ssm_tree = bool(built.num_levels)
         self.asked, self.built, self._num_plain_steps = None, None, 0
         return DraftTree(built.tree, [], built.num_levels, seconds)
@@ -246,7 +249,7 @@ class Engine:
             self.scheduler.close(session, None)
             raise
         choose = WidthChoice(shape.widths, self.policy() if is_load_aware else None, self.guard,
-                             params.sampling.is_greedy)
+                             params.sampling.is_greedy, tuple(sorted(params.ssm_names)))
         noise = None if params.sampling.is_greedy else SamplingNoise(params.sampling.seed, llm_cfg.vocab_size,
                                                                       self.verifier.runner.model.device)
         return Generation(prompt_ids, params, params.stop_tokens(llm_cfg.eos_token_ids), drafts, choose,

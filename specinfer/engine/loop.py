@@ -97,14 +97,15 @@ class WidthChoice:
     allows. `ticket` is the guard's record of the latest guarded choice (None for fixed shapes)."""
 
     def __init__(self, fixed: tuple[int, ...], policy: LoadAwarePolicy | None = None,
-                 guard: SpeculationGuard | None = None, is_greedy: bool = True):
+                 guard: SpeculationGuard | None = None, is_greedy: bool = True, pool: tuple[str, ...] = ()):
         self.fixed, self.policy, self.guard, self.is_greedy = fixed, policy, guard, is_greedy
+        self.pool = pool  # the pool members the request names (its own statistics at the policy)
         self.ticket = None
 
     def __call__(self, batch_size: int) -> Plan:
         if self.policy is None:
             return self.fixed
-        choose = lambda: self.policy.choose(batch_size, self.is_greedy)  # noqa: E731
+        choose = lambda: self.policy.choose(batch_size, self.is_greedy, self.pool)  # noqa: E731
         if self.guard is None:  # the policy unchecked
             return choose()
         plan, self.ticket = self.guard.plan(batch_size, choose)
@@ -238,7 +239,8 @@ class Generation:
         policy, is_greedy = self.choose.policy, self.params.sampling.is_greedy
         if policy is not None and self._draft.is_asked:
             if not self._draft.late:  # without a late source's drafts: not what speculation yields
-                policy.observe_step(len(accepted), len(tree) - 1, self._draft.depth, batch_size, is_greedy)
+                policy.observe_step(len(accepted), len(tree) - 1, self._draft.depth, batch_size, is_greedy,
+                                    self.choose.pool)
         elif policy is not None and step and self.session.last_batch_size == 1:
             # A plain step alone in its pass (not the first: that one reads the prompt). In a batch,
             # a request's step may also wait for passes of other requests: not a step's own cost.

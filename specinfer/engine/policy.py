@@ -6,14 +6,17 @@ node, or run another SSM level, only while that raises the expected rate, given 
 and one level cost as shares of the step's time (`TreeBudget`). This policy prices them for the
 current batch and device, SmartSpec-style, from measured goodput:
 
-    step time T = t_llm(B * (1 + nodes)) + t_step + t_draft,   node_cost = B * t_llm'(.) / T,
-    level_cost = t_level / T
+    step time T = t_llm(B * (1 + nodes)) + t_step + t_draft,
+    t_draft = fixed + t_start * [levels > 0] + t_level * levels,
+    node_cost = B * t_llm'(B * (1 + nodes)) / T0,   level_cost = t_level / T0,   ssm_cost = t_start / T0
 
 where t_llm comes from a cost model calibrated at start-up (LLM forward time against tokens in
 the pass, refined by every measured pass), t_step is what a step costs beyond its pass
 (sampling, bookkeeping, the request's own Python: measured on plain steps of one request, paid
-once per step however many tokens it brings), t_draft = fixed + t_level * levels is the
-measured drafting time, and nodes are the tree sizes measured at this load. Node costs charge
+once per step however many tokens it brings), t_draft is the measured drafting time, T0 =
+t_llm(B) + t_step + fixed is a step without a tree (the drafts' rate has the form
+(1 + accepted) / (1 + node_cost * nodes + level_cost * levels): the shares are of T0, not of
+T), and nodes are the tree sizes measured at this load. Node costs charge
 the whole batch (one more token in the pass slows every request in it), so trees shrink as the
 batch grows, down to none. Plain decoding is the other arm: the policy speculates while
 
@@ -146,6 +149,50 @@ class StepStats:
         return self.accepted + 2.0 * math.sqrt(variance / max(1.0, self.weight)) + 0.25
 
 
+class DecayedLeastSquares:
+    """y = b . x fitted by exponentially weighted least squares (a small ridge keeps it defined
+    where the features seen so far do not tell their terms apart)."""
+
+    def __init__(self, num_features: int, ridge: float = 1e-6):
+        self.n, self.ridge = num_features, ridge
+        self.xx = [[0.0] * num_features for _ in range(num_features)]
+        self.xy = [0.0] * num_features
+        self.weight = 0.0
+        self._weight_by_last: dict[float, float] = {}  # decayed weight of the observations by their last feature
+
+    def has_seen(self, last_feature: float) -> bool:
+        """Whether observations whose last feature was at least this carry weight still."""
+        return sum(w for f, w in self._weight_by_last.items() if f >= last_feature) > 0.5
+
+    def observe(self, x: tuple[float, ...], y: float, decay: float = 0.98) -> None:
+        d = decay
+        self._weight_by_last = {f: w * d for f, w in self._weight_by_last.items() if w * d > 1e-3}
+        self._weight_by_last[x[-1]] = self._weight_by_last.get(x[-1], 0.0) + 1.0
+        for i in range(self.n):
+            self.xy[i] = d * self.xy[i] + x[i] * y
+            for j in range(self.n):
+                self.xx[i][j] = d * self.xx[i][j] + x[i] * x[j]
+        self.weight = d * self.weight + 1.0
+
+    def coefficients(self) -> list[float] | None:
+        """The fit (None before any observation)."""
+        if self.weight <= 0:
+            return None
+        a = [row[:] + [self.xy[i]] for i, row in enumerate(self.xx)]
+        for i in range(self.n):
+            a[i][i] += self.ridge * (1.0 + a[i][i])
+        for col in range(self.n):  # Gaussian elimination with partial pivoting
+            pivot = max(range(col, self.n), key=lambda r: abs(a[r][col]))
+            if abs(a[pivot][col]) < 1e-12:
+                return None
+            a[col], a[pivot] = a[pivot], a[col]
+            for r in range(self.n):
+                if r != col:
+                    f = a[r][col] / a[col][col]
+                    a[r] = [v - f * w for v, w in zip(a[r], a[col])]
+        return [a[i][self.n] / a[i][i] for i in range(self.n)]
+
+
 def batch_bucket(batch_size: int) -> int:
     """1, 2, 3-4, 5-8, ...: batch sizes whose trees are alike."""
     return max(1, batch_size - 1).bit_length() if batch_size > 1 else 0
@@ -159,15 +206,17 @@ class LoadAwarePolicy:
                  half_life_s: float = COST_HALF_LIFE_S):
         self.cost = cost
         self.max_nodes, self.max_depth = max_nodes, max_depth
-        # Drafting time per step = fixed_seconds + level_seconds * levels, fitted online; until
-        # measured, a level costs a tenth of a one-token LLM pass.
+        # Until measured, an SSM level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
         self.fixed_seconds = 0.0
         self.step_overhead_s = 0.0  # a step's time beyond its LLM pass, fitted online from plain steps
-        self._fit = [0.0] * 5  # decayed sums: n, levels, levels^2, seconds, levels*seconds
+        # Drafting time = fixed + ssm_start (when the SSMs run at all: their first pass reads what they
+        # have not seen yet, from caches the LLM's pass left cold) + level_seconds * levels.
+        self.ssm_start_s = 0.0
+        self._draft_fit = DecayedLeastSquares(3)
         self.clock, self.probe_interval_s, self.half_life_s = clock, probe_interval_s, half_life_s
         self._fitted_at: float | None = None
-        self._stats: dict[tuple[bool, int], StepStats] = {}
+        self._stats: dict[tuple[bool, tuple[str, ...], int], StepStats] = {}
         self._created_at = clock()
         self._speculated_at = self._created_at  # when a speculative step was last chosen
         self._probe_left = 0  # steps left in the running probe
@@ -175,42 +224,48 @@ class LoadAwarePolicy:
         self._probe_seconds = 0.0  # how long the last probe took
         self._lock = threading.Lock()
 
-    def stats(self, batch_size: int, is_greedy: bool = True) -> StepStats:
-        """The speculative steps measured at this load (else at the nearest smaller one, else the prior)."""
-        key = (is_greedy, batch_bucket(batch_size))
+    def stats(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> StepStats:
+        """The speculative steps of this pool (requests name theirs; () is the whole pool) measured at
+        this load (else at the nearest smaller one, else the prior)."""
+        key = (is_greedy, pool, batch_bucket(batch_size))
         stats = self._stats.get(key)
         if stats is None:
-            smaller = [b for g, b in self._stats if g == is_greedy and b < key[1]]
-            prior = self._stats[(is_greedy, max(smaller))] if smaller else None
+            smaller = [b for g, p, b in self._stats if g == is_greedy and p == pool and b < key[2]]
+            prior = self._stats[(is_greedy, pool, max(smaller))] if smaller else None
             accepted, nodes, levels = ((prior.accepted, prior.nodes, prior.levels) if prior is not None
                                        else PRIOR_GREEDY if is_greedy else PRIOR_SAMPLED)
             stats = self._stats[key] = StepStats(accepted, nodes, levels)
         return stats
 
-    def _step_seconds(self, batch: int, nodes: float, levels: float) -> float:
-        return (self.cost.seconds(batch * (1 + nodes)) + self.step_overhead_s + self.fixed_seconds
-                + self.level_seconds * levels)
+    def _draft_seconds(self, levels: float) -> float:
+        return self.fixed_seconds + self.ssm_start_s * min(1.0, levels) + self.level_seconds * levels
 
-    def budget(self, batch_size: int, is_greedy: bool = True) -> TreeBudget:
+    def _step_seconds(self, batch: int, nodes: float, levels: float) -> float:
+        return self.cost.seconds(batch * (1 + nodes)) + self.step_overhead_s + self._draft_seconds(levels)
+
+    def budget(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> TreeBudget:
         """What a node and an SSM level cost, as shares of a speculative step at this load."""
         batch = max(1, batch_size)
         with self._lock:
-            stats = self.stats(batch, is_greedy)
+            stats = self.stats(batch, is_greedy, pool)
             return self._budget(batch, stats)
 
     def _budget(self, batch: int, stats: StepStats) -> TreeBudget:
-        step_s = self._step_seconds(batch, stats.nodes, stats.levels)
+        # Shares of a step without a tree (its pass over the batch's roots, its own time, drafting's
+        # fixed part): the tree's nodes and levels come on top of that.
+        base_s = self.cost.seconds(batch) + self.step_overhead_s + self.fixed_seconds
         tokens = batch * (1 + stats.nodes)
         slope = (self.cost.seconds(tokens + batch) - self.cost.seconds(tokens)) / batch  # one more token in the pass
-        return TreeBudget(self.max_nodes, self.max_depth, node_cost=max(0.0, batch * slope / step_s),
-                          level_cost=max(0.0, self.level_seconds / step_s))
+        return TreeBudget(self.max_nodes, self.max_depth, node_cost=max(0.0, batch * slope / base_s),
+                          level_cost=max(0.0, self.level_seconds / base_s),
+                          ssm_cost=max(0.0, self.ssm_start_s / base_s))
 
-    def choose(self, batch_size: int, is_greedy: bool = True) -> TreeBudget | tuple[()]:
+    def choose(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> TreeBudget | tuple[()]:
         """This step's budget, or () for plain decoding where speculating does not pay at this load
-        (unless a probe of speculation is due)."""
+        for this pool (unless a probe of speculation is due)."""
         batch = max(1, batch_size)
         with self._lock:
-            stats = self.stats(batch, is_greedy)
+            stats = self.stats(batch, is_greedy, pool)
             plain_rate = 1.0 / (self.cost.seconds(batch) + self.step_overhead_s)
             step_s = self._step_seconds(batch, stats.nodes, stats.levels)
             now = self.clock()
@@ -237,14 +292,14 @@ class LoadAwarePolicy:
         age = now - (self._fitted_at if self._fitted_at is not None else self._created_at)
         fade = 0.5 ** (max(0.0, age) / self.half_life_s)
         step_s = (self.cost.seconds(batch * (1 + stats.nodes)) + self.step_overhead_s
-                  + fade * (self.fixed_seconds + self.level_seconds * stats.levels))
+                  + fade * self._draft_seconds(stats.levels))
         return (1 + stats.optimistic()) / step_s > plain_rate
 
     def observe_step(self, num_accepted: int, num_nodes: int, num_levels: int, batch_size: int = 1,
-                     is_greedy: bool = True) -> None:
+                     is_greedy: bool = True, pool: tuple[str, ...] = ()) -> None:
         """One verified speculative step: tokens accepted, nodes beyond the root, SSM levels."""
         with self._lock:
-            self.stats(max(1, batch_size), is_greedy).observe(num_accepted, num_nodes, num_levels)
+            self.stats(max(1, batch_size), is_greedy, pool).observe(num_accepted, num_nodes, num_levels)
 
     def observe_plain_step(self, seconds: float, weight: float = 0.05) -> None:
         """The wall time (speculate to record) of a plain step alone in its pass: what it took beyond
@@ -255,26 +310,20 @@ class LoadAwarePolicy:
 
     def observe_speculation(self, num_levels: int, seconds: float, decay: float = 0.98) -> None:
         """Wall time the verifier waited for a tree of `num_levels` SSM levels (0: the model-free
-        members' alone); refits seconds = fixed + per_level * levels by exponentially weighted least squares."""
+        members' alone); refits seconds = fixed + ssm_start * [levels > 0] + per_level * levels by
+        exponentially weighted least squares (weights also halving every `half_life_s`)."""
         with self._lock:
             now = self.clock()
             if self._fitted_at is not None:  # older evidence fades with time, not only with steps
                 decay *= 0.5 ** (max(0.0, now - self._fitted_at) / self.half_life_s)
             self._fitted_at = now
-            fit = self._fit
-            for i, value in enumerate((1.0, num_levels, num_levels * num_levels, seconds, num_levels * seconds)):
-                fit[i] = decay * fit[i] + value
-            n, sd, sdd, sy, sdy = fit
-            det = n * sdd - sd * sd
-            if det > 1e-9 * max(1.0, n * sdd):  # several depths seen: both terms identifiable
-                per_level = (n * sdy - sd * sy) / det
-                fixed = (sy - per_level * sd) / n
-                if per_level < 0:
-                    per_level, fixed = 0.0, sy / n
-                elif fixed < 0:
-                    per_level, fixed = sdy / sdd, 0.0
-            elif sd > 0:  # one depth so far: charge it all to the levels
-                per_level, fixed = sy / sd, 0.0
-            else:  # model-free trees only so far
-                per_level, fixed = self.level_seconds, sy / n
-            self.level_seconds, self.fixed_seconds = per_level, fixed
+            self._draft_fit.observe((1.0, float(num_levels > 0), float(num_levels)), seconds, decay)
+            fit = self._draft_fit.coefficients()
+            if fit is None:
+                return
+            fixed, start, per_level = (max(0.0, b) for b in fit)
+            self.fixed_seconds, self.ssm_start_s = fixed, start
+            if self._draft_fit.has_seen(2):  # levels beyond the first measured: the per-level cost is known
+                self.level_seconds = per_level
+            elif num_levels:  # one level so far: the SSMs' start and one level together
+                self.ssm_start_s, self.level_seconds = 0.0, start + per_level

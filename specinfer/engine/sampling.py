@@ -98,15 +98,17 @@ class SamplingNoise:
         row = self._rows.get(position)
         if row is None:
             gen = torch.Generator().manual_seed(_mix(self.seed, position))
-            uniform = torch.rand(self.vocab_size, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-            row = torch.log(-torch.log(uniform)).float().to(self.device)
+            uniform = torch.rand(self.vocab_size, generator=gen).clamp_(min=1e-30, max=1 - 2 ** -24)
+            row = uniform.log_().neg_().log_().to(self.device)
             if len(self._rows) >= self.num_kept:
                 del self._rows[min(self._rows)]
             self._rows[position] = row
         return row
 
     def rows(self, positions: list[int]) -> torch.Tensor:
-        """(len(positions), V): the noise of each position."""
+        """(len(positions), V): the noise of each position; (1, V) when they are all one."""
+        if all(p == positions[0] for p in positions):
+            return self.row(positions[0]).unsqueeze(0)
         return torch.stack([self.row(p) for p in positions])
 
 

@@ -90,12 +90,12 @@ def shape_to_proto(shape: TreeShape) -> pb.TreeShape:
 
 def budget_from_proto(msg: pb.TreeBudget) -> TreeBudget:
     return TreeBudget(max_nodes=int(msg.max_nodes), max_depth=int(msg.max_depth), node_cost=float(msg.node_cost),
-                      level_cost=float(msg.level_cost))
+                      level_cost=float(msg.level_cost), ssm_cost=float(msg.ssm_cost))
 
 
 def budget_to_proto(budget: TreeBudget) -> pb.TreeBudget:
     return pb.TreeBudget(max_nodes=budget.max_nodes, max_depth=budget.max_depth, node_cost=budget.node_cost,
-                         level_cost=budget.level_cost)
+                         level_cost=budget.level_cost, ssm_cost=budget.ssm_cost)
 
 
 def params_from_verifier_request(msg: pb.VerifierGenerateRequest) -> GenerationParams:
