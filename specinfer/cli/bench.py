@@ -104,6 +104,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
     from specinfer.engine.llm_engine import mode_params
     from specinfer.limits import parse_tree_width
+    from specinfer.params import SamplingParams
 
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
@@ -144,8 +145,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         arms["tree_logprobs"] = ("tree", ssm_names[:1])
     if ssm_names and args.samples > 1:
         arms[f"tree_n{args.samples}_shared"] = arms[f"tree_n{args.samples}_separate"] = ("tree", ssm_names[:1])
-    if not paths.ssms:
-        args.no_transformers = True  # assisted generation needs an SSM
+    if not paths.ssms or args.temperature:
+        args.no_transformers = True  # assisted generation needs an SSM (and is compared greedy)
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, ssm_dtypes[0],
                                                              engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
@@ -162,7 +163,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             if hasattr(member, "cache"):
                 member.cache.clear()
         extra = {"num_logprobs": args.logprobs} if name == "tree_logprobs" else {}
-        r = target.generate(ids, mode_params(mode, max_new, shape, ssm_names=tuple(names_used), **extra))
+        sampling = SamplingParams(args.temperature, seed=len(ids)) if args.temperature else SamplingParams()
+        r = target.generate(ids, mode_params(mode, max_new, shape, sampling, ssm_names=tuple(names_used), **extra))
         return r.output_ids, r.num_llm_steps, r.latency_s
 
     def run_samples(is_shared: bool, ids: list[int], max_new: int, names_used) -> tuple[list[int], int, float, int]:
@@ -203,7 +205,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "offload": args.offload,
             "logprobs": args.logprobs,
             "samples": args.samples,
-            "decoding": "greedy",
+            # Sampled arms are seeded per prompt: they equal incremental sampling token for token too.
+            "decoding": f"sampled, temperature {args.temperature}" if args.temperature else "greedy",
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
         },
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_flags(b)
     b.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
     b.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="in process: sample every arm at this temperature (seeded per prompt; transformers' arms are "
+                        "left out); 0 = greedy (default)")
     b.add_argument("--logprobs", type=int, help="add a tree arm that returns logprobs with this many alternatives")
     b.add_argument("--samples", type=int, default=1,
                    help="N > 1 adds two tree arms of N samples per prompt: sharing the prompt's KV, and not")
