@@ -53,6 +53,7 @@ PROBE_INTERVAL_S = 0.5  # speculation not chosen is still measured with a probe 
 PROBE_SHARE = 0.1  # and probes take at most this share of the time
 NUM_PROBE_STEPS = 2  # the first step after plain ones also pays the SSMs' catch-up
 COST_HALF_LIFE_S = 2.0  # drafting-cost observations this old weigh half
+OUTLIER_FACTOR = 4.0  # a drafting time counts at most this many times what the fit predicts
 
 
 @dataclass
@@ -266,13 +267,16 @@ class LoadAwarePolicy:
         batch = max(1, batch_size)
         with self._lock:
             stats = self.stats(batch, is_greedy, pool)
+            budget = self._budget(batch, stats)
+            if budget.node_cost >= 1.0:  # no node can pay: one brings a token at most, for a step's time
+                return ()
             plain_rate = 1.0 / (self.cost.seconds(batch) + self.step_overhead_s)
             step_s = self._step_seconds(batch, stats.nodes, stats.levels)
             now = self.clock()
             if (1 + stats.accepted) / step_s > plain_rate or self._probe_left:
                 self._probe_left = max(0, self._probe_left - 1)
                 self._speculated_at = now
-                return self._budget(batch, stats)
+                return budget
             if self._probe_started is not None:  # the probe is over: what it cost
                 self._probe_seconds, self._probe_started = now - self._probe_started, None
             # Probes take at most PROBE_SHARE of the time, however slow their steps are (a loaded
@@ -281,7 +285,7 @@ class LoadAwarePolicy:
             if now - self._speculated_at >= interval and self._could_win(batch, stats, plain_rate, now):
                 self._probe_left, self._probe_started = NUM_PROBE_STEPS - 1, now
                 self._speculated_at = now
-                return self._budget(batch, stats)
+                return budget
             return ()
 
     def _could_win(self, batch: int, stats: StepStats, plain_rate: float, now: float) -> bool:
@@ -317,13 +321,16 @@ class LoadAwarePolicy:
             if self._fitted_at is not None:  # older evidence fades with time, not only with steps
                 decay *= 0.5 ** (max(0.0, now - self._fitted_at) / self.half_life_s)
             self._fitted_at = now
+            if self._draft_fit.weight > 0:  # one stalled step (a preempted thread) must not set the price
+                predicted = self._draft_seconds(num_levels)
+                seconds = min(seconds, OUTLIER_FACTOR * predicted + 0.001)
             self._draft_fit.observe((1.0, float(num_levels > 0), float(num_levels)), seconds, decay)
             fit = self._draft_fit.coefficients()
             if fit is None:
                 return
             fixed, start, per_level = (max(0.0, b) for b in fit)
-            self.fixed_seconds, self.ssm_start_s = fixed, start
-            if self._draft_fit.has_seen(2):  # levels beyond the first measured: the per-level cost is known
-                self.level_seconds = per_level
-            elif num_levels:  # one level so far: the SSMs' start and one level together
+            self.fixed_seconds = fixed
+            if self._draft_fit.has_seen(2):  # levels beyond the first seen lately: their cost is known apart
+                self.ssm_start_s, self.level_seconds = start, per_level
+            elif self._draft_fit.has_seen(1):  # one level at most lately: the SSMs' start and one level together
                 self.ssm_start_s, self.level_seconds = 0.0, start + per_level
