@@ -53,6 +53,19 @@ DEFAULT_SSM_DTYPE = AUTO_DTYPE  # SSMs only propose: their dtype never changes t
 # Below this temperature decoding is greedy: the warped distribution is the argmax there anyway,
 # and dividing logits by a far smaller temperature overflows to inf/NaN probabilities.
 MIN_SAMPLING_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # |frequency_penalty| and |presence_penalty| (OpenAI's range)
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0  # |bias| of one token (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024
+
+# Structured output: what a request may ask, and what compiling it may cost.
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 65536  # a schema, regex or grammar as text
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 4096  # one choice
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # longer, and the request fails (the compile is abandoned)
+DEFAULT_GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per verifier
+DEFAULT_MAX_FORCED_TOKENS = 16  # tokens a grammar forces that one step drafts for free
 
 # ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
 DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
@@ -168,6 +181,60 @@ def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
         raise UserError(f"sampling.top_p: must be in (0, 1] (0 = unset = 1), got {top_p}")
     if top_k < 0:
         raise UserError(f"sampling.top_k: must be >= 0 (0 = no filter), got {top_k}")
+
+
+def check_penalties(frequency_penalty: float, presence_penalty: float, repetition_penalty: float, min_p: float,
+                    logit_bias: tuple[tuple[int, float], ...]) -> None:
+    """SamplingParams' logits processors: OpenAI's penalties in [-2, 2], transformers' repetition
+    penalty in (0, 10], min_p in [0, 1], logit_bias of at most MAX_LOGIT_BIAS_TOKENS tokens, each
+    in [-100, 100] (the vocabulary is checked where it is known, by the verifier)."""
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not isinstance(value, (int, float)) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise UserError(f"sampling.{name}: must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    if not isinstance(repetition_penalty, (int, float)) or not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise UserError(f"sampling.repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = none), "
+                        f"got {repetition_penalty}")
+    if not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
+        raise UserError(f"sampling.min_p: must be in [0, 1], got {min_p}")
+    if len(logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise UserError(f"sampling.logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(logit_bias)}")
+    seen = set()
+    for token_id, bias in logit_bias:
+        if not isinstance(token_id, int) or token_id < 0:
+            raise UserError(f"sampling.logit_bias: token ids must be integers >= 0, got {token_id!r}")
+        if token_id in seen:
+            raise UserError(f"sampling.logit_bias: token {token_id} is given twice")
+        seen.add(token_id)
+        if not isinstance(bias, (int, float)) or math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise UserError(f"sampling.logit_bias: the bias of token {token_id} must be in "
+                            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+
+
+def check_logit_bias_vocab(logit_bias: tuple[tuple[int, float], ...], vocab_size: int) -> None:
+    for token_id, _ in logit_bias:
+        if token_id >= vocab_size:
+            raise UserError(f"sampling.logit_bias: token {token_id} is outside the vocabulary (size {vocab_size})")
+
+
+def check_constraint(kind: str, spec: str, choices: tuple[str, ...]) -> None:
+    """Constraint: a known kind, a spec (schema, regex or grammar text) within MAX_CONSTRAINT_CHARS,
+    and for `choice` 1..MAX_CHOICES non-empty choices of at most MAX_CHOICE_CHARS each."""
+    if kind not in CONSTRAINT_KINDS:
+        raise UserError(f"constraint: kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {kind!r}")
+    if len(spec) > MAX_CONSTRAINT_CHARS:
+        raise UserError(f"{kind}: at most {MAX_CONSTRAINT_CHARS} characters, got {len(spec)}")
+    if kind == "choice":
+        if not 1 <= len(choices) <= MAX_CHOICES:
+            raise UserError(f"choice: between 1 and {MAX_CHOICES} choices, got {len(choices)}")
+        for c in choices:
+            if not isinstance(c, str) or not c:
+                raise UserError("choice: every choice must be a non-empty string")
+            if len(c) > MAX_CHOICE_CHARS:
+                raise UserError(f"choice: a choice has at most {MAX_CHOICE_CHARS} characters, got {len(c)}")
+    elif choices:
+        raise UserError(f"{kind}: takes no choices")
+    elif kind != "json_object" and not spec.strip():
+        raise UserError(f"{kind}: must not be empty")
 
 
 def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, min_path_prob: float,

@@ -22,14 +22,42 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
     seed: int | None = None
+    # Logits processors (`specinfer.engine.processors`), applied at every tree node to the logits
+    # of that node's own context, in greedy and sampled modes alike:
+    frequency_penalty: float = 0.0  # OpenAI's: minus penalty x count of each token in the output
+    presence_penalty: float = 0.0  # OpenAI's: minus penalty for each token the output holds
+    repetition_penalty: float = 1.0  # transformers': over prompt and output; 1 = none
+    min_p: float = 0.0  # sampled only: drop tokens below min_p x the most likely one's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self):
         limits.check_sampling(self.temperature, self.top_p, self.top_k)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        limits.check_penalties(self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.min_p,
+                               self.logit_bias)
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any processor whose effect depends on the tokens before a node."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def has_processors(self) -> bool:
+        return self.has_penalties or bool(self.logit_bias) or (self.min_p > 0.0 and not self.is_greedy)
 
     @property
     def is_greedy(self) -> bool:
         """Temperature 0, or one so small (< MIN_SAMPLING_TEMPERATURE) that sampling is argmax."""
         return self.temperature < limits.MIN_SAMPLING_TEMPERATURE
+
+
+def _bias_pairs(logit_bias) -> tuple[tuple[int, float], ...]:
+    """(token id, bias) pairs from pairs or a {token id: bias} mapping; malformed input is a UserError."""
+    items = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias
+    try:
+        return tuple((t if isinstance(t, int) else int(t), float(b)) for t, b in items)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"sampling.logit_bias: must map token ids to numbers ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -89,6 +117,28 @@ class TreeBudget:
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """Structured output: every token a request outputs keeps its text a prefix of some string the
+    constraint accepts, and the request ends only where the text is accepted whole. `spec` is a
+    JSON Schema (json_schema), a regular expression (regex) or an EBNF grammar (grammar);
+    json_object takes any JSON object; choice one of `choices`, verbatim."""
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.choices, tuple):
+            object.__setattr__(self, "choices", tuple(self.choices))
+        limits.check_constraint(self.kind, self.spec, self.choices)
+
+    @property
+    def key(self) -> tuple:
+        """What identifies the compiled grammar (its cache key)."""
+        return self.kind, self.spec, self.choices
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """One generation request's knobs (the prompt travels beside it, as text or token ids)."""
 
@@ -102,6 +152,10 @@ class GenerationParams:
     is_ignore_eos: bool = False  # EOS does not end generation (stop_token_ids still do)
     num_logprobs: int | None = None  # return logprobs with this many alternatives; None = none
     num_samples: int = 1  # n: independent samples of the prompt
+    constraint: Constraint | None = None  # structured output; None = free text
+    # The prompt's last n tokens are this request's own earlier output (a resumed request): the
+    # penalties count them as output, and a constraint has already matched them.
+    num_resumed_tokens: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
@@ -109,6 +163,8 @@ class GenerationParams:
         if any(not name for name in self.ssm_names):
             raise UserError("ssm_names: names must be non-empty")
         limits.check_outputs(self.stop_token_ids, self.num_logprobs, self.num_samples)
+        if self.num_resumed_tokens < 0:
+            raise UserError(f"num_resumed_tokens: must be >= 0, got {self.num_resumed_tokens}")
 
     def stop_tokens(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """The token ids that end generation: the request's, and EOS unless it is ignored."""
@@ -133,6 +189,8 @@ class GenerationParams:
             is_ignore_eos=bool(d.get("is_ignore_eos", False)),
             num_logprobs=d.get("num_logprobs"),
             num_samples=int(d.get("num_samples", 1)),
+            constraint=Constraint(**d["constraint"]) if d.get("constraint") else None,
+            num_resumed_tokens=int(d.get("num_resumed_tokens", 0)),
         )
 
     def checked(self, request_limits: limits.RequestLimits) -> "GenerationParams":
