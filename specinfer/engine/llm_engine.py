@@ -24,6 +24,7 @@ from specinfer.engine.loop import (
     Drafts, DraftTree, Generation, GenerationResult, NoDrafts, StepObserver, WidthChoice, reserved_slots, run_step,
 )
 from specinfer.engine.policy import CostModel, LoadAwarePolicy
+from specinfer.engine.processors import RequestLogits
 from specinfer.engine.runner import ModelRunner
 from specinfer.engine.sampling import SamplingNoise, fresh_seed
 from specinfer.engine.scheduler import Scheduler, SchedulerConfig
@@ -199,8 +200,9 @@ class Engine:
     own thread, trees come from speculator services, and each request steps on its RPC thread."""
 
     def __init__(self, llm: ModelRunner, source: DraftSource | None, cfg: EngineConfig = EngineConfig(),
-                 scheduler: Scheduler | None = None, max_context: int | None = None):
+                 scheduler: Scheduler | None = None, max_context: int | None = None, grammars=None):
         self.cfg = cfg
+        self.grammars = grammars  # a `grammar.GrammarCompiler` for the LLM's tokenizer; None: no structured output
         self.verifier = Verifier(llm)
         self.source = source
         self.scheduler = scheduler or Scheduler(self.verifier, cfg.scheduler, is_threaded=False, is_inline=True)
@@ -232,16 +234,22 @@ class Engine:
             params = replace(params, sampling=replace(params.sampling, seed=fresh_seed()))
         limits.check_prompt_ids(prompt_ids, params.max_new_tokens, llm_cfg.vocab_size, self.max_context)
         limits.check_stop_token_ids(params.stop_token_ids, llm_cfg.vocab_size)
+        processors = self._processors(prompt_ids, params)
+        stops = params.stop_tokens(llm_cfg.eos_token_ids)
+        if params.constraint is not None:  # where the grammar is complete, the request ends
+            stops |= frozenset(llm_cfg.eos_token_ids)
         num_sources = self.source.num_sources(params.ssm_names) if self.source and params.is_speculative else 0
         shape = self.cfg.default_shape if params.shape.is_default else params.shape
         is_load_aware = bool(num_sources) and params.shape.is_default and self.cfg.is_load_aware
         # Under a guard, a load-aware request may also decode plainly, or get the static default.
         dynamic_nodes = self.cfg.max_tree_nodes if is_load_aware else None
-        num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens,
-                                   self.source.max_draft_nodes(params.ssm_names, shape, dynamic_nodes)
-                                   if num_sources else 0)
+        num_draft_nodes = self.source.max_draft_nodes(params.ssm_names, shape, dynamic_nodes) if num_sources else 0
+        if processors is not None and processors.grammar is not None and params.is_speculative:
+            num_draft_nodes += processors.max_forced_tokens  # forced tokens join every tree
+        num_slots = reserved_slots(len(prompt_ids), params.max_new_tokens, num_draft_nodes)
         session = self.scheduler.open(list(prompt_ids), session_id, num_slots, timeout_s, prefix_group)
         session.state.num_logprobs = params.num_logprobs
+        session.state.processors = processors
         try:
             drafts = (self.source.drafts(request_id, prompt_ids, params, shape, timeout_s) if num_sources
                       else NoDrafts())
@@ -252,8 +260,24 @@ class Engine:
                              params.sampling.is_greedy, tuple(sorted(params.ssm_names)))
         noise = None if params.sampling.is_greedy else SamplingNoise(params.sampling.seed, llm_cfg.vocab_size,
                                                                       self.verifier.runner.model.device)
-        return Generation(prompt_ids, params, params.stop_tokens(llm_cfg.eos_token_ids), drafts, choose,
-                          self.max_context, session, noise, observer)
+        return Generation(prompt_ids, params, stops, drafts, choose, self.max_context, session, noise, observer)
+
+    def _processors(self, prompt_ids: list[int], params: GenerationParams) -> RequestLogits | None:
+        """The request's logits processors and grammar state; None where it has neither."""
+        sampling, llm_cfg = params.sampling, self.verifier.runner.cfg
+        if params.num_resumed_tokens > len(prompt_ids):
+            raise UserError(f"num_resumed_tokens: {params.num_resumed_tokens} exceeds the prompt ({len(prompt_ids)})")
+        grammar = None
+        if params.constraint is not None:
+            if self.grammars is None:
+                raise UserError(f"{params.constraint.kind}: structured output needs the model's tokenizer, "
+                                "which this server has not loaded")
+            if not llm_cfg.eos_token_ids:
+                raise UserError(f"{params.constraint.kind}: the model has no end-of-sequence token to end on")
+            grammar = self.grammars.new_state(params.constraint)
+        if grammar is None and not sampling.has_penalties and not sampling.logit_bias:
+            return None
+        return RequestLogits(sampling, list(prompt_ids), params.num_resumed_tokens, llm_cfg.vocab_size, grammar)
 
     def step(self, generations: list[Generation], should_stop: Callable[[], None] | None = None) -> list[list[int]]:
         """One speculate + verify iteration for every unfinished request; the tokens each kept.

@@ -183,6 +183,7 @@ class Generation:
         self._measured = None  # (guard ticket, tokens, start) of the previous step
         self._ticket = None  # the guard's ticket for this step's widths
         self._draft: DraftTree | None = None  # this step's
+        self._is_constrained = False  # this step's tree is its drafts cut and extended by a grammar
         self._step_started = 0.0
         self._started = time.perf_counter()
 
@@ -223,6 +224,13 @@ class Generation:
         self._ticket, self.choose.ticket = self.choose.ticket, None
         draft = self.drafts.tree(self.root)
         self._draft = draft
+        tree = draft.tree
+        processors = self.session.state.processors
+        if processors is not None and processors.grammar is not None:  # cut what it rejects, add what it forces
+            context = len(self.result.prompt_ids) + len(self.result.output_ids)
+            depth = speculation_depth(self.remaining, context, self.max_context) if self.params.is_speculative else 0
+            tree = processors.constrain(tree, depth)
+        self._is_constrained = tree is not draft.tree
         policy = self.choose.policy
         if policy is not None and draft.is_asked and self.drafts.is_steady:
             policy.observe_speculation(draft.depth, draft.seconds)
@@ -230,7 +238,7 @@ class Generation:
             self.result.is_fell_back = True
         if self.observer is not None:
             self.observer.speculated(self.result.num_llm_steps, draft, started, time.perf_counter())
-        return draft.tree
+        return tree
 
     def record(self, tree: TokenTree, accepted: list[int], bonus: int, batch_size: int, verify_started: float
                ) -> list[int]:
@@ -238,7 +246,8 @@ class Generation:
         step = self.result.num_llm_steps
         policy, is_greedy = self.choose.policy, self.params.sampling.is_greedy
         if policy is not None and self._draft.is_asked:
-            if not self._draft.late:  # without a late source's drafts: not what speculation yields
+            # Not with a late source's drafts, nor with a grammar's: not what speculation yields.
+            if not self._draft.late and not self._is_constrained:
                 policy.observe_step(len(accepted), len(tree) - 1, self._draft.depth, batch_size, is_greedy,
                                     self.choose.pool)
         elif policy is not None and step and self.session.last_batch_size == 1:

@@ -4,7 +4,7 @@ sampled token is drawn with.
 SpecInfer's stochastic verification (Section 4.3) guarantees the output follows the LLM's
 distribution. With temperature, top-k and top-p, that distribution is the *warped* one; this
 module defines it once, applied in the same order as Hugging Face's generate (temperature, then
-top-k, then top-p), and both the verifier and plain incremental sampling use it.
+top-k, then top-p, then min-p), after the logits processors (`processors`), and both the verifier and plain incremental sampling use it.
 
 A sampled token is the Gumbel-max of the warped logits, argmax(warped - log E) with E ~ Exp(1)
 per vocabulary entry, and E is fixed by the request's seed and the token's position alone
@@ -28,7 +28,7 @@ from specinfer.params import SamplingParams
 
 
 def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Applies temperature, top-k and top-p to (n, V) logits; filtered entries become -inf."""
+    """Applies temperature, top-k, top-p and min-p to (n, V) logits; filtered entries become -inf."""
     logits = logits.float()
     if params.temperature != 1.0:
         logits = logits / params.temperature
@@ -43,6 +43,9 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         remove_sorted[..., -1:] = False  # always keep the most likely token
         remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
+    if params.min_p > 0.0:  # below min_p x the most likely token's probability (never that token)
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits
 
 

@@ -146,6 +146,22 @@ def add_paths(tree: TokenTree, paths: list[list[int]], max_nodes: int) -> TokenT
     return tree
 
 
+def subtree(tree: TokenTree, keep: list[bool]) -> TokenTree:
+    """The nodes of `tree` marked in `keep` whose ancestors are all kept, in their order, with the
+    draft attempts that produced them. The root is always kept."""
+    out = TokenTree.with_root(tree.tokens[0])
+    mapped = [0] + [-1] * (len(tree) - 1)
+    for node in range(1, len(tree)):
+        parent = mapped[tree.parents[node]]
+        if keep[node] and parent >= 0:
+            mapped[node] = out._append(tree.tokens[node], parent, out.depths[parent] + 1)
+            out.children[parent].append(mapped[node])
+    for node, attempts in enumerate(tree.drafts):
+        if mapped[node] >= 0:
+            out.drafts[mapped[node]] = [Draft(mapped[a.child], a.proposal) for a in attempts if mapped[a.child] >= 0]
+    return out
+
+
 def graft(tree: TokenTree, other: TokenTree, max_nodes: int) -> TokenTree:
     """Adds `other`'s deterministic paths into `tree` (same root), deduplicated by path, while
     `tree` has fewer than `max_nodes` nodes. Each added attempt is a point mass placed after the

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specinfer.engine.blocks import SequenceKV
+from specinfer.engine.processors import RequestLogits
 from specinfer.engine.runner import ModelRunner, Work, chain_work
 from specinfer.engine.sampling import SamplingNoise, sample, token_logprobs
 from specinfer.engine.tree import TokenTree
@@ -27,6 +28,7 @@ class LLMState:
     pending: list[int]  # verified tokens not yet in the LLM cache; the last one is the next root
     num_logprobs: int | None = None  # the request wants logprobs with this many alternatives
     last_logprobs: list = field(default_factory=list)  # the last step's, one per accepted token and the bonus
+    processors: RequestLogits | None = None  # penalties, logit bias and grammar, per tree node
 
 
 VerifyItem = tuple[LLMState, TokenTree, SamplingParams, SamplingNoise | None]  # noise: sampled requests
@@ -67,6 +69,8 @@ class Verifier:
         """Verifies one tree against its logits and commits the accepted path's KV."""
         if not math.isfinite(float(logits.sum())):  # one reduction: any inf or NaN makes the sum non-finite
             raise ArithmeticError("the LLM produced non-finite logits for this request")
+        if state.processors is not None:  # each node's logits in its own path's context
+            logits = state.processors.process(logits, tree)
         if params.is_greedy:
             llm_tokens = logits.argmax(dim=-1).tolist()
         else:  # node n's logits sample the token right after it
@@ -76,6 +80,8 @@ class Verifier:
         if state.num_logprobs is not None:  # from the logits at hand: the rows of the accepted path
             state.last_logprobs = token_logprobs(logits[path], [tree.tokens[n] for n in path[1:]] + [bonus], params,
                                                  state.num_logprobs)
+        if state.processors is not None:
+            state.processors.advance([tree.tokens[n] for n in path[1:]] + [bonus])
         num_chain = len(state.pending) - 1
         self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
         state.pending = [bonus]
