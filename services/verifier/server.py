@@ -185,7 +185,7 @@ def _take_down(server: RunningServer, reason: str) -> None:
 
 
 def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> tuple[RunningServer, VerifierServicer]:
-    from specinfer.engine.load import resolve_device
+    from specinfer.engine.load import load_grammars, resolve_device
     from specinfer.engine.verifier import Verifier
 
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
@@ -203,7 +203,8 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
     def create(tracer, registry):
         scheduler = Scheduler(Verifier(runner), engine_cfg.scheduler, ModelMetrics.create(registry, "verifier"),
                               is_threaded=is_worker_threaded)
-        engine = Engine(runner, speculation, engine_cfg, scheduler, max_context=pool_context(speculation, runner))
+        engine = Engine(runner, speculation, engine_cfg, scheduler, max_context=pool_context(speculation, runner),
+                        grammars=load_grammars(cfg.model_dir, runner.cfg))
         if speculation and cfg.is_load_aware:  # calibrate the cost model now, not on the first request
             engine.policy()
             log.info("calibrated LLM cost model: %s",

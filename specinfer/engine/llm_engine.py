@@ -215,14 +215,15 @@ class Engine:
 
     @classmethod
     def from_runners(cls, llm: ModelRunner, ssms: list[ModelRunner] | None = None, cfg: EngineConfig = EngineConfig(),
-                     ssm_names: list[str] | None = None, model_free: list | None = None) -> "Engine":
+                     ssm_names: list[str] | None = None, model_free: list | None = None, grammars=None) -> "Engine":
         """LLM and its pool in one process: SSMs, and model-free members (`speculator.model_free_member`)."""
         ssms, model_free = list(ssms or []), list(model_free or [])
         for ssm in ssms:
             if ssm.cfg.vocab_size != llm.cfg.vocab_size:
                 raise UserError(f"SSM vocabulary ({ssm.cfg.vocab_size}) differs from the LLM's ({llm.cfg.vocab_size})")
         source = LocalSpeculation(Speculator(ssms, model_free), ssm_names) if ssms or model_free else None
-        return cls(llm, source, cfg, max_context=min([llm.max_context] + [r.max_context for r in ssms]))
+        return cls(llm, source, cfg, max_context=min([llm.max_context] + [r.max_context for r in ssms]),
+                   grammars=grammars)
 
     def start(self, prompt_ids: list[int], params: GenerationParams, request_id: str = "",
               session_id: str | None = None, timeout_s: float | None = None,

@@ -113,7 +113,18 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
                      report=report)
             for p in paths.ssms]
     return Engine.from_runners(llm, ssms, cfg or EngineConfig(),
-                               model_free=[model_free_member(n) for n in paths.model_free])
+                               model_free=[model_free_member(n) for n in paths.model_free],
+                               grammars=load_grammars(paths.llm, llm.cfg))
+
+
+def load_grammars(model_dir: Path, llm_cfg: ModelConfig):
+    """Structured output over the LLM's tokenizer (a `grammar.GrammarCompiler`); None where the
+    checkpoint has no tokenizer.json, and then a request with a constraint is refused."""
+    from specinfer.engine.grammar import GrammarCompiler
+
+    if not (Path(model_dir) / "tokenizer.json").is_file():
+        return None
+    return GrammarCompiler(model_dir, llm_cfg.vocab_size, llm_cfg.eos_token_ids)
 
 
 def read_prompts(path: str | Path) -> list[str]:

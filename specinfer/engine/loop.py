@@ -123,6 +123,7 @@ class GenerationResult:
     finish_reason: str = "length"
     is_fell_back: bool = False  # a speculator failed and the request went on without it
     output_logprobs: list = field(default_factory=list)  # TokenLogprob per output token, when asked for
+    processing_s: float = 0.0  # time its logits processors and grammar took (`processors.RequestLogits`)
 
     @property
     def tokens_per_step(self) -> float:
@@ -265,6 +266,8 @@ class Generation:
         if self.result.is_finished(self.params.max_new_tokens):
             self.is_done = True
             self.result.latency_s = time.perf_counter() - self._started
+            if self.session.state.processors is not None:
+                self.result.processing_s = self.session.state.processors.seconds
         else:
             self.drafts.after_step(accepted + [bonus])
             self.drafts.ask(*self._plan(batch_size))

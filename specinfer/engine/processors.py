@@ -20,6 +20,8 @@ key, a brace, a comma) those tokens join the tree as certain drafts no model had
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specinfer import limits
@@ -49,6 +51,7 @@ class RequestLogits:
             grammar.advance(list(prompt_ids[num_prompt:]))
         self.masks = None  # this step's grammar masks, one row per node of `_masked_tree`
         self._masked_tree: TokenTree | None = None
+        self.seconds = 0.0  # spent here and in the grammar, for the benchmarks
 
     @property
     def is_active(self) -> bool:
@@ -64,15 +67,24 @@ class RequestLogits:
 
     def advance(self, tokens: list[int]) -> None:
         """Verified output tokens (a step's accepted drafts and bonus), in order."""
+        started = time.perf_counter()
         self._note(tokens, is_output=True)
         if self.grammar is not None:
             self.grammar.advance(tokens)
+        self.seconds += time.perf_counter() - started
 
     def constrain(self, tree: TokenTree, max_depth: int) -> TokenTree:
         """The tree the LLM verifies: drafts the grammar rejects cut, the tokens it forces from the
         root added (at most `max_depth` of them), and this step's masks computed for `process`."""
         if self.grammar is None:
             return tree
+        started = time.perf_counter()
+        try:
+            return self._constrain(tree, max_depth)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _constrain(self, tree: TokenTree, max_depth: int) -> TokenTree:
         masks = self.grammar.tree_masks(tree.tokens, tree.parents)
         if not all(masks.valid):
             tree = subtree(tree, masks.valid)
@@ -91,6 +103,13 @@ class RequestLogits:
         """(n, V) logits of the tree's nodes -> processed in each node's own context."""
         if not self.is_active:
             return logits
+        started = time.perf_counter()
+        try:
+            return self._process(logits, tree)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _process(self, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
         logits = logits.float().clone()
         if self.grammar is not None:
             masks = self.masks if self._masked_tree is tree else self.grammar.tree_masks(tree.tokens, tree.parents)

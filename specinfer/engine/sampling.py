@@ -58,8 +58,9 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], params: SamplingP
                    ) -> list[TokenLogprob]:
     """Each token's logprob, and the `num_top` most likely tokens', under the distribution it was
     drawn from: row i of `logits` (k, V) is the LLM's output where token_ids[i] was chosen.
-    Greedy requests get log_softmax of the raw logits; sampled ones, of the warped logits (tokens
-    filtered out by top-k / top-p have probability 0 and are never listed as alternatives)."""
+    `logits` are already processed (`processors`: a grammar's mask, bias, penalties). Greedy
+    requests get their log_softmax; sampled ones, that of the warped logits (tokens filtered out
+    by the grammar, top-k, top-p or min-p have probability 0 and are never listed as alternatives)."""
     logits = logits.float() if params.is_greedy else warp_logits(logits, params)
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(1, torch.tensor(token_ids, device=logp.device).unsqueeze(1)).squeeze(1).tolist()
