@@ -204,10 +204,9 @@ def test_json_following_the_mask_parses(compiler, tokenizer, kind):
         while not state.is_terminated and len(output) < 400:
             row = state.tree_masks([0], [-1])
             allowed = [t for t in range(compiler.vocab_size) if row.allows(0, t)]
-            eos = [t for t in allowed if t in EOS]
-            # Prefer closing a structure, so that the walk ends.
-            token = eos[0] if eos else rng.choice([t for t in allowed if b"}" in tokenizer.decode([t]).encode()]
-                                                  or allowed) if rng.random() < 0.1 else rng.choice(allowed)
+            # End where it may, and now and then close a structure, so that the walk ends.
+            closing = [t for t in allowed if t in EOS] or [t for t in allowed if "}" in tokenizer.decode([t])]
+            token = closing[0] if closing and (closing[0] in EOS or rng.random() < 0.1) else rng.choice(allowed)
             state.advance([token])
             output.append(token)
         if not state.is_terminated:
@@ -250,7 +249,7 @@ def test_grammar_takes_lark_and_gbnf(compiler, tokenizer):
 
 
 def test_a_slow_compile_times_out_once(tokenizer, monkeypatch):
-    compiler = GrammarCompiler.from_tokenizer(tokenizer, tokenizer.get_vocab_size(), EOS, timeout_s=0.05)
+    compiler = GrammarCompiler.from_tokenizer(tokenizer, tokenizer.get_vocab_size(), EOS, timeout_s=0.5)
     release, threads = threading.Event(), []
     original = GrammarCompiler._compile_now
 
@@ -262,13 +261,13 @@ def test_a_slow_compile_times_out_once(tokenizer, monkeypatch):
 
     monkeypatch.setattr(GrammarCompiler, "_compile_now", slow)
     start = time.monotonic()
-    with pytest.raises(UserError, match=r"^regex: took longer than 0.05s to compile$"):
+    with pytest.raises(UserError, match=r"^regex: took longer than 0.5s to compile$"):
         compiler.compile(Constraint("regex", "slow"))
     assert time.monotonic() - start < 2
     start = time.monotonic()
     with pytest.raises(UserError, match="took longer"):
         compiler.compile(Constraint("regex", "slow"))
-    assert time.monotonic() - start < 0.04 and len(threads) == 1  # no second compile
+    assert time.monotonic() - start < 0.25 and len(threads) == 1  # at once, and no second compile
     assert threads[0] is not threading.current_thread()
     assert compiler.new_state(Constraint("regex", "fast")) is not None  # another worker still compiles
     release.set()
