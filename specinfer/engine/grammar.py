@@ -56,6 +56,10 @@ from specinfer.params import Constraint
 NUM_COMPILE_WORKERS = 2  # threads that compile; a compile past its timeout holds one until it ends
 FAILED_TTL_S = 600.0  # a constraint that failed to compile fails at once for this long
 MAX_ERROR_CHARS = 300
+# JSON is laid out one way, as OpenAI's structured outputs write it: `, ` and `: ` and no other
+# whitespace. A model cannot wander off into blank lines, and keys with their punctuation become
+# text the grammar forces (free drafts). A schema's own "x-guidance" options override this.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,13 +136,15 @@ class GrammarState:
         return self._is_terminated
 
     def advance(self, tokens: list[int]) -> None:
-        """Commits verified output tokens; an EOS ends the output. A token the grammar rejects
-        raises ValueError and commits nothing."""
+        """Commits verified output tokens; an EOS ends the output, and what follows it in `tokens`
+        (a step's bonus after an accepted EOS) is not output. A token the grammar rejects raises
+        ValueError and commits nothing."""
         if not tokens:
             return
         if self._is_terminated:
             raise ValueError(f"{self.kind}: token {tokens[0]} after the output ended")
-        tokens = list(tokens)
+        end = next((i for i, t in enumerate(tokens) if t in self._eos), None)
+        tokens = list(tokens if end is None else tokens[: end + 1])
         body, is_end = (tokens[:-1], True) if tokens[-1] in self._eos else (tokens, False)
         bad = next((i for i, t in enumerate(body) if t in self._eos or not 0 <= t < self._vocab_size), len(body))
         num_ok = self._matcher.validate_tokens(body[:bad])
@@ -375,9 +381,9 @@ def _grammar_text(constraint: Constraint) -> str:
                 json.loads(spec)
             except ValueError as exc:
                 raise UserError(f"json_schema: invalid schema (not JSON: {exc})") from None
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
         elif kind == "json_object":
-            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}')
+            grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
         elif kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(spec)
         elif kind == "choice":  # Lark string literals take JSON's escapes
