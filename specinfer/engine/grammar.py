@@ -378,10 +378,11 @@ def _grammar_text(constraint: Constraint) -> str:
     try:
         if kind == "json_schema":
             try:
-                json.loads(spec)
+                schema = json.loads(spec)
             except ValueError as exc:
                 raise UserError(f"json_schema: invalid schema (not JSON: {exc})") from None
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_LAYOUT)
+            layout = JSON_LAYOUT if isinstance(schema, dict) else None  # `true` and `false` take no options
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=layout)
         elif kind == "json_object":
             grammar = llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=JSON_LAYOUT)
         elif kind == "regex":
