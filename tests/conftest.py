@@ -71,6 +71,14 @@ def text_pair(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def eos_text_pair(tmp_path_factory) -> tuple[Path, Path]:
+    """Like `text_pair`, with `</s>` (token 1) as EOS: structured output ends where its grammar does."""
+    corpus = ['{"name": "add", "args": 2}\n', "def add(a, b):\n    return a + b\n", "import os\nimport sys\n"]
+    return save_text_pair(tmp_path_factory.mktemp("eos_text_pair"), 320, corpus * 30, hidden=48, max_pos=512,
+                          seed=5, ssm_seed=6, noise=0.04, eos_token_id=1)
+
+
+@pytest.fixture(scope="session")
 def greedy_prompts(tiny_pair) -> list[list[int]]:
     rng = random.Random(1234)
     return [[rng.randrange(2, tiny_pair.vocab) for _ in range(rng.randrange(1, 40))] for _ in range(20)]

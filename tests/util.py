@@ -229,11 +229,12 @@ def add_tokenizer(model_dir: Path, vocab: int, corpus: list[str]) -> None:
 
 
 def save_text_pair(root: Path, vocab: int, corpus: list[str], *, hidden: int, max_pos: int, seed: int,
-                   ssm_seed: int, noise: float) -> tuple[Path, Path]:
-    """An LLM with a byte-level BPE tokenizer trained on `corpus` and no EOS token (generation
-    runs to its token limit), and a noisy copy of it as its SSM: (llm_dir, ssm_dir)."""
+                   ssm_seed: int, noise: float, eos_token_id: int | None = None) -> tuple[Path, Path]:
+    """An LLM with a byte-level BPE tokenizer trained on `corpus` and by default no EOS token
+    (generation runs to its token limit; `</s>` is token 1), and a noisy copy of it as its SSM:
+    (llm_dir, ssm_dir)."""
     llm = save_tiny_llama(root / "llm", vocab=vocab, hidden=hidden, layers=2, max_pos=max_pos, seed=seed,
-                          eos_token_id=None)
+                          eos_token_id=eos_token_id)
     add_tokenizer(llm, vocab, corpus)
     return llm, perturbed_copy(llm, root / "ssm", noise=noise, seed=ssm_seed)
 
