@@ -5,6 +5,7 @@ Checks that it answers what the gRPC API answers (greedy output token for token)
 and streamed responses agree, that chat renders the checkpoint's template, stops, seeds, the
 400s of bad input, 404 of an unknown model, 413 of an oversize body, the bearer token, and that
 a client leaving a stream frees the verifier exactly as a gRPC client leaving does.
+Against a fake verifier: a chat template file (`--chat-template`) lets a base model serve chat.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import shutil
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import openai
 import pytest
 
+from fake_verifier import FakeVerifier, cycle_successor, start_fake_verifier
 from specinfer.pool.demo_training import DEMO_CHAT_TEMPLATE
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
 from test_stack_e2e import redis_url
-from util import free_port, start_stack, wait_until
+from util import add_tokenizer, free_port, start_stack, wait_until
 
 WIDTHS = (1, 2, 1, 1)
 TOKEN = "test-client-token"
@@ -421,8 +424,6 @@ def test_http_port_flag_env_and_default(tmp_path):
 
 
 def test_specinfer_up_serves_http_on_8000_unless_turned_off(monkeypatch):
-    from pathlib import Path
-
     from specinfer.cli.launcher import Stack, StackConfig
 
     spawned = {}
@@ -466,3 +467,104 @@ def test_demo_models_get_the_chat_template_and_keep_their_own(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     add_chat_template(tmp_path)
     assert ChatTemplate.from_dir(tmp_path).source == "{{ messages }}"
+
+
+# ---- a chat template file, against a fake verifier --------------------------
+BASE_CORPUS = ["yes no maybe. ", "the answer is 42. ", "hello world, hello gateway. "] * 30
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """A base model's tokenizer files: no chat template of its own."""
+    out = tmp_path_factory.mktemp("base") / "base-llm"
+    out.mkdir()
+    add_tokenizer(out, 300, BASE_CORPUS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_server(base_model):
+    tokenizer = TextTokenizer.from_dir(base_model)
+    fake = FakeVerifier(cycle_successor(list(dict.fromkeys(tokenizer.encode(" yes no maybe")))))
+    server = start_fake_verifier(fake)
+    yield fake, server
+    server.stop(0)
+
+
+@pytest.fixture
+def fake(fake_server) -> FakeVerifier:
+    fake_server[0].reset()
+    return fake_server[0]
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(DEMO_CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_gateway(base_model, fake_server, template_file):
+    server = extra_gateway(base_model, f"127.0.0.1:{fake_server[1].port}", chat_template=template_file)
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def fake_client(fake_gateway):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{fake_gateway.http_port}/v1", api_key="unused", max_retries=0,
+                       timeout=30) as c:
+        yield c
+
+
+def test_a_chat_template_file_lets_a_base_model_serve_chat(fake_gateway, fake_client, fake, base_model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yes?"}]
+    chat = fake_client.chat.completions.create(model="base-llm", messages=messages, max_tokens=4, temperature=0)
+    rendered = "# system: be brief\n# user: yes?\n# assistant:"  # what the file's template renders
+    plain = fake_client.completions.create(model="base-llm", prompt=rendered, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert list(fake.calls[0].request.prompt_ids) == list(fake.calls[1].request.prompt_ids)
+    assert fake_gateway.core.cfg.chat_template is not None
+
+
+def test_chat_template_flag_env_and_bad_files(base_model, template_file, tmp_path, capsys):
+    from services.gateway.config import config_from_args
+    from services.gateway.server import main
+    from specinfer.errors import UserError
+
+    args = ["--model-dir", str(base_model)]
+    assert config_from_args(args, {}).chat_template is None
+    assert config_from_args(args, {"SPECINFER_CHAT_TEMPLATE": str(template_file)}).chat_template == template_file
+    assert config_from_args(args + ["--chat-template", str(template_file)], {}).chat_template == template_file
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe{{")
+    for path, reason in ((tmp_path / "missing.jinja", "cannot read"), (tmp_path, "cannot read"),
+                         (tmp_path / "binary.jinja", "cannot read"), (tmp_path / "broken.jinja", "does not compile"),
+                         (tmp_path / "empty.jinja", "is empty")):
+        with pytest.raises(UserError, match=f"^--chat-template .*{reason}"):
+            config_from_args(args + ["--chat-template", str(path)], {})
+        with pytest.raises(UserError, match="SPECINFER_CHAT_TEMPLATE"):
+            config_from_args(args, {"SPECINFER_CHAT_TEMPLATE": str(path)})
+    capsys.readouterr()
+    assert main(args + ["--chat-template", str(tmp_path / "missing.jinja")]) == 2  # the service exits at once
+    err = capsys.readouterr().err
+    assert err.startswith("specinfer-gateway: error: --chat-template") and len(err.strip().splitlines()) == 1
+
+
+def test_specinfer_up_passes_a_chat_template_to_the_gateway(monkeypatch, template_file, tmp_path, capsys):
+    from specinfer.cli.launcher import Stack, StackConfig
+    from specinfer.cli.main import main
+
+    spawned = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.update({name: env}))
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(), chat_template=template_file)).start()
+    assert spawned["gateway"]["SPECINFER_CHAT_TEMPLATE"] == str(template_file.resolve())
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=())).start()
+    assert "SPECINFER_CHAT_TEMPLATE" not in spawned["gateway"]
+    (tmp_path / "broken.jinja").write_text("{% if %}")
+    for path in (tmp_path / "missing.jinja", tmp_path / "broken.jinja"):  # refused before any model or process
+        assert main(["up", "--chat-template", str(path), "--cache-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "--chat-template" in err and len(err.strip().splitlines()) == 1

@@ -581,7 +581,11 @@ def start_http(core: GatewayCore, tracer: trace.Tracer, metrics: GatewayMetrics,
                port: int) -> HttpServer:
     """Starts the HTTP API of a gateway on `port` (its host, security and limits are the gRPC API's)."""
     cfg = core.cfg
-    renderer = ChatRenderer(ChatTemplate.from_dir(cfg.model_dir))
+    if cfg.chat_template is not None:
+        template = ChatTemplate.from_file(cfg.chat_template, cfg.model_dir)
+    else:
+        template = ChatTemplate.from_dir(cfg.model_dir)
+    renderer = ChatRenderer(template)
     api = OpenAIApi(core, cfg.model_dir.name, renderer, tracer, metrics, registry, cfg.default_deadline_s)
     server = HttpServer(api, cfg.host, port, cfg.server_security, cfg.max_message_bytes, cfg.grace_s,
                         cfg.num_server_workers)
