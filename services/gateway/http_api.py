@@ -153,7 +153,9 @@ def error_response(exc: BaseException) -> JSONResponse:
         log.error("HTTP request failed: %s", message, exc_info=exc)
     param = None
     if isinstance(exc, (UserError, NotFoundError)):
-        head = message.split(":", 1)[0]
+        # the field a message starts with; the verifier's own refusals (a schema that does not
+        # compile, a token outside the vocabulary) come back as "verifier: <field>: ..."
+        head = message.removeprefix("verifier: ").split(":", 1)[0].removeprefix("sampling.")
         param = head if head and " " not in head else None
     return JSONResponse(error_body(message, error_type, param, "model_not_found" if param == "model" else None),
                         status)
