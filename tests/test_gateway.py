@@ -916,6 +916,22 @@ def test_client_library(gateway, fake):
         with pytest.raises(GatewayError) as info:
             client.generate("hello", temperature=-1)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in info.value.details
+        fake.reset()
+        client.generate("hello", max_tokens=2, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.5,
+                        min_p=0.25, logit_bias={9: -100.0}, json_schema={"type": "object"})
+        client.generate("hello", max_tokens=2, regex="[a-z]+")
+        client.generate("hello", max_tokens=2, json_object=True)
+        first, second, third = (c.request for c in fake.calls)
+        assert (first.sampling.frequency_penalty, first.sampling.presence_penalty, first.sampling.repetition_penalty,
+                first.sampling.min_p, dict(first.sampling.logit_bias)) == (0.5, -0.5, 1.5, 0.25, {9: -100.0})
+        assert json.loads(first.constraint.json_schema) == {"type": "object"}
+        assert second.constraint.regex == "[a-z]+" and second.sampling.repetition_penalty == 0  # unset: none
+        assert third.constraint.WhichOneof("kind") == "json_object"
+        with pytest.raises(ValueError, match="one of"):
+            client.generate("hello", regex="a", choice=["a"])
+        with pytest.raises(GatewayError) as info:
+            client.generate("hello", presence_penalty=3)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "presence_penalty" in info.value.details
 
 
 def test_client_cli(gateway, fake, capsys):
@@ -937,6 +953,37 @@ def test_client_cli(gateway, fake, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("specinfer: error: INVALID_ARGUMENT: ") and "top_p" in err
     assert len(err.splitlines()) == 1
+
+
+def test_client_cli_structured_output_and_penalties(gateway, fake, capsys, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_client_parser(parser.add_subparsers(dest="command"))
+    base = ["client", "generate", "--target", f"127.0.0.1:{gateway.port}", "--prompt", "hello", "--max-tokens", "2"]
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array", "items": {"type": "string"}}')
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text('root ::= "a" | "b"')
+    runs = [(["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--repetition-penalty", "1.1",
+              "--min-p", "0.5", "--choice", "yes", "--choice", "no"], "choice"),
+            (["--json-schema", str(schema)], "json_schema"), (["--regex", "[0-9]+"], "regex"),
+            (["--grammar", str(grammar)], "grammar")]
+    for extra, kind in runs:
+        assert run_client(parser.parse_args(base + extra)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    reqs = [c.request for c in fake.calls]
+    assert [r.constraint.WhichOneof("kind") for r in reqs] == [kind for _, kind in runs]
+    assert list(reqs[0].constraint.choice.choices) == ["yes", "no"] and reqs[0].sampling.presence_penalty == 0.5
+    assert reqs[0].sampling.min_p == 0.5 and reqs[0].sampling.repetition_penalty == pytest.approx(1.1)
+    assert reqs[1].constraint.json_schema == schema.read_text() and reqs[2].constraint.regex == "[0-9]+"
+    assert reqs[3].constraint.grammar == grammar.read_text() and reqs[1].sampling.repetition_penalty == 0
+    for extra, fragment in ((["--presence-penalty", "3"], "INVALID_ARGUMENT: sampling.presence_penalty"),
+                            (["--json-schema", str(tmp_path / "nope.json")], "--json-schema"),
+                            (["--json-schema", str(grammar)], "--json-schema"),
+                            (["--grammar", str(tmp_path)], "--grammar")):
+        assert run_client(parser.parse_args(base + extra)) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1, err
+    assert len(fake.calls) == len(runs)  # refused before or at the gateway: nothing more reached the verifier
 
 
 def test_concurrent_streams_are_independent(stub, fake, tokenizer, script):
