@@ -10,7 +10,9 @@ client leaving does: its observer detaches, and a run nobody observes any more i
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as
 server-sent events), GET /health (always open) and GET /metrics (the gateway's Prometheus
 registry). With a client token configured, every other endpoint needs `Authorization: Bearer`.
-A body larger than the gateway's message bound is refused (413) before it is read whole.
+A body larger than the gateway's message bound is refused (413) before it is read whole. Chat
+renders the checkpoint's template, or the gateway's `--chat-template` file when it has one.
+An error is OpenAI's error body, its `param` the field the message starts with.
 """
 
 from __future__ import annotations
