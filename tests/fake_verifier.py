@@ -4,6 +4,9 @@ Each step emits `tokens_per_step` tokens after `delay_s`; the next token is `suc
 a function of the previous token only, so a continuation from (prompt + tokens so far) yields
 exactly the tokens an uninterrupted call would have (like greedy decoding). Every call records
 what the gateway sent (prompt ids, limits, deadline, trace metadata) and when and how it ended.
+`refuse(request)` may return a message: the call then fails with INVALID_ARGUMENT, as the real
+verifier refuses what only it can check (a schema that does not compile, a token outside the
+vocabulary).
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
+
+import grpc
 
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, start_server
 from specinfer.v1 import specinfer_pb2 as pb
@@ -67,6 +72,7 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         self.max_context = max_context
         self.calls: list[FakeCall] = []
         self.released: list[str] = []
+        self.refuse: Callable[[pb.VerifierGenerateRequest], str | None] = lambda request: None
         self._lock = threading.Lock()
         self._called = threading.Condition(self._lock)  # notified on every new call
 
@@ -74,6 +80,7 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         with self._lock:
             self.calls.clear()
             self.released.clear()
+        self.refuse = lambda request: None
         self.delay_s, self.tokens_per_step = delay_s, tokens_per_step
 
     def wait_for_calls(self, n: int, timeout_s: float = 2.0) -> list[FakeCall]:
@@ -88,6 +95,9 @@ class FakeVerifier(pb_grpc.VerifierServicer):
             self.calls.append(call)
             self._called.notify_all()
         context.add_callback(call.end)
+        refusal = self.refuse(request)
+        if refusal:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
         prev, n, steps = request.prompt_ids[-1], 0, 0
         while n < request.max_new_tokens:
             time.sleep(self.delay_s)

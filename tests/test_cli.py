@@ -81,6 +81,15 @@ BAD = {
     "bad max tokens": (["--llm", "{llm}", "--max-new-tokens", "0"], "max-new-tokens"),
     "bad temperature": (["--llm", "{llm}", "--temperature", "-1"], "temperature"),
     "tree mode without ssm": (["--llm", "{llm}", "--ssm", "none", "--mode", "tree"], "needs at least one --ssm"),
+    "presence penalty out of range": (["--llm", "{llm}", "--presence-penalty", "3"], "--presence-penalty"),
+    "frequency penalty out of range": (["--llm", "{llm}", "--frequency-penalty", "-2.5"], "--frequency-penalty"),
+    "repetition penalty of 0": (["--llm", "{llm}", "--repetition-penalty", "0"], "--repetition-penalty"),
+    "min_p above 1": (["--llm", "{llm}", "--min-p", "1.5"], "--min-p"),
+    "missing schema file": (["--llm", "{llm}", "--json-schema", "{root}/nope.json"], "--json-schema"),
+    "schema that is not JSON": (["--llm", "{llm}", "--json-schema", "{llm}/model.safetensors"], "--json-schema"),
+    "missing grammar file": (["--llm", "{llm}", "--grammar", "{root}/nope.ebnf"], "--grammar"),
+    "empty choice": (["--llm", "{llm}", "--choice", "yes", "--choice", ""], "--choice"),
+    "two constraints": (["--llm", "{llm}", "--regex", "a+", "--choice", "a"], "not allowed with argument"),
 }
 
 
@@ -95,6 +104,41 @@ def test_bad_input_one_line_exit_2(cli_models, capsys, case):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0], err
     assert "Traceback" not in err and out == ""
+
+
+def test_generate_and_client_generate_build_the_same_request(tmp_path):
+    """`specinfer generate` (in process) and `specinfer client generate` (through the gateway)
+    turn the same flags into the same SamplingParams and Constraint."""
+    from specinfer.cli.client import GatewayClient, add_client_parser
+    from specinfer.cli.commands import generation_params
+    from specinfer.cli.main import build_parser
+    from specinfer.cli.request_flags import constraint_fields, constraint_from_flags, processor_values, \
+        sampling_from_flags
+    from specinfer.params import Constraint
+    from specinfer.serving.convert import params_from_generate_request
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    common = ["--temperature", "0.5", "--seed", "3", "--frequency-penalty", "0.5", "--presence-penalty", "-1",
+              "--repetition-penalty", "1.25", "--min-p", "0.125"]
+    cases = [(["--json-schema", str(schema)], Constraint("json_schema", schema.read_text())),
+             (["--regex", "[0-9]+"], Constraint("regex", "[0-9]+")),
+             (["--choice", "yes", "--choice", "no"], Constraint("choice", choices=("yes", "no"))),
+             (["--grammar", str(grammar)], Constraint("grammar", grammar.read_text())),
+             ([], None)]
+    for extra, want in cases:
+        local = build_parser().parse_args(["generate", "--prompt", "x", *common, *extra])
+        sampling = sampling_from_flags(local, temperature=local.temperature, top_p=local.top_p, top_k=local.top_k,
+                                       seed=local.seed)
+        _, params = generation_params(local, True, "tree", sampling, constraint_from_flags(local))
+        assert params.constraint == want and params.sampling.presence_penalty == -1.0
+        remote = build_parser().parse_args(["client", "generate", "--prompt", "x", *common, *extra])
+        request = GatewayClient._request("x", temperature=remote.temperature, top_p=remote.top_p, top_k=remote.top_k,
+                                         seed=remote.seed, **processor_values(remote), **constraint_fields(remote))
+        sent = params_from_generate_request(request)
+        assert sent.sampling == params.sampling and sent.constraint == params.constraint
 
 
 def test_bad_prompts_file(cli_models, capsys, tmp_path):

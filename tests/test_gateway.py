@@ -243,6 +243,14 @@ INVALID = [
     ("zero tree width", dict(shape=pb.TreeShape(widths=[1, 0, 2])), "shape.widths"),
     ("tree too deep", dict(shape=pb.TreeShape(widths=[1] * 9)), "shape.widths"),
     ("bad request id", dict(request_id="no spaces!"), "request_id"),
+    ("presence penalty out of range", dict(sampling=pb.SamplingParams(presence_penalty=2.5)), "presence_penalty"),
+    ("repetition penalty out of range", dict(sampling=pb.SamplingParams(repetition_penalty=-1)),
+     "repetition_penalty"),
+    ("min_p above 1", dict(sampling=pb.SamplingParams(min_p=1.5)), "min_p"),
+    ("logit bias out of range", dict(sampling=pb.SamplingParams(logit_bias={5: 200.0})), "logit_bias"),
+    ("constraint with no kind", dict(constraint=pb.Constraint()), "constraint"),
+    ("empty regex", dict(constraint=pb.Constraint(regex="")), "regex"),
+    ("no choices", dict(constraint=pb.Constraint(choice=pb.ChoiceConstraint())), "choice"),
 ]
 
 
@@ -497,6 +505,56 @@ def test_client_disconnect_interrupts_and_resume_continues(stub, fake, tokenizer
     assert final.status == "finished" and list(final.token_ids) == want and final.stats.output_tokens == 40
     replay_ids, replay_text, _ = collect(stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=5))
     assert replay_ids == want and replay_text == final.text and len(fake.calls) == 2
+
+
+PENALIZED = pb.SamplingParams(temperature=0.5, top_p=1.0, seed=9, frequency_penalty=0.5, presence_penalty=0.25,
+                              repetition_penalty=1.5, min_p=0.125, logit_bias={7: -100.0, 3: 2.0})
+CHOICE = pb.Constraint(choice=pb.ChoiceConstraint(choices=["yes", "no"]))
+
+
+def test_penalties_and_constraint_reach_the_verifier(stub, fake):
+    stub.Generate(gen_request("hello", max_tokens=4, sampling=PENALIZED, constraint=CHOICE), timeout=10)
+    req = fake.calls[0].request
+    assert req.sampling == PENALIZED and req.constraint == CHOICE and req.num_resumed_tokens == 0
+    stub.Generate(gen_request("hello", max_tokens=4), timeout=10)
+    plain = fake.calls[1].request
+    assert not plain.HasField("constraint") and plain.sampling.repetition_penalty == 0  # unset: none
+    assert not plain.sampling.logit_bias and plain.sampling.presence_penalty == 0
+
+
+def test_a_continued_request_counts_its_output_as_resumed(stub, fake, tokenizer):
+    """The continuation's prompt ends with the tokens generated so far: it says how many, so the
+    verifier's penalties count them as output and a constraint resumes past them; everything
+    else the request asked for is read back from the store unchanged."""
+    fake.reset(delay_s=0.03)
+    rid = f"resumed-{uuid.uuid4().hex[:8]}"
+    stream = stub.GenerateStream(gen_request("hello", max_tokens=30, request_id=rid, sampling=PENALIZED,
+                                             constraint=CHOICE), timeout=10)
+    num_got = 0
+    for msg in stream:
+        num_got += len(msg.token_ids)
+        if num_got >= 6:
+            break
+    stream.cancel()
+    state = wait_status(stub, rid, "interrupted")
+    collect(stub.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=10))
+    first, cont = fake.calls[0].request, fake.calls[1].request
+    assert first.num_resumed_tokens == 0 and 0 < len(state.token_ids) == cont.num_resumed_tokens
+    assert list(cont.prompt_ids[-cont.num_resumed_tokens:]) == list(state.token_ids)
+    assert len(cont.prompt_ids) - cont.num_resumed_tokens == len(tokenizer.encode("hello"))
+    assert cont.constraint == CHOICE
+    cont.sampling.ClearField("seed")  # a continuation's seed is derived from the request's
+    assert cont.sampling == pb.SamplingParams(**{**{f.name: v for f, v in PENALIZED.ListFields()}, "seed": None})
+
+
+def test_the_verifiers_refusal_is_invalid_argument(stub, fake):
+    """What only the verifier can check (a schema that compiles, tokens inside its vocabulary)
+    comes back to the client as INVALID_ARGUMENT with the verifier's message."""
+    fake.refuse = lambda req: "json_schema: does not compile" if req.HasField("constraint") else None
+    bad = gen_request("hello", max_tokens=4, constraint=pb.Constraint(json_schema='{"type": "nope"}'))
+    for call in (lambda: stub.Generate(bad, timeout=5), lambda: list(stub.GenerateStream(bad, timeout=5))):
+        err = status_of(call)
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "json_schema: does not compile" in err.details()
 
 
 def test_resume_attaches_to_a_live_request(stub, fake):
@@ -858,6 +916,22 @@ def test_client_library(gateway, fake):
         with pytest.raises(GatewayError) as info:
             client.generate("hello", temperature=-1)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in info.value.details
+        fake.reset()
+        client.generate("hello", max_tokens=2, frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.5,
+                        min_p=0.25, logit_bias={9: -100.0}, json_schema={"type": "object"})
+        client.generate("hello", max_tokens=2, regex="[a-z]+")
+        client.generate("hello", max_tokens=2, json_object=True)
+        first, second, third = (c.request for c in fake.calls)
+        assert (first.sampling.frequency_penalty, first.sampling.presence_penalty, first.sampling.repetition_penalty,
+                first.sampling.min_p, dict(first.sampling.logit_bias)) == (0.5, -0.5, 1.5, 0.25, {9: -100.0})
+        assert json.loads(first.constraint.json_schema) == {"type": "object"}
+        assert second.constraint.regex == "[a-z]+" and second.sampling.repetition_penalty == 0  # unset: none
+        assert third.constraint.WhichOneof("kind") == "json_object"
+        with pytest.raises(ValueError, match="one of"):
+            client.generate("hello", regex="a", choice=["a"])
+        with pytest.raises(GatewayError) as info:
+            client.generate("hello", presence_penalty=3)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "presence_penalty" in info.value.details
 
 
 def test_client_cli(gateway, fake, capsys):
@@ -879,6 +953,37 @@ def test_client_cli(gateway, fake, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("specinfer: error: INVALID_ARGUMENT: ") and "top_p" in err
     assert len(err.splitlines()) == 1
+
+
+def test_client_cli_structured_output_and_penalties(gateway, fake, capsys, tmp_path):
+    parser = argparse.ArgumentParser()
+    add_client_parser(parser.add_subparsers(dest="command"))
+    base = ["client", "generate", "--target", f"127.0.0.1:{gateway.port}", "--prompt", "hello", "--max-tokens", "2"]
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "array", "items": {"type": "string"}}')
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text('root ::= "a" | "b"')
+    runs = [(["--presence-penalty", "0.5", "--frequency-penalty", "0.25", "--repetition-penalty", "1.1",
+              "--min-p", "0.5", "--choice", "yes", "--choice", "no"], "choice"),
+            (["--json-schema", str(schema)], "json_schema"), (["--regex", "[0-9]+"], "regex"),
+            (["--grammar", str(grammar)], "grammar")]
+    for extra, kind in runs:
+        assert run_client(parser.parse_args(base + extra)) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    reqs = [c.request for c in fake.calls]
+    assert [r.constraint.WhichOneof("kind") for r in reqs] == [kind for _, kind in runs]
+    assert list(reqs[0].constraint.choice.choices) == ["yes", "no"] and reqs[0].sampling.presence_penalty == 0.5
+    assert reqs[0].sampling.min_p == 0.5 and reqs[0].sampling.repetition_penalty == pytest.approx(1.1)
+    assert reqs[1].constraint.json_schema == schema.read_text() and reqs[2].constraint.regex == "[0-9]+"
+    assert reqs[3].constraint.grammar == grammar.read_text() and reqs[1].sampling.repetition_penalty == 0
+    for extra, fragment in ((["--presence-penalty", "3"], "INVALID_ARGUMENT: sampling.presence_penalty"),
+                            (["--json-schema", str(tmp_path / "nope.json")], "--json-schema"),
+                            (["--json-schema", str(grammar)], "--json-schema"),
+                            (["--grammar", str(tmp_path)], "--grammar")):
+        assert run_client(parser.parse_args(base + extra)) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1, err
+    assert len(fake.calls) == len(runs)  # refused before or at the gateway: nothing more reached the verifier
 
 
 def test_concurrent_streams_are_independent(stub, fake, tokenizer, script):

@@ -5,6 +5,10 @@ Checks that it answers what the gRPC API answers (greedy output token for token)
 and streamed responses agree, that chat renders the checkpoint's template, stops, seeds, the
 400s of bad input, 404 of an unknown model, 413 of an oversize body, the bearer token, and that
 a client leaving a stream frees the verifier exactly as a gRPC client leaving does.
+Against a fake verifier: structured output (`response_format`, vLLM's `structured_outputs` and
+`guided_*`), penalties, min_p and logit_bias reach the verifier as the client sent them, their
+bad values are 400s naming the field, the verifier's own refusals are 400s, and a chat template
+file (`--chat-template`) lets a base model serve chat.
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ import shutil
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import openai
 import pytest
 
+from fake_verifier import FakeVerifier, cycle_successor, start_fake_verifier
+from specinfer.params import Constraint, GenerationParams, SamplingParams
 from specinfer.pool.demo_training import DEMO_CHAT_TEMPLATE
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb
 from test_stack_e2e import redis_url
-from util import free_port, start_stack, wait_until
+from util import add_tokenizer, free_port, start_stack, wait_until
 
 WIDTHS = (1, 2, 1, 1)
 TOKEN = "test-client-token"
@@ -190,7 +197,7 @@ def test_extra_body_fields_reach_the_core(stack, client, model):
     ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
     ({"extra_body": {"max_tokens": "5"}}, "max_tokens"),
     ({"extra_body": {"tree_width": "1,x"}}, None),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"n": 17}, "n"),
     ({"logprobs": 21}, "logprobs"),
     ({"extra_body": {"stop_token_ids": [-1]}}, "stop_token_ids"),
@@ -283,12 +290,12 @@ def test_tls_when_the_gateway_serves_tls(text_pair, stack, tmp_path):
         server.stop(0)
 
 
-@pytest.mark.parametrize("kwargs", [{"echo": True}, {"suffix": "x"}, {"best_of": 3}, {"logit_bias": {"5": 1.0}},
+@pytest.mark.parametrize("kwargs", [{"echo": True}, {"suffix": "x"}, {"best_of": 3},
                                     {"prompt": ["a", "b"]}, {"stream_options": {"include_usage": True}}])
 def test_openai_fields_we_do_not_implement_are_400_not_ignored(client, model, kwargs):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**{"model": model, "prompt": "import os", "max_tokens": 4, **kwargs})
-    assert err.value.body["message"].startswith(("echo", "suffix", "best_of", "logit_bias", "prompt", "stream_options"))
+    assert err.value.body["message"].startswith(("echo", "suffix", "best_of", "prompt", "stream_options"))
 
 
 # ---- the client leaving, health, metrics ----------------------------------------------------------
@@ -421,8 +428,6 @@ def test_http_port_flag_env_and_default(tmp_path):
 
 
 def test_specinfer_up_serves_http_on_8000_unless_turned_off(monkeypatch):
-    from pathlib import Path
-
     from specinfer.cli.launcher import Stack, StackConfig
 
     spawned = {}
@@ -466,3 +471,235 @@ def test_demo_models_get_the_chat_template_and_keep_their_own(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     add_chat_template(tmp_path)
     assert ChatTemplate.from_dir(tmp_path).source == "{{ messages }}"
+
+
+# ---- structured output and the sampling surface, against a fake verifier --------------------------
+BASE_CORPUS = ["yes no maybe. ", "the answer is 42. ", "hello world, hello gateway. "] * 30
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory):
+    """A base model's tokenizer files: no chat template of its own."""
+    out = tmp_path_factory.mktemp("base") / "base-llm"
+    out.mkdir()
+    add_tokenizer(out, 300, BASE_CORPUS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_server(base_model):
+    tokenizer = TextTokenizer.from_dir(base_model)
+    fake = FakeVerifier(cycle_successor(list(dict.fromkeys(tokenizer.encode(" yes no maybe")))))
+    server = start_fake_verifier(fake)
+    yield fake, server
+    server.stop(0)
+
+
+@pytest.fixture
+def fake(fake_server) -> FakeVerifier:
+    fake_server[0].reset()
+    return fake_server[0]
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(DEMO_CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def fake_gateway(base_model, fake_server, template_file):
+    server = extra_gateway(base_model, f"127.0.0.1:{fake_server[1].port}", chat_template=template_file)
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def fake_client(fake_gateway):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{fake_gateway.http_port}/v1", api_key="unused", max_retries=0,
+                       timeout=30) as c:
+        yield c
+
+
+def completion_kwargs(kwargs: dict) -> dict:
+    """The `openai` client's completions.create has no response_format: it goes in the extra body."""
+    if "response_format" not in kwargs:
+        return kwargs
+    rest = {k: v for k, v in kwargs.items() if k != "response_format"}
+    return {**rest, "extra_body": {**kwargs.get("extra_body", {}), "response_format": kwargs["response_format"]}}
+
+
+def stored_params(gateway, response_id: str) -> GenerationParams:
+    """The domain parameters the gateway recorded for a request (what it resumes with)."""
+    record = gateway.core.get_request(response_id.split("-", 1)[1])
+    return GenerationParams.from_json(record.params)
+
+
+def test_the_openai_client_reaches_the_domain_params(fake_gateway, fake_client, fake):
+    messages = [{"role": "user", "content": "yes or no?"}]
+    resp = fake_client.chat.completions.create(
+        model="base-llm", messages=messages, max_tokens=4, temperature=0.5, seed=3, presence_penalty=0.5,
+        frequency_penalty=-0.25, logit_bias={"5": -100, "7": 2.5},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA, "strict": True}},
+        extra_body={"repetition_penalty": 1.25, "min_p": 0.125})
+    assert resp.choices[0].message.content
+    params = stored_params(fake_gateway, resp.id)
+    assert params.sampling == SamplingParams(temperature=0.5, seed=3, presence_penalty=0.5, frequency_penalty=-0.25,
+                                             repetition_penalty=1.25, min_p=0.125,
+                                             logit_bias=((5, -100.0), (7, 2.5)))
+    assert params.constraint.kind == "json_schema" and json.loads(params.constraint.spec) == SCHEMA
+    req = fake.calls[0].request  # and the verifier got them as they are
+    assert req.sampling.presence_penalty == 0.5 and req.sampling.frequency_penalty == -0.25
+    assert req.sampling.repetition_penalty == 1.25 and req.sampling.min_p == 0.125
+    assert dict(req.sampling.logit_bias) == {5: -100.0, 7: 2.5}
+    assert json.loads(req.constraint.json_schema) == SCHEMA and req.num_resumed_tokens == 0
+
+    resp = fake_client.chat.completions.create(model="base-llm", messages=messages, max_tokens=4,
+                                               extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert stored_params(fake_gateway, resp.id).constraint == Constraint("choice", choices=("yes", "no"))
+    assert list(fake.calls[1].request.constraint.choice.choices) == ["yes", "no"]
+    fake_client.chat.completions.create(model="base-llm", messages=messages, max_tokens=4)
+    assert not fake.calls[2].request.HasField("constraint") and not fake.calls[2].request.sampling.logit_bias
+
+
+@pytest.mark.parametrize("kwargs, kind, spec", [
+    ({"response_format": {"type": "json_object"}}, "json_object", None),
+    ({"response_format": {"type": "text"}}, None, None),
+    ({"extra_body": {"structured_outputs": {"json": SCHEMA}}}, "json_schema", SCHEMA),
+    ({"extra_body": {"structured_outputs": {"json": json.dumps(SCHEMA)}}}, "json_schema", SCHEMA),
+    ({"extra_body": {"structured_outputs": {"regex": "[0-9]{3}"}}}, "regex", "[0-9]{3}"),
+    ({"extra_body": {"structured_outputs": {"choice": ["yes", "no"]}}}, "choice", ["yes", "no"]),
+    ({"extra_body": {"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}}}, "grammar", 'root ::= "yes" | "no"'),
+    ({"extra_body": {"structured_outputs": {"json_object": True}}}, "json_object", None),
+    ({"extra_body": {"guided_json": SCHEMA}}, "json_schema", SCHEMA),
+    ({"extra_body": {"guided_regex": "a+"}}, "regex", "a+"),
+    ({"extra_body": {"guided_choice": ["a", "b"]}}, "choice", ["a", "b"]),
+    ({"extra_body": {"guided_grammar": 'root ::= "a"'}}, "grammar", 'root ::= "a"'),
+])
+def test_every_way_to_ask_for_structured_output(fake_client, fake, kwargs, kind, spec):
+    fake_client.completions.create(model="base-llm", prompt="the answer is", max_tokens=3, **completion_kwargs(kwargs))
+    fake_client.chat.completions.create(model="base-llm", messages=[{"role": "user", "content": "the answer?"}],
+                                        max_tokens=3, **kwargs)
+    assert fake.calls[0].request.constraint == fake.calls[1].request.constraint
+    req = fake.calls[0].request
+    assert req.constraint.WhichOneof("kind") == kind
+    if kind == "json_schema":
+        assert json.loads(req.constraint.json_schema) == spec
+    elif kind == "choice":
+        assert list(req.constraint.choice.choices) == spec
+    elif spec is not None:
+        assert getattr(req.constraint, kind) == spec
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ({"extra_body": {"repetition_penalty": 11}}, "repetition_penalty"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 300}}, "logit_bias"),
+    ({"logit_bias": {"99999999999": 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(1100)}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}, "response_format.json_schema.name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
+     "structured_outputs"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"guided_regex": "a"}}, "guided_regex"),
+    ({"extra_body": {"structured_outputs": {}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["a"]}}}, "structured_outputs"),
+    ({"extra_body": {"structured_outputs": {"json": "{not json"}}}, "structured_outputs.json"),
+    ({"extra_body": {"structured_outputs": {"choice": []}}}, "structured_outputs.choice"),
+    ({"extra_body": {"structured_outputs": {"grammar": " "}}}, "structured_outputs.grammar"),
+    ({"extra_body": {"structured_outputs": {"regex": "a", "backend": "x"}}}, "structured_outputs.backend"),
+    ({"extra_body": {"guided_regex": "a", "guided_choice": ["a"]}}, "guided_choice"),
+])
+def test_bad_sampling_and_structured_fields_are_400_naming_the_field(fake_client, fake, kwargs, param):
+    calls = (lambda: fake_client.completions.create(model="base-llm", prompt="x", max_tokens=2,
+                                                    **completion_kwargs(kwargs)),
+             lambda: fake_client.chat.completions.create(model="base-llm", messages=[{"role": "user", "content": "x"}],
+                                                         max_tokens=2, **kwargs))
+    for create in calls:
+        with pytest.raises(openai.BadRequestError) as err:
+            create()
+        body = err.value.body
+        assert err.value.status_code == 400 and body["type"] == "invalid_request_error"
+        assert body["param"] == param and body["message"].startswith(param), body
+    assert fake.calls == []  # refused before anything went downstream
+
+
+def test_what_only_the_verifier_can_check_is_400_too(fake_client, fake):
+    """A schema that does not compile, a token outside the vocabulary: the verifier refuses them
+    (INVALID_ARGUMENT), and the client gets OpenAI's 400, plain or streamed."""
+    fake.refuse = lambda req: ("json_schema: does not compile: unknown type 'nope'" if req.HasField("constraint")
+                               else "sampling.logit_bias: token 400 is outside the vocabulary (size 300)")
+    bad_schema = {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "x", "schema": {"type": "nope"}}}}
+    for kwargs, param in ((bad_schema, "json_schema"), ({"logit_bias": {"400": 1}}, "logit_bias")):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as err:
+                out = fake_client.completions.create(model="base-llm", prompt="x", max_tokens=2, stream=stream,
+                                                     **completion_kwargs(kwargs))
+                list(out) if stream else None
+            body = err.value.body
+            assert body["type"] == "invalid_request_error" and body["param"] == param, body
+            assert body["message"].startswith("verifier: ")
+
+
+def test_a_chat_template_file_lets_a_base_model_serve_chat(fake_gateway, fake_client, fake, base_model):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "yes?"}]
+    chat = fake_client.chat.completions.create(model="base-llm", messages=messages, max_tokens=4, temperature=0)
+    rendered = "# system: be brief\n# user: yes?\n# assistant:"  # what the file's template renders
+    plain = fake_client.completions.create(model="base-llm", prompt=rendered, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert list(fake.calls[0].request.prompt_ids) == list(fake.calls[1].request.prompt_ids)
+    assert fake_gateway.core.cfg.chat_template is not None
+
+
+def test_chat_template_flag_env_and_bad_files(base_model, template_file, tmp_path, capsys):
+    from services.gateway.config import config_from_args
+    from services.gateway.server import main
+    from specinfer.errors import UserError
+
+    args = ["--model-dir", str(base_model)]
+    assert config_from_args(args, {}).chat_template is None
+    assert config_from_args(args, {"SPECINFER_CHAT_TEMPLATE": str(template_file)}).chat_template == template_file
+    assert config_from_args(args + ["--chat-template", str(template_file)], {}).chat_template == template_file
+    (tmp_path / "broken.jinja").write_text("{% for %}")
+    (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "binary.jinja").write_bytes(b"\xff\xfe{{")
+    for path, reason in ((tmp_path / "missing.jinja", "cannot read"), (tmp_path, "cannot read"),
+                         (tmp_path / "binary.jinja", "cannot read"), (tmp_path / "broken.jinja", "does not compile"),
+                         (tmp_path / "empty.jinja", "is empty")):
+        with pytest.raises(UserError, match=f"^--chat-template .*{reason}"):
+            config_from_args(args + ["--chat-template", str(path)], {})
+        with pytest.raises(UserError, match="SPECINFER_CHAT_TEMPLATE"):
+            config_from_args(args, {"SPECINFER_CHAT_TEMPLATE": str(path)})
+    capsys.readouterr()
+    assert main(args + ["--chat-template", str(tmp_path / "missing.jinja")]) == 2  # the service exits at once
+    err = capsys.readouterr().err
+    assert err.startswith("specinfer-gateway: error: --chat-template") and len(err.strip().splitlines()) == 1
+
+
+def test_specinfer_up_passes_a_chat_template_to_the_gateway(monkeypatch, template_file, tmp_path, capsys):
+    from specinfer.cli.launcher import Stack, StackConfig
+    from specinfer.cli.main import main
+
+    spawned = {}
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.update({name: env}))
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(), chat_template=template_file)).start()
+    assert spawned["gateway"]["SPECINFER_CHAT_TEMPLATE"] == str(template_file.resolve())
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=())).start()
+    assert "SPECINFER_CHAT_TEMPLATE" not in spawned["gateway"]
+    (tmp_path / "broken.jinja").write_text("{% if %}")
+    for path in (tmp_path / "missing.jinja", tmp_path / "broken.jinja"):  # refused before any model or process
+        assert main(["up", "--chat-template", str(path), "--cache-dir", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "--chat-template" in err and len(err.strip().splitlines()) == 1

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from services.gateway.admission import AdmissionConfig
+from services.gateway.chat_template import ChatTemplate
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specinfer.serving.settings import (
@@ -34,6 +35,7 @@ class GatewayConfig:
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off (the stacks we ship set HTTP_PORT)
     redis_url: str | None = None  # None = embedded in-memory store
     model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
+    chat_template: Path | None = None  # a Jinja file overriding the checkpoint's chat template
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
     default_deadline_s: float = DEFAULT_DEADLINE_S  # when the client sets no deadline
     request_ttl_s: int = 24 * 3600
@@ -70,6 +72,9 @@ def _flags() -> list[Flag]:
         port_flag("--http-port", "SPECINFER_HTTP_PORT", d["http_port"],
                   f"OpenAI-compatible HTTP API port; 0 = off (specinfer up, compose and Kubernetes use {HTTP_PORT})"),
         Flag("--model-dir", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (for its tokenizer)"),
+        Flag("--chat-template", "SPECINFER_CHAT_TEMPLATE", Path, None,
+             "a Jinja chat template file for /v1/chat/completions, overriding the checkpoint's (a base model "
+             "without one can then serve chat)"),
         Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
              "prompt tokens, session history included", is_positive=True),
         Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens, "generated tokens per request",
@@ -120,6 +125,8 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
     a = read_flags(build_parser(flags), flags, argv, env)
     if a["model_dir"] is None:
         raise UserError("the gateway needs the LLM's directory for its tokenizer: --model-dir or SPECINFER_MODEL_DIR")
+    if a["chat_template"] is not None:  # checked now: a bad file stops the gateway before it serves
+        ChatTemplate.from_file(a["chat_template"], a["model_dir"], "--chat-template (SPECINFER_CHAT_TEMPLATE)")
     limits = RequestLimits(
         max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"],
         default_max_new_tokens=a["default_max_tokens"], max_concurrent_requests=a["max_concurrent_requests"],
@@ -133,7 +140,7 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
     )
     return GatewayConfig(
         host=a["host"], port=a["port"], verifier_addr=a["verifier_addr"], redis_url=a["redis_url"],
-        http_port=a["http_port"], model_dir=a["model_dir"], limits=limits,
+        http_port=a["http_port"], model_dir=a["model_dir"], chat_template=a["chat_template"], limits=limits,
         default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],
         lease_ttl_s=a["lease_ttl_s"], stale_after_s=a["stale_after_s"], admission=admission,

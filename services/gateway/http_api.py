@@ -10,7 +10,9 @@ client leaving does: its observer detaches, and a run nobody observes any more i
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as
 server-sent events), GET /health (always open) and GET /metrics (the gateway's Prometheus
 registry). With a client token configured, every other endpoint needs `Authorization: Bearer`.
-A body larger than the gateway's message bound is refused (413) before it is read whole.
+A body larger than the gateway's message bound is refused (413) before it is read whole. Chat
+renders the checkpoint's template, or the gateway's `--chat-template` file when it has one.
+An error is OpenAI's error body, its `param` the field the message starts with.
 """
 
 from __future__ import annotations
@@ -153,7 +155,9 @@ def error_response(exc: BaseException) -> JSONResponse:
         log.error("HTTP request failed: %s", message, exc_info=exc)
     param = None
     if isinstance(exc, (UserError, NotFoundError)):
-        head = message.split(":", 1)[0]
+        # the field a message starts with; the verifier's own refusals (a schema that does not
+        # compile, a token outside the vocabulary) come back as "verifier: <field>: ..."
+        head = message.removeprefix("verifier: ").split(":", 1)[0].removeprefix("sampling.")
         param = head if head and " " not in head else None
     return JSONResponse(error_body(message, error_type, param, "model_not_found" if param == "model" else None),
                         status)
@@ -581,7 +585,11 @@ def start_http(core: GatewayCore, tracer: trace.Tracer, metrics: GatewayMetrics,
                port: int) -> HttpServer:
     """Starts the HTTP API of a gateway on `port` (its host, security and limits are the gRPC API's)."""
     cfg = core.cfg
-    renderer = ChatRenderer(ChatTemplate.from_dir(cfg.model_dir))
+    if cfg.chat_template is not None:
+        template = ChatTemplate.from_file(cfg.chat_template, cfg.model_dir)
+    else:
+        template = ChatTemplate.from_dir(cfg.model_dir)
+    renderer = ChatRenderer(template)
     api = OpenAIApi(core, cfg.model_dir.name, renderer, tracer, metrics, registry, cfg.default_deadline_s)
     server = HttpServer(api, cfg.host, port, cfg.server_security, cfg.max_message_bytes, cfg.grace_s,
                         cfg.num_server_workers)

@@ -223,7 +223,10 @@ class RequestRun:
         if num_done >= plan.params.max_new_tokens:
             return self._end(FINISHED, "length")
         sampling = replace(plan.params.sampling, seed=derive_seed(plan.params.sampling.seed or 0, num_done))
-        params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - num_done, sampling=sampling)
+        # A continuation sends the tokens generated so far as the prompt's tail: the verifier's
+        # penalties count them as output, and a constraint resumes past them.
+        params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - num_done, sampling=sampling,
+                         num_resumed_tokens=plan.params.num_resumed_tokens + num_done)
         call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, params, plan.session_id,
                             plan.prefix_group)
         stream = self.deps.verifier.generate(call, plan.deadline_s, list(plan.metadata))

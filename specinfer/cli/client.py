@@ -7,6 +7,8 @@
         done = client.generate("def add(", max_tokens=8, logprobs=5, stop_token_ids=[13], n=2)
         done.logprobs[0].top  # ((token id, logprob), ...) under done.logprob_space
         done.samples[1].text  # n > 1: every sample, sample 0 repeated in the fields above
+        client.generate("Answer:", presence_penalty=0.5, repetition_penalty=1.2, logit_bias={13: -100},
+                        json_schema={"type": "object"})  # or regex=, choice=[...], grammar=, json_object=True
 
 Every call has a deadline (`timeout_s`). Results are plain dataclasses and dicts; gRPC errors
 are raised as `GatewayError(code, details)`. `token=` sends the gateway's bearer token and
@@ -20,10 +22,11 @@ import json
 import os
 import sys
 from dataclasses import asdict, dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import grpc
 
+from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags, constraint_fields, processor_values
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
 from specinfer.logprobs import TokenLogprob
@@ -131,6 +134,25 @@ def _sample(msg: pb.Sample) -> Sample:
                   _stats(msg.stats), logprobs_from_proto(msg.logprobs))
 
 
+def _constraint(json_schema, regex, choice, grammar, json_object: bool) -> pb.Constraint | None:
+    given = {name: value for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice),
+                                             ("grammar", grammar), ("json_object", json_object or None))
+             if value is not None}
+    if len(given) > 1:
+        raise ValueError(f"structured output: give one of json_schema, regex, choice, grammar, json_object, "
+                         f"got {', '.join(given)}")
+    if not given:
+        return None
+    ((kind, value),) = given.items()
+    if kind == "choice":
+        return pb.Constraint(choice=pb.ChoiceConstraint(choices=list(value)))
+    if kind == "json_object":
+        return pb.Constraint(json_object=pb.JsonObjectConstraint())
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    return pb.Constraint(**{kind: value})
+
+
 def _call(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
@@ -176,8 +198,19 @@ class GatewayClient:
                  tree_width: Sequence[int] | None = None, max_tree_nodes: int = 0, session_id: str = "",
                  request_id: str = "", ignore_eos: bool = False, ssm_names: Sequence[str] = (),
                  tree_policy: str | None = None, stop_token_ids: Sequence[int] = (), logprobs: int | None = None,
-                 n: int | None = None) -> pb.GenerateRequest:
-        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+                 n: int | None = None, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 repetition_penalty: float | None = None, min_p: float = 0.0,
+                 logit_bias: Mapping[int, float] | None = None, json_schema: str | Mapping | None = None,
+                 regex: str | None = None, choice: Sequence[str] | None = None, grammar: str | None = None,
+                 json_object: bool = False) -> pb.GenerateRequest:
+        """The request; the gateway validates every value (INVALID_ARGUMENT naming the field).
+        Penalties, min_p and logit_bias ({token id: bias}) are the logits processors; at most one
+        of json_schema (a schema as a dict or JSON text), regex, choice, grammar and json_object
+        asks for structured output. repetition_penalty None is 1 (none)."""
+        sampling = pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                     repetition_penalty=0.0 if repetition_penalty in (None, 1.0) else repetition_penalty, min_p=min_p,
+                                     logit_bias=dict(logit_bias or {}))
         if seed is not None:
             sampling.seed = seed
         policy = {None: pb.TREE_POLICY_UNSPECIFIED, "merge": pb.TREE_POLICY_MERGE, "mixed": pb.TREE_POLICY_MIXED}
@@ -192,6 +225,9 @@ class GatewayClient:
             req.logprobs = logprobs
         if n is not None:
             req.n = n
+        constraint = _constraint(json_schema, regex, choice, grammar, json_object)
+        if constraint is not None:
+            req.constraint.CopyFrom(constraint)
         return req
 
     def generate(self, prompt: str, *, timeout_s: float | None = None, **params) -> Completion:
@@ -271,6 +307,8 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
                    help="a token id that ends generation, besides EOS (repeatable)")
     g.add_argument("--logprobs", type=int, help="return each token's logprob and this many alternatives (0-20)")
     g.add_argument("-n", "--n", type=int, help="independent samples of the prompt (default 1)")
+    add_processor_flags(g)
+    add_constraint_flags(g)
     g.add_argument("--no-speculate", action="store_true", help="plain incremental decoding")
     g.add_argument("--tree-width", type=_tree_width, help="children per level, e.g. 1,1,3")
     g.add_argument("--ssm-name", action="append", default=[], help="SSM pool member to use (repeatable)")
@@ -300,6 +338,11 @@ def run_client(args: argparse.Namespace) -> int:
         print(f"specinfer: error: {exc}", file=sys.stderr)
         return 2
     try:
+        constraint = constraint_fields(args) if args.client_command == "generate" else {}
+    except UserError as exc:  # a file the flags name: before any call
+        print(f"specinfer: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         with GatewayClient(target, timeout_s=args.timeout, security=security) as client:
             if args.client_command == "info":
                 _print(client.info())
@@ -313,7 +356,7 @@ def run_client(args: argparse.Namespace) -> int:
                               ssm_names=args.ssm_name, tree_policy=args.tree_policy,
                               speculate=False if args.no_speculate else None, session_id=args.session,
                               request_id=args.request_id, stop_token_ids=args.stop_token_id,
-                              logprobs=args.logprobs, n=args.n)
+                              logprobs=args.logprobs, n=args.n, **processor_values(args), **constraint)
                 if args.stream:
                     for delta in client.generate_stream(args.prompt, **params):
                         _print(asdict(delta))

@@ -103,22 +103,25 @@ def tree_shape(args: argparse.Namespace):
                      min_path_prob=args.min_path_prob)
 
 
-def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None, sampling):
+def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None, sampling, constraint=None):
     """The request parameters of the mode flags (`--mode`, else auto with a pool and incremental
-    without). Returns (mode, params)."""
+    without), with `constraint` (structured output, or None). Returns (mode, params)."""
     from specinfer.engine.llm_engine import mode_params
 
     shape = tree_shape(args)
     mode = mode or ("auto" if has_ssm else "incremental")
     if mode != "incremental" and not has_ssm:
         raise UserError(f"--mode {mode} needs at least one --ssm")
-    return mode, mode_params(mode, args.max_new_tokens, shape, sampling)
+    return mode, mode_params(mode, args.max_new_tokens, shape, sampling, constraint=constraint)
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.params import SamplingParams
+    from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    # the same SamplingParams and Constraint `specinfer client generate` sends, checked before any model loads
+    params = sampling_from_flags(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                 seed=args.seed)
+    constraint = constraint_from_flags(args)
     if args.prompt is not None:
         prompts = [args.prompt]
     else:
@@ -127,7 +130,7 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
     paths, _ = resolve_paths(args, cache_dir)
-    mode, gen_params = generation_params(args, bool(paths.ssms or paths.model_free), args.mode, params)
+    mode, gen_params = generation_params(args, bool(paths.ssms or paths.model_free), args.mode, params, constraint)
     tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)
     out = open(args.output, "w") if args.output else sys.stdout
     try:

@@ -54,6 +54,7 @@ class StackConfig:
     speculator_pipeline: tuple[bool, ...] = ()  # per speculator: draft ahead or not (empty: their default)
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     admission_latency_factor: float | None = None  # the gateway's (0 = a fixed limit); None: its default
+    chat_template: Path | None = None  # the gateway's --chat-template: a Jinja file overriding the LLM's
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
     # a child that exits is restarted after restart_backoff_s, doubling up to max_restart_backoff_s,
@@ -167,6 +168,8 @@ class Stack:
             env["SPECINFER_REDIS_URL"] = cfg.redis_url
         if cfg.admission_latency_factor is not None:
             env["SPECINFER_ADMISSION_LATENCY_FACTOR"] = str(cfg.admission_latency_factor)
+        if cfg.chat_template is not None:
+            env["SPECINFER_CHAT_TEMPLATE"] = str(Path(cfg.chat_template).resolve())
         if cfg.metrics_base_port:
             env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port)
         self._spawn("gateway", "services.gateway", [], cfg.gateway_port, env)
@@ -242,6 +245,9 @@ def add_up_parser(sub) -> None:
                          "one host, no process hop per step")
     up.add_argument("--gateway-port", type=int, default=50051)
     up.add_argument("--http-port", type=int, default=HTTP_PORT, help="OpenAI-compatible HTTP API; 0 = off")
+    up.add_argument("--chat-template", type=Path, metavar="FILE",
+                    help="a Jinja chat template for /v1/chat/completions, overriding the LLM's own (so a base model "
+                         "without one can serve chat); default: SPECINFER_CHAT_TEMPLATE, else the LLM's")
     up.add_argument("--verifier-port", type=int, default=50052)
     up.add_argument("--speculator-port", type=int, default=50053, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
@@ -273,6 +279,12 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
     if args.once and not args.prompt:
         raise UserError("--once needs --prompt")
+    chat_template = args.chat_template or (Path(os.environ["SPECINFER_CHAT_TEMPLATE"])
+                                           if os.environ.get("SPECINFER_CHAT_TEMPLATE") else None)
+    if chat_template is not None:  # before any model is built or process starts
+        from services.gateway.chat_template import ChatTemplate
+
+        ChatTemplate.from_file(chat_template, None, "--chat-template")
     from specinfer.cli.commands import exec_config
     from specinfer.engine.backend import resolve_exec
     from specinfer.engine.load import resolve_device
@@ -294,7 +306,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         cache_dir=cache_dir,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
-        otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"),
+        otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"), chat_template=chat_template,
     )
     stack = Stack(cfg)
     stopping = []

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--tree-sampling", choices=["sampled", "topk"], default="sampled",
                    help="how stochastic mode picks tree children: draws from the SSM, or its top-k")
+    from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
+
+    add_processor_flags(g)
+    add_constraint_flags(g)
     g.add_argument("--output", type=Path, help="write JSONL results here (default: stdout)")
 
     b = sub.add_parser("bench", help="compare incremental, sequence, tree and transformers' assisted generation")

@@ -1,16 +1,19 @@
 """Protobuf <-> domain types, at the service edge only (nothing past the edge sees *_pb2).
 
 One function per message and direction. Unset protobuf fields mean "the default": `top_p` 0 is
-1, a shape with no widths is the server's default shape (`TreeShape.is_default`). The domain
-types validate themselves, so converting a message is validating it. Plain Python: the gateway
+1, `repetition_penalty` 0 is 1 (none), a shape with no widths is the server's default shape
+(`TreeShape.is_default`), an unset constraint is free text. The domain types validate
+themselves, so converting a message is validating it: a bad value raises `UserError` naming the
+field (INVALID_ARGUMENT). Plain Python: the gateway
 converts with these too. Token trees carry tensors and are converted in `specinfer.serving.trees`.
 """
 
 from __future__ import annotations
 
 from specinfer import limits
+from specinfer.errors import UserError
 from specinfer.logprobs import PROCESSED, RAW, TokenLogprob
-from specinfer.params import GenerationParams, SamplingParams, TreeBudget, TreeShape
+from specinfer.params import Constraint, GenerationParams, SamplingParams, TreeBudget, TreeShape
 from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 
@@ -56,14 +59,48 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         top_p=float(msg.top_p) if msg.top_p else 1.0,
         top_k=int(msg.top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None,
+        frequency_penalty=float(msg.frequency_penalty),
+        presence_penalty=float(msg.presence_penalty),
+        repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty else 1.0,
+        min_p=float(msg.min_p),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),  # a map has no order
     )
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
-    msg = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    msg = pb.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                            frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+                            min_p=params.min_p, logit_bias=dict(params.logit_bias))
     if params.seed is not None:
         msg.seed = params.seed
+    if params.repetition_penalty != 1.0:  # unset means 1: a message without penalties stays as it was
+        msg.repetition_penalty = params.repetition_penalty
     return msg
+
+
+def constraint_from_proto(msg: pb.Constraint) -> Constraint:
+    """A set Constraint message; one that names no kind this server knows is refused, never
+    taken for free text."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise UserError(f"constraint: set but names no kind (one of {', '.join(limits.CONSTRAINT_KINDS)})")
+    if kind == "choice":
+        return Constraint("choice", choices=tuple(msg.choice.choices))
+    if kind == "json_object":
+        return Constraint("json_object")
+    return Constraint(kind, getattr(msg, kind))
+
+
+def constraint_to_proto(constraint: Constraint) -> pb.Constraint:
+    if constraint.kind == "choice":
+        return pb.Constraint(choice=pb.ChoiceConstraint(choices=list(constraint.choices)))
+    if constraint.kind == "json_object":
+        return pb.Constraint(json_object=pb.JsonObjectConstraint())
+    return pb.Constraint(**{constraint.kind: constraint.spec})
+
+
+def _constraint_of(msg) -> Constraint | None:
+    return constraint_from_proto(msg.constraint) if msg.HasField("constraint") else None
 
 
 def shape_from_proto(msg: pb.TreeShape) -> TreeShape:
@@ -99,11 +136,15 @@ def budget_to_proto(budget: TreeBudget) -> pb.TreeBudget:
 
 
 def params_from_verifier_request(msg: pb.VerifierGenerateRequest) -> GenerationParams:
+    if msg.num_resumed_tokens > len(msg.prompt_ids):
+        raise UserError(f"num_resumed_tokens: at most the prompt's {len(msg.prompt_ids)} tokens, "
+                        f"got {msg.num_resumed_tokens}")
     return GenerationParams(
         max_new_tokens=int(msg.max_new_tokens), sampling=sampling_from_proto(msg.sampling),
         shape=shape_from_proto(msg.shape), is_speculative=bool(msg.speculate), ssm_names=tuple(msg.ssm_names),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), is_ignore_eos=bool(msg.ignore_eos),
-        num_logprobs=_optional_uint(msg, "logprobs"),
+        num_logprobs=_optional_uint(msg, "logprobs"), constraint=_constraint_of(msg),
+        num_resumed_tokens=int(msg.num_resumed_tokens),
     )
 
 
@@ -114,9 +155,12 @@ def verifier_request_to_proto(request_id: str, prompt_ids: tuple[int, ...] | lis
         sampling=sampling_to_proto(params.sampling), speculate=params.is_speculative,
         shape=shape_to_proto(params.shape), stop_token_ids=list(params.stop_token_ids), session_id=session_id,
         ignore_eos=params.is_ignore_eos, ssm_names=list(params.ssm_names), prefix_group=prefix_group,
+        num_resumed_tokens=params.num_resumed_tokens,
     )
     if params.num_logprobs is not None:
         msg.logprobs = params.num_logprobs
+    if params.constraint is not None:
+        msg.constraint.CopyFrom(constraint_to_proto(params.constraint))
     return msg
 
 
@@ -128,7 +172,7 @@ def params_from_generate_request(msg: pb.GenerateRequest) -> GenerationParams:
         is_speculative=msg.speculate if msg.HasField("speculate") else True, ssm_names=tuple(msg.ssm_names),
         stop=tuple(msg.stop), is_ignore_eos=bool(msg.ignore_eos),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), num_logprobs=_optional_uint(msg, "logprobs"),
-        num_samples=int(msg.n) if msg.HasField("n") else 1,
+        num_samples=int(msg.n) if msg.HasField("n") else 1, constraint=_constraint_of(msg),
     )
 
 

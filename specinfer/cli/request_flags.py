@@ -1,0 +1,96 @@
+"""The request flags `specinfer generate` and `specinfer client generate` share: the logits
+processors (penalties, min_p) and structured output (a JSON Schema file, a regular expression,
+choices, a grammar file), read into the same domain types whichever command sends them.
+
+A bad value is a UserError naming the flag (the commands print it on one line, exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from specinfer.errors import UserError
+from specinfer.params import Constraint, SamplingParams
+
+PROCESSOR_FLAGS = {"frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
+                   "repetition_penalty": "--repetition-penalty", "min_p": "--min-p"}
+CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def add_processor_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's, in [-2, 2]: lowers a token's logit by this times its count in the output")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's, in [-2, 2]: lowers the logit of every token the output holds by this")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="transformers', in (0, 10]: over the prompt and the output; 1 = none (default)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="sampled only, in [0, 1]: drops tokens less likely than this times the likeliest one")
+
+
+def add_constraint_flags(p: argparse.ArgumentParser) -> None:
+    """Structured output: one of --json-schema, --regex, --choice (repeatable) or --grammar."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="structured output: JSON valid under the JSON Schema in FILE")
+    g.add_argument("--regex", help="structured output: text the regular expression matches whole")
+    g.add_argument("--choice", action="append", help="structured output: exactly one of these strings (repeatable)")
+    g.add_argument("--grammar", type=Path, metavar="FILE", help="structured output: a sentence of the EBNF grammar in FILE")
+
+
+def processor_values(args: argparse.Namespace) -> dict[str, float]:
+    return {name: getattr(args, name) for name in PROCESSOR_FLAGS}
+
+
+def sampling_from_flags(args: argparse.Namespace, **sampling) -> SamplingParams:
+    """SamplingParams of `sampling` and the processor flags; a bad value names its flag."""
+    try:
+        return SamplingParams(**sampling, **processor_values(args))
+    except UserError as exc:
+        message = str(exc)
+        for name, flag in {**PROCESSOR_FLAGS, "temperature": "--temperature", "top_p": "--top-p",
+                           "top_k": "--top-k"}.items():
+            if message.startswith(f"sampling.{name}:"):
+                message = flag + message[len(f"sampling.{name}"):]
+        raise UserError(message) from None
+
+
+def _read(path: Path, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise UserError(f"{flag}: cannot read {path}: {reason}") from None
+
+
+def constraint_fields(args: argparse.Namespace) -> dict:
+    """The structured-output flag given, as the Python client's keyword argument (with the
+    files read): {} when none is."""
+    if getattr(args, "json_schema", None) is not None:
+        text = _read(args.json_schema, "--json-schema")
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise UserError(f"--json-schema: {args.json_schema} is not valid JSON ({exc})") from None
+        return {"json_schema": text}
+    if getattr(args, "regex", None) is not None:
+        return {"regex": args.regex}
+    if getattr(args, "choice", None):
+        return {"choice": list(args.choice)}
+    if getattr(args, "grammar", None) is not None:
+        return {"grammar": _read(args.grammar, "--grammar")}
+    return {}
+
+
+def constraint_from_flags(args: argparse.Namespace) -> Constraint | None:
+    """The domain constraint of the structured-output flags; a bad one names its flag."""
+    fields = constraint_fields(args)
+    if not fields:
+        return None
+    ((kind, value),) = fields.items()
+    try:
+        return Constraint(kind, choices=tuple(value)) if kind == "choice" else Constraint(kind, value)
+    except UserError as exc:
+        raise UserError(f"{CONSTRAINT_FLAGS[kind]}: {str(exc).removeprefix(kind + ':').strip()}") from None
