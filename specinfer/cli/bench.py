@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specinfer.engine.load import ModelPaths
@@ -25,12 +25,15 @@ class ArmResult:
     num_tokens: int = 0
     num_steps: int = 0
     seconds: float = 0.0
+    processing_s: float = 0.0  # in the logits processors and the grammar
 
-    def add(self, output: list[int], steps: int, seconds: float, num_tokens: int | None = None) -> None:
+    def add(self, output: list[int], steps: int, seconds: float, num_tokens: int | None = None,
+            processing_s: float = 0.0) -> None:
         self.outputs.append(output)
         self.num_tokens += len(output) if num_tokens is None else num_tokens
         self.num_steps += steps
         self.seconds += seconds
+        self.processing_s += processing_s
 
     def summary(self, baseline: "ArmResult", reference_outputs: list[list[int]]) -> dict:
         ms = 1000 * self.seconds / max(1, self.num_tokens)
@@ -41,6 +44,8 @@ class ArmResult:
             "speedup_vs_incremental": round(base_ms / ms, 3) if ms else None,
             "greedy_equals_incremental": self.outputs == reference_outputs,
             "num_output_tokens": self.num_tokens,
+            "ms_per_step": round(1000 * self.seconds / max(1, self.num_steps), 3),
+            "processors_share_of_time": round(self.processing_s / self.seconds, 4) if self.seconds else None,
         }
 
 
@@ -102,6 +107,7 @@ class _TransformersArms:
 
 def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
+    from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
     from specinfer.engine.llm_engine import mode_params
     from specinfer.limits import parse_tree_width
     from specinfer.params import SamplingParams
@@ -145,8 +151,15 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         arms["tree_logprobs"] = ("tree", ssm_names[:1])
     if ssm_names and args.samples > 1:
         arms[f"tree_n{args.samples}_shared"] = arms[f"tree_n{args.samples}_separate"] = ("tree", ssm_names[:1])
-    if not paths.ssms or args.temperature:
-        args.no_transformers = True  # assisted generation needs an SSM (and is compared greedy)
+    # --json-schema, --regex, --choice, --grammar and the penalties apply to every arm; the
+    # "incremental_free" arm decodes without them, for what they cost a step.
+    constraint = constraint_from_flags(args)
+    processed = sampling_from_flags(args)
+    is_processed = constraint is not None or processed.has_processors
+    if is_processed:
+        arms["incremental_free"] = ("incremental", ())
+    if not paths.ssms or args.temperature or is_processed:
+        args.no_transformers = True  # assisted generation needs an SSM (and is compared greedy, unprocessed)
     hf = None if args.no_transformers else _TransformersArms(paths, args.dtype, ssm_dtypes[0],
                                                              engine.verifier.runner.model.device.type)
     names = list(arms) + ([] if hf is None else ["transformers_greedy", "transformers_assisted"])
@@ -164,8 +177,11 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
                 member.cache.clear()
         extra = {"num_logprobs": args.logprobs} if name == "tree_logprobs" else {}
         sampling = SamplingParams(args.temperature, seed=len(ids)) if args.temperature else SamplingParams()
+        if name != "incremental_free":
+            sampling = replace(processed, temperature=sampling.temperature, seed=sampling.seed)
+            extra["constraint"] = constraint
         r = target.generate(ids, mode_params(mode, max_new, shape, sampling, ssm_names=tuple(names_used), **extra))
-        return r.output_ids, r.num_llm_steps, r.latency_s
+        return r.output_ids, r.num_llm_steps, r.latency_s, None, r.processing_s
 
     def run_samples(is_shared: bool, ids: list[int], max_new: int, names_used) -> tuple[list[int], int, float, int]:
         """Greedy samples are all the same output: sample 0's is returned when they agree."""
@@ -207,6 +223,10 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "samples": args.samples,
             # Sampled arms are seeded per prompt: they equal incremental sampling token for token too.
             "decoding": f"sampled, temperature {args.temperature}" if args.temperature else "greedy",
+            "constraint": None if constraint is None else {"kind": constraint.kind, "spec": constraint.spec,
+                                                           "choices": list(constraint.choices)},
+            "processors": {k: v for k, v in asdict(processed).items() if k not in ("temperature", "seed")}
+            if processed.has_processors else None,
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
         },
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},
@@ -221,12 +241,17 @@ def summary(results: dict) -> dict:
     """The defaults against the baselines: incremental, transformers' assisted generation, and the
     fastest of the hand-set arms (static trees, single members) of the same run."""
     tuned = {n: r for n, r in results.items()
-             if n not in ("incremental", "defaults") and not n.startswith(("transformers", "tp1_", "tree_n"))}
+             if n not in ("incremental", "defaults", "incremental_free")
+             and not n.startswith(("transformers", "tp1_", "tree_n"))}
     best = max(tuned, key=lambda n: tuned[n]["speedup_vs_incremental"] or 0.0, default=None)
     defaults = results["defaults"]["ms_per_token"]
     out = {"defaults_vs_incremental": results["defaults"]["speedup_vs_incremental"], "best_tuned": best,
            "best_tuned_vs_incremental": tuned[best]["speedup_vs_incremental"] if best else None,
            "defaults_vs_best_tuned": round(tuned[best]["ms_per_token"] / defaults, 3) if best else None}
+    if "incremental_free" in results:  # what the constraint and processors cost a step
+        out["processors_share_of_time"] = {n: results[n]["processors_share_of_time"] for n in ("incremental", "defaults")}
+        out["incremental_ms_per_step_vs_free"] = round(results["incremental"]["ms_per_step"]
+                                                       / results["incremental_free"]["ms_per_step"], 3)
     if "transformers_assisted" in results:
         out["defaults_vs_transformers_assisted"] = round(results["transformers_assisted"]["ms_per_token"] / defaults, 3)
     return out

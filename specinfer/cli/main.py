@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
 from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
 from specinfer.limits import PAPER_TREE_WIDTH
@@ -88,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--tree-sampling", choices=["sampled", "topk"], default="sampled",
                    help="how stochastic mode picks tree children: draws from the SSM, or its top-k")
-    from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
-
     add_processor_flags(g)
     add_constraint_flags(g)
     g.add_argument("--output", type=Path, help="write JSONL results here (default: stdout)")
@@ -104,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0,
                    help="in process: sample every arm at this temperature (seeded per prompt; transformers' arms are "
                         "left out); 0 = greedy (default)")
+    add_processor_flags(b)
+    add_constraint_flags(b)
     b.add_argument("--logprobs", type=int, help="add a tree arm that returns logprobs with this many alternatives")
     b.add_argument("--samples", type=int, default=1,
                    help="N > 1 adds two tree arms of N samples per prompt: sharing the prompt's KV, and not")

@@ -270,11 +270,11 @@ class Engine:
             raise UserError(f"num_resumed_tokens: {params.num_resumed_tokens} exceeds the prompt ({len(prompt_ids)})")
         grammar = None
         if params.constraint is not None:
+            if not llm_cfg.eos_token_ids:
+                raise UserError(f"{params.constraint.kind}: the model has no end-of-sequence token to end on")
             if self.grammars is None:
                 raise UserError(f"{params.constraint.kind}: structured output needs the model's tokenizer, "
                                 "which this server has not loaded")
-            if not llm_cfg.eos_token_ids:
-                raise UserError(f"{params.constraint.kind}: the model has no end-of-sequence token to end on")
             grammar = self.grammars.new_state(params.constraint)
         if grammar is None and not sampling.has_penalties and not sampling.logit_bias:
             return None

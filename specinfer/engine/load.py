@@ -7,12 +7,15 @@ Everything here validates input before loading weights, so bad flags fail fast w
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -119,12 +122,18 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
 
 def load_grammars(model_dir: Path, llm_cfg: ModelConfig):
     """Structured output over the LLM's tokenizer (a `grammar.GrammarCompiler`); None where the
-    checkpoint has no tokenizer.json, and then a request with a constraint is refused."""
+    checkpoint has no tokenizer.json or no EOS token (an output could not end where its grammar
+    does), or where its tokenizer does not fit its vocabulary: then a request with a constraint
+    is refused, and every other request runs as before."""
     from specinfer.engine.grammar import GrammarCompiler
 
-    if not (Path(model_dir) / "tokenizer.json").is_file():
+    if not (Path(model_dir) / "tokenizer.json").is_file() or not llm_cfg.eos_token_ids:
         return None
-    return GrammarCompiler(model_dir, llm_cfg.vocab_size, llm_cfg.eos_token_ids)
+    try:
+        return GrammarCompiler(model_dir, llm_cfg.vocab_size, llm_cfg.eos_token_ids)
+    except ValueError as exc:
+        log.warning("structured output is off for %s: %s", model_dir, exc)
+        return None
 
 
 def read_prompts(path: str | Path) -> list[str]:
