@@ -37,7 +37,7 @@ def add_constraint_flags(p: argparse.ArgumentParser) -> None:
                    help="structured output: JSON valid under the JSON Schema in FILE")
     g.add_argument("--regex", help="structured output: text the regular expression matches whole")
     g.add_argument("--choice", action="append", help="structured output: exactly one of these strings (repeatable)")
-    g.add_argument("--grammar", type=Path, metavar="FILE", help="structured output: a sentence of the EBNF grammar in FILE")
+    g.add_argument("--grammar", type=Path, metavar="FILE", help="structured output: a sentence of the grammar in FILE (Lark, or GBNF)")
 
 
 def processor_values(args: argparse.Namespace) -> dict[str, float]:
