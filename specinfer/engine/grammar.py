@@ -21,11 +21,14 @@ of the verifier; it reports bad input as messages (xgrammar logs C++ lines, and 
 as the letter p); it needs no other package. This module's `tree_masks` on that tree: 2.7 us a
 node for the schema, 3.9 for the regex, 3 us for a root alone; `apply` on CPU 0.1 ms (32 x 8192).
 
-llguidance's forcing is off: where the grammar forces text it would allow only the first token
-of that text's tokenization; here every token that keeps the text a prefix of an accepted string
-is allowed, everywhere, and `forced` drafts that text instead.
+llguidance's forcing is on (its default, and vLLM's): where the grammar forces text, only that
+text's canonical tokenization is allowed. So `forced` drafts are certain: the LLM's token at each
+of their nodes is the only one its mask leaves (measured on the reference pair with a schema of
+long keys: 12-13 LLM steps for 89-97 tokens, against 65 steps for 128 with forcing off, where the
+LLM often spelled a forced key in other tokens than the draft). Elsewhere every token that keeps
+the text a prefix of an accepted string is allowed.
 
-Kinds: json_schema (JSON whitespace flexible, as llguidance has it), json_object, regex (the
+Kinds: json_schema (compact JSON: `JSON_LAYOUT`), json_object, regex (the
 whole output matches; Rust `regex` syntax, no look-around or backreferences), choice (string
 literals of a Lark grammar), grammar (Lark as llguidance takes it, start rule `start`, or
 llama.cpp's GBNF, `root ::= ...`, which llguidance converts to Lark).
@@ -373,7 +376,7 @@ class GrammarCompiler:
 
 
 def _grammar_text(constraint: Constraint) -> str:
-    """The constraint as an llguidance grammar (JSON), nested under a start with forcing off."""
+    """The constraint as an llguidance grammar (JSON), nested under a start with llguidance's forcing on."""
     kind, spec = constraint.kind, constraint.spec
     try:
         if kind == "json_schema":
@@ -397,7 +400,7 @@ def _grammar_text(constraint: Constraint) -> str:
             raise
         raise _input_error(kind, _message(str(exc), kind)) from None
     grammars = json.loads(grammar)["grammars"] if grammar.lstrip().startswith("{") else [{"lark_grammar": grammar}]
-    return json.dumps({"grammars": [{"lark_grammar": '%llguidance {"no_forcing": true}\nstart: @constraint'},
+    return json.dumps({"grammars": [{"lark_grammar": '%llguidance {"no_forcing": false}\nstart: @constraint'},
                                     {**grammars[0], "name": "constraint"}, *grammars[1:]]})
 
 
