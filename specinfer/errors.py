@@ -19,3 +19,15 @@ class NotFoundError(LookupError):
 
 class UnavailableError(RuntimeError):
     """A dependency (Redis, the verifier) cannot be reached (gRPC UNAVAILABLE)."""
+
+
+EXIT_CANNOT_BIND = 98  # a service's exit code when a port it serves on is taken (as errno EADDRINUSE)
+
+
+class BindError(OSError):
+    """A server cannot listen on its address (most often: another process holds the port).
+    `what` names the listener: "gRPC API", "HTTP API" or "metrics endpoint"."""
+
+    def __init__(self, what: str, host: str, port: int, reason: str):
+        super().__init__(f"cannot bind the {what} to {host}:{port}: {reason}")
+        self.what, self.host, self.port, self.reason = what, host, port, reason

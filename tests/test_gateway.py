@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import math
 import shutil
 import socket
@@ -943,7 +944,7 @@ def test_client_cli(gateway, fake, capsys):
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and len(out["token_ids"]) == 4 and not fake.calls[0].request.speculate
     code = run_client(parser.parse_args(["client", "generate", "--target", target, "--prompt", "hello",
-                                         "--max-tokens", "3", "--stream"]))
+                                         "--max-tokens", "3", "--stream", "--json"]))
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert code == 0 and lines[-1]["finish_reason"] == "length"
     code = run_client(parser.parse_args(["client", "info", "--target", target]))
@@ -953,6 +954,35 @@ def test_client_cli(gateway, fake, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("specinfer: error: INVALID_ARGUMENT: ") and "top_p" in err
     assert len(err.splitlines()) == 1
+
+
+def test_client_generate_stream_prints_text_for_people_and_json_for_scripts(gateway, fake, capsys):
+    parser = argparse.ArgumentParser()
+    add_client_parser(parser.add_subparsers(dest="command"))
+    base = ["client", "generate", "--target", f"127.0.0.1:{gateway.port}", "--prompt", "hello", "--max-tokens", "6",
+            "--stream"]
+    assert run_client(parser.parse_args(base + ["--json"])) == 0
+    pieces = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # one JSON object per piece
+    text = "".join(p["text_delta"] for p in pieces)
+    assert len(pieces) > 2 and pieces[-1]["stats"]["output_tokens"] == 6 and text
+
+    assert run_client(parser.parse_args(base)) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(text + "\n"), out  # the same text, plain
+    (stats,) = out[len(text) + 1:].splitlines()  # then one short line of statistics
+    assert re.fullmatch(r"\[6 tokens in \d+ LLM steps: [0-9.]+ tokens/step, [0-9.]+ ms/token, length\]", stats), stats
+
+
+def test_up_prompt_prints_text_then_statistics_or_json(gateway, fake, capsys):
+    from specinfer.cli.launcher import _answer
+
+    target = f"127.0.0.1:{gateway.port}"
+    _answer(target, "hello", 5, is_json=True)
+    reply = json.loads(capsys.readouterr().out)
+    assert len(reply["token_ids"]) == 5
+    _answer(target, "hello", 5, is_json=False)
+    text, stats = capsys.readouterr().out.splitlines()
+    assert text == reply["text"] and stats.startswith("[5 tokens in ") and stats.endswith(", length]")
 
 
 def test_client_cli_structured_output_and_penalties(gateway, fake, capsys, tmp_path):

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from specinfer.cli import launcher
-from specinfer.cli.launcher import Stack, StackConfig, default_speculator_threads
+from specinfer.cli.launcher import Stack, StackConfig, StackFailed, default_speculator_threads
+from specinfer.errors import EXIT_CANNOT_BIND
+from specinfer.serving.grpc_server import ServerConfig, start_server
+from util import add_tokenizer, free_port
 
 
 def test_speculators_get_a_small_share_of_the_cpus(monkeypatch):
@@ -112,6 +120,7 @@ def test_up_hosts_the_pool_in_the_verifier_unless_asked_for_speculator_processes
         raise KeyboardInterrupt  # nothing is launched: only the stack's configuration is looked at
 
     monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(launcher, "is_port_free", lambda host, port: True)  # whatever else runs on this machine
     base = ["up", "--llm", str(tiny_pair.llm), "--ssm", str(tiny_pair.ssms[0]), "--cache-dir", str(tmp_path)]
     assert main(base) == 0
     assert main(base + ["--num-speculators", "2"]) == 0
@@ -119,3 +128,91 @@ def test_up_hosts_the_pool_in_the_verifier_unless_asked_for_speculator_processes
     assert [(cfg.is_co_located, cfg.num_speculators) for cfg in started] == [(True, 1), (False, 2), (True, 1)]
     assert main(base + ["--co-located", "--num-speculators", "2"]) == 2
     assert main(base + ["--num-speculators", "-1"]) == 2
+
+
+@pytest.fixture
+def held_port():
+    """A port another process holds (listening), as another stack's would."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--gateway-port", "--http-port", "--verifier-port", "--metrics-port"])
+def test_a_taken_port_stops_up_before_anything_starts(monkeypatch, capsys, tmp_path, held_port, flag):
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, *args: spawned.append(args))
+    ports = {name: str(free_port()) for name in ("--gateway-port", "--http-port", "--verifier-port")}
+    ports[flag] = str(held_port)
+    argv = ["up", "--llm", str(tmp_path / "not-built-yet"), "--cache-dir", str(tmp_path)]
+    argv += [a for item in ports.items() for a in item]
+    if flag == "--metrics-port":
+        argv += [flag, str(held_port)]
+        argv[argv.index("--gateway-port") + 1] = str(free_port())
+    from specinfer.cli.main import main
+
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert f"port {held_port} is taken" in line and flag in line, line
+    assert spawned == [] and out == ""  # no child, no model built (the LLM directory does not even exist)
+
+
+def test_a_port_given_twice_is_refused():
+    port = free_port()
+    with pytest.raises(launcher.UserError, match=f"port {port} is given twice.*--gateway-port.*--verifier-port"):
+        launcher.check_ports(StackConfig(llm=Path(), ssms=(), gateway_port=port, verifier_port=port, http_port=0))
+
+
+def test_the_stack_is_up_only_when_its_own_services_answer():
+    """Something else serving health on a child's port is not the child: the stack refuses it."""
+    stranger = start_server(ServerConfig(port=0, grace_s=0, instance_id="someone-else"), [], ["specinfer.v1.Verifier"])
+    cfg = StackConfig(llm=Path("/m/llm"), ssms=(), verifier_port=stranger.port, startup_timeout_s=20)
+    stack = Stack(cfg)
+    try:
+        stack.add("verifier", [sys.executable, "-c", "import time; time.sleep(60)"], stranger.port, {})
+        with pytest.raises(StackFailed) as info:
+            stack.wait_healthy()
+        assert info.value.exit_code == 2 and "not this stack's verifier" in str(info.value)
+        assert f"127.0.0.1:{stranger.port}" in str(info.value)
+    finally:
+        stack.stop(grace_s=5)
+        stranger.stop(0)
+    stack = Stack(cfg)
+    ours = start_server(ServerConfig(port=0, grace_s=0, instance_id=stack.instance_id), [], ["specinfer.v1.Verifier"])
+    try:
+        stack.add("verifier", [sys.executable, "-c", "import time; time.sleep(60)"], ours.port, {})
+        stack.wait_healthy()  # the same health service, answering for this stack's id: up
+    finally:
+        stack.stop(grace_s=5)
+        ours.stop(0)
+
+
+def test_a_child_that_cannot_bind_stops_the_stack_instead_of_restarting(held_port, capfd):
+    cfg = StackConfig(llm=Path("/m/llm"), ssms=(), verifier_port=held_port, restart_backoff_s=0.01)
+    stack = Stack(cfg)
+    try:
+        child = stack.add("verifier", [sys.executable, "-c", f"import sys; sys.exit({EXIT_CANNOT_BIND})"],
+                          held_port, {})
+        child.proc.wait(timeout=30)
+        with pytest.raises(StackFailed) as info:
+            stack.supervise()
+        assert info.value.exit_code == 2
+        assert f"127.0.0.1:{held_port}" in str(info.value) and "--verifier-port" in str(info.value)
+        assert child.num_restarts == 0 and "restarting" not in capfd.readouterr().err
+    finally:
+        stack.stop(grace_s=5)
+
+
+@pytest.mark.parametrize("flag, what, env", [("--port", "gRPC API", "SPECINFER_GATEWAY_PORT"),
+                                             ("--http-port", "HTTP API", "SPECINFER_HTTP_PORT")])
+def test_a_service_that_cannot_bind_exits_once_with_one_clear_line(tmp_path, held_port, flag, what, env):
+    add_tokenizer(tmp_path, 300, ["hello world, the quick brown fox. "] * 20)
+    argv = ["--model-dir", str(tmp_path), "--verifier-addr", "127.0.0.1:1", "--port", "0", flag, str(held_port)]
+    proc = subprocess.run([sys.executable, "-m", "services.gateway", *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "SPECINFER_LOG_LEVEL": "warning"})
+    assert proc.returncode == EXIT_CANNOT_BIND
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"specinfer-gateway: error: cannot bind the {what} to 127.0.0.1:{held_port}: ")
+    assert f"{flag} (or {env})" in line, line

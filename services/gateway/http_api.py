@@ -46,7 +46,7 @@ from services.gateway.openai_schema import (
 from services.gateway.runs import Chunk
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest
-from specinfer.errors import NotFoundError, UserError
+from specinfer.errors import BindError, NotFoundError, UserError
 from specinfer.limits import MAX_METADATA_BYTES
 from specinfer.logprobs import TokenLogprob
 from specinfer.serving.grpc_server import status_for
@@ -543,7 +543,7 @@ class HttpServer:
             self._sock.bind((host, port))
         except OSError as exc:
             self._sock.close()
-            raise OSError(f"cannot bind the HTTP API to {host}:{port}: {exc.strerror or exc}") from None
+            raise BindError("HTTP API", host, port, exc.strerror or str(exc)) from None
         self.port = self._sock.getsockname()[1]
         tls = {}
         if security.is_tls:

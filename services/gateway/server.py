@@ -30,10 +30,12 @@ from services.gateway.store import RequestRecord, Store, make_store
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest
 from services.gateway.verifier_client import VerifierClient
-from specinfer.errors import UnavailableError, UserError
+from specinfer.errors import EXIT_CANNOT_BIND, BindError, UnavailableError, UserError
 from specinfer.limits import MAX_LOGPROBS, MAX_SAMPLES
 from specinfer.serving import convert
-from specinfer.serving.grpc_server import RunningServer, ServerConfig, remaining_timeout, start_server, status_for
+from specinfer.serving.grpc_server import (
+    RunningServer, ServerConfig, bind_message, remaining_timeout, start_server, status_for,
+)
 from specinfer.serving.logs import setup_logging
 from specinfer.serving.metrics import MetricsServer, new_registry
 from specinfer.serving.tracing import incoming_context, outgoing_metadata, setup_tracing
@@ -260,8 +262,8 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
     core = GatewayCore(cfg, tokenizer, store, verifier, metrics)
     core.start()
     servicer = GatewayServicer(core, tracer, metrics)
-    metrics_server = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
-    http = start_http(core, tracer, metrics, registry, cfg.http_port) if cfg.http_port else None
+    metrics_server: MetricsServer | None = None
+    http: HttpServer | None = None
 
     def on_stop() -> None:
         if http:
@@ -272,11 +274,18 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
         if metrics_server:
             metrics_server.stop()
 
-    running = start_server(
-        ServerConfig(host=cfg.host, port=cfg.port, max_workers=cfg.num_server_workers, grace_s=cfg.grace_s,
-                     max_message_bytes=cfg.max_message_bytes, security=cfg.server_security),
-        [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop,
-        on_drain=http.begin_stop if http else None)
+    try:  # a port that is taken stops what already started (so the process can exit at once)
+        metrics_server = MetricsServer(registry, cfg.host, cfg.metrics_port) if cfg.metrics_port else None
+        http = start_http(core, tracer, metrics, registry, cfg.http_port) if cfg.http_port else None
+        running = start_server(
+            ServerConfig(host=cfg.host, port=cfg.port, max_workers=cfg.num_server_workers, grace_s=cfg.grace_s,
+                         max_message_bytes=cfg.max_message_bytes, security=cfg.server_security,
+                         instance_id=cfg.instance_id),
+            [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop,
+            on_drain=http.begin_stop if http else None)
+    except BaseException:
+        on_stop()
+        raise
     log.info("gateway %s: verifier %s, store %s", cfg.gateway_id, cfg.verifier_addr,
              "redis" if cfg.redis_url else "in-memory")
     return GatewayServer(running, core, metrics_server, http)
@@ -288,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging("gateway", cfg.log_level)
         tracer = setup_tracing("specinfer-gateway", cfg.otlp_endpoint)
         server = serve(cfg, tracer, new_registry())
+    except BindError as exc:  # one line, and a code of its own: restarting will not free the port
+        print(f"specinfer-gateway: error: {bind_message(exc, 'gateway')}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_BIND
     except (UserError, OSError) as exc:
         print(f"specinfer-gateway: error: {exc}", file=sys.stderr)
         return 2

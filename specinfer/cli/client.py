@@ -294,7 +294,8 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
         p.add_argument("--token", help=f"the gateway's bearer token (env {CLIENT_TOKEN_ENV}); TLS: env "
                                        "SPECINFER_TLS_CA (and SPECINFER_TLS_CLIENT_CERT/_KEY for mTLS)")
 
-    g = sub.add_parser("generate", help="generate from a prompt; prints JSON (JSON lines with --stream)")
+    g = sub.add_parser("generate", help="generate from a prompt; prints JSON (with --stream: the text as it comes "
+                                        "and a line of statistics, or JSON lines with --json)")
     common(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the gateway's)")
@@ -315,7 +316,10 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tree-policy", choices=["merge", "mixed"], help="how the pool's trees combine")
     g.add_argument("--session", default="", help="session id to continue")
     g.add_argument("--request-id", default="")
-    g.add_argument("--stream", action="store_true", help="print one JSON line per delta")
+    g.add_argument("--stream", action="store_true",
+                   help="print the text as it comes, then one line of statistics (JSON lines with --json)")
+    g.add_argument("--json", action="store_true",
+                   help="machine output: with --stream one JSON object per piece (without --stream JSON is the default)")
     common(sub.add_parser("info", help="the gateway's model, limits and tree configuration"))
     for name in ("get", "cancel"):
         p = sub.add_parser(name, help=f"{name} a request by id")
@@ -326,6 +330,38 @@ def add_client_parser(subparsers) -> argparse.ArgumentParser:
 
 def _print(obj) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def stats_line(stats: Stats, finish: str = "") -> str:
+    """One short line of a completion's statistics, for people."""
+    n = stats.output_tokens
+    ms = f", {1000 * stats.latency_s / n:.1f} ms/token" if n and stats.latency_s else ""
+    ended = f", {finish}" if finish else ""
+    return f"[{n} tokens in {stats.llm_steps} LLM steps: {stats.tokens_per_step:.2f} tokens/step{ms}{ended}]"
+
+
+def print_text(deltas: Iterator[Delta], out) -> None:
+    """Plain text: a single sample's text as it comes, then its statistics on one line. Samples of
+    an n > 1 request interleave on the stream: each is printed whole once all are done."""
+    texts: dict[int, list[str]] = {}
+    ends: dict[int, Delta] = {}
+    for delta in deltas:
+        texts.setdefault(delta.index, []).append(delta.text_delta)
+        if delta.stats is not None:
+            ends[delta.index] = delta
+        if len(texts) == 1 and delta.index == 0 and delta.text_delta:
+            out.write(delta.text_delta)
+            out.flush()
+    if len(texts) <= 1:
+        last = ends.get(0)
+        out.write("\n" + (stats_line(last.stats, last.finish or last.finish_reason) + "\n" if last else ""))
+    else:
+        out.write("\n")  # what sample 0 streamed before the others showed up
+        for index in sorted(texts):
+            last = ends.get(index)
+            stats = f" {stats_line(last.stats, last.finish or last.finish_reason)}" if last else ""
+            out.write(f"--- sample {index}{stats}\n{''.join(texts[index])}\n")
+    out.flush()
 
 
 def run_client(args: argparse.Namespace) -> int:
@@ -357,9 +393,11 @@ def run_client(args: argparse.Namespace) -> int:
                               speculate=False if args.no_speculate else None, session_id=args.session,
                               request_id=args.request_id, stop_token_ids=args.stop_token_id,
                               logprobs=args.logprobs, n=args.n, **processor_values(args), **constraint)
-                if args.stream:
+                if args.stream and args.json:
                     for delta in client.generate_stream(args.prompt, **params):
                         _print(asdict(delta))
+                elif args.stream:
+                    print_text(client.generate_stream(args.prompt, **params), sys.stdout)
                 else:
                     _print(asdict(client.generate(args.prompt, **params)))
     except GatewayError as exc:

@@ -1,9 +1,11 @@
 """`specinfer up`: the whole stack on one machine, as separate processes on localhost.
 
 Speculators (SSMs), the verifier (LLM) and the gateway (public API) start as child processes,
-exactly as the docker-compose stack runs them, and stop together on Ctrl-C / SIGTERM. A child
-that exits on its own is restarted with backoff while the others keep serving. The
-internal hops (gateway -> verifier -> speculators) require a random token made for this stack,
+exactly as the docker-compose stack runs them, and stop together on Ctrl-C / SIGTERM. Every
+port is checked before anything starts; the stack is up once each service answers with this
+stack's instance id (not merely something on its port). A child that exits on its own is
+restarted with backoff while the others keep serving, except one that cannot bind its port: that
+stops the stack. The internal hops (gateway -> verifier -> speculators) require a random token made for this stack,
 handed to the children in their environment; the gateway's public API stays open on localhost.
 """
 
@@ -17,12 +19,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specinfer.errors import UserError
+from specinfer.errors import EXIT_CANNOT_BIND, UserError
 from specinfer.limits import DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH, SSM_DTYPES
-from specinfer.serving.settings import HTTP_PORT, reconnect_options
+from specinfer.serving.settings import HTTP_PORT, bind_problem, reconnect_options
 from specinfer.util import CACHE_DIR_ENV
 
 
@@ -62,6 +64,66 @@ class StackConfig:
     restart_backoff_s: float = 1.0
     max_restart_backoff_s: float = 30.0
     stable_after_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class PortUse:
+    """One port the stack listens on, and the `specinfer up` flag that moves it."""
+
+    port: int
+    service: str  # the child's name: gateway, verifier, speculator-0, ...
+    what: str  # "gRPC API", "HTTP API", "metrics endpoint"
+    flag: str
+
+    def describe(self, host: str) -> str:
+        return f"{host}:{self.port} (the {self.service}'s {self.what}, set by {self.flag})"
+
+
+def planned_ports(cfg: StackConfig) -> list[PortUse]:
+    """Every port `Stack.start` makes its children listen on."""
+    uses = [PortUse(cfg.gateway_port, "gateway", "gRPC API", "--gateway-port")]
+    if cfg.http_port:
+        uses.append(PortUse(cfg.http_port, "gateway", "HTTP API", "--http-port"))
+    uses.append(PortUse(cfg.verifier_port, "verifier", "gRPC API", "--verifier-port"))
+    num_speculators = 0 if cfg.is_co_located else cfg.num_speculators
+    uses += [PortUse(cfg.speculator_base_port + i, f"speculator-{i}", "gRPC API",
+                     "--speculator-port" + (f" (the first speculator's; speculator-{i} takes it + {i})" if i else ""))
+             for i in range(num_speculators)]
+    if cfg.metrics_base_port:
+        uses.append(PortUse(cfg.metrics_base_port, "gateway", "metrics endpoint", "--metrics-port"))
+        uses.append(PortUse(cfg.metrics_base_port + 1, "verifier", "metrics endpoint", "--metrics-port (+ 1)"))
+        uses += [PortUse(cfg.metrics_base_port + 2 + i, f"speculator-{i}", "metrics endpoint", f"--metrics-port (+ {2 + i})")
+                 for i in range(num_speculators)]
+    return uses
+
+
+def is_port_free(host: str, port: int) -> bool:
+    return bind_problem(host, port) is None
+
+
+def check_ports(cfg: StackConfig) -> None:
+    """UserError (exit code 2) naming the first port that is out of range, used twice or held by
+    another process, and the flag that moves it; before any child starts."""
+    seen: dict[int, PortUse] = {}
+    for use in planned_ports(cfg):
+        if not 1 <= use.port <= 65535:
+            raise UserError(f"{use.flag}: port {use.port} is not in [1, 65535] ({use.service}'s {use.what})")
+        if use.port in seen:
+            raise UserError(f"port {use.port} is given twice: to {seen[use.port].describe(cfg.host)} and to "
+                            f"{use.describe(cfg.host)}; move one")
+        seen[use.port] = use
+    for use in seen.values():
+        if not is_port_free(cfg.host, use.port):
+            raise UserError(f"port {use.port} is taken: {use.describe(cfg.host)} is held by another process "
+                            f"(another stack?); stop it, or move this stack's with {use.flag.split()[0]}")
+
+
+class StackFailed(RuntimeError):
+    """The stack cannot run: one line for the user, and the exit code of `specinfer up`."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def default_speculator_threads(num_speculators: int) -> int:
@@ -108,6 +170,8 @@ class Stack:
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
         self.children: list[Child] = []
+        # each child answers health checks for this name too: what tells ours from another process
+        self.instance_id = secrets.token_hex(8)
 
     def add(self, name: str, cmd: list[str], port: int, env: dict[str, str]) -> Child:
         """Starts a child; `supervise` keeps it running."""
@@ -122,7 +186,7 @@ class Stack:
         cfg = self.cfg
         # the internal token: in the environment, never on a command line (visible to `ps`)
         common_env = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": secrets.token_urlsafe(32),
-                      "SPECINFER_AUTH_TOKEN_FILE": ""}
+                      "SPECINFER_AUTH_TOKEN_FILE": "", "SPECINFER_INSTANCE_ID": self.instance_id}
         if cfg.omp_wait_policy:
             common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:
@@ -175,26 +239,63 @@ class Stack:
         self._spawn("gateway", "services.gateway", [], cfg.gateway_port, env)
 
     def wait_healthy(self) -> None:
+        """Returns once every child answers health checks as SERVING under this stack's instance id.
+        StackFailed when a child exits first (a port it cannot bind: exit code 2), when another
+        process answers on a child's port (exit code 2), or at the start-up timeout."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from specinfer.serving.grpc_server import instance_health_name
+
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        for child in self.children:
-            channel = grpc.insecure_channel(f"{self.cfg.host}:{child.port}", options=reconnect_options())
-            stub = health_pb2_grpc.HealthStub(channel)
-            name, proc = child.name, child.proc
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with code {proc.returncode} during start-up")
-                try:
-                    status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                    if status == health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not become healthy within {self.cfg.startup_timeout_s:.0f}s")
-                time.sleep(0.3)
+        request = health_pb2.HealthCheckRequest(service=instance_health_name(self.instance_id))
+        channels = {id(c): grpc.insecure_channel(f"{self.cfg.host}:{c.port}", options=reconnect_options())
+                    for c in self.children}
+        pending = list(self.children)
+        try:
+            while pending:
+                for child in self.children:  # any child that exits stops the start-up
+                    code = child.proc.poll()
+                    if code == EXIT_CANNOT_BIND:
+                        raise self.bind_failure(child)
+                    if code is not None:
+                        raise StackFailed(f"{child.name} exited with code {code} during start-up (its log is above)")
+                for child in list(pending):
+                    try:
+                        stub = health_pb2_grpc.HealthStub(channels[id(child)])
+                        if stub.Check(request, timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                            pending.remove(child)
+                    except grpc.RpcError as exc:
+                        if exc.code() == grpc.StatusCode.NOT_FOUND:  # a server that does not know our id
+                            raise self.stranger(child) from None
+                if pending and time.monotonic() > deadline:
+                    raise StackFailed(f"{pending[0].name} did not become healthy within "
+                                      f"{self.cfg.startup_timeout_s:.0f}s")
+                if pending:
+                    time.sleep(0.3)
+        finally:
+            for channel in channels.values():
+                channel.close()
+
+    def _uses(self, child: Child) -> list[PortUse]:
+        return [u for u in planned_ports(self.cfg) if u.service == child.name] or \
+            [PortUse(child.port, child.name, "gRPC API", "its port flag")]
+
+    def bind_failure(self, child: Child) -> StackFailed:
+        """The failure of a child that exited because a port of its was taken (code 2 for `up`)."""
+        host = self.cfg.host
+        taken = [u for u in self._uses(child) if not is_port_free(host, u.port)] or self._uses(child)
+        ports = " or ".join(u.describe(host) for u in taken)
+        flags = " / ".join(dict.fromkeys(u.flag.split()[0] for u in taken))
+        return StackFailed(f"the {child.name} cannot bind {ports}: another process holds it; stop it, "
+                           f"or move this stack's with {flags}", 2)
+
+    def stranger(self, child: Child) -> StackFailed:
+        uses = self._uses(child)
+        use = next((u for u in uses if u.port == child.port), replace(uses[0], port=child.port))
+        return StackFailed(f"another process answers on {use.describe(self.cfg.host)}, not this stack's "
+                           f"{child.name} (it does not know this stack's instance id); stop it, or move this "
+                           f"stack's with {use.flag.split()[0]}", 2)
 
     def stop(self, grace_s: float = 15.0) -> None:
         for child in reversed(self.children):
@@ -210,9 +311,11 @@ class Stack:
     def supervise(self) -> None:
         """Restarts, with backoff, every child that exited; the others keep serving (the verifier
         decodes without speculation while a speculator is down, the gateway answers UNAVAILABLE
-        while the verifier is)."""
+        while the verifier is). A child that could not bind its port is StackFailed instead."""
         now = time.monotonic()
         for child in self.children:
+            if child.restart_at is None and child.proc.poll() == EXIT_CANNOT_BIND:  # restarting will not free it
+                raise self.bind_failure(child)
             child.supervise(now, self.cfg)
 
 
@@ -261,7 +364,9 @@ def add_up_parser(sub) -> None:
     from specinfer.cli.main import add_exec_flags
 
     add_exec_flags(up)
-    up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, print the reply")
+    up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up; its text is "
+                                     "printed as it comes, then one line of statistics")
+    up.add_argument("--json", action="store_true", help="print the reply to --prompt as one JSON object instead")
     up.add_argument("--max-tokens", type=int, default=64)
     up.add_argument("--once", action="store_true", help="exit after answering --prompt")
 
@@ -279,6 +384,12 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError(f"--http-port must be in [0, 65535] (0 = off), got {args.http_port}")
     if args.once and not args.prompt:
         raise UserError("--once needs --prompt")
+    is_co_located = args.co_located or not args.num_speculators
+    ports = StackConfig(llm=Path(), ssms=(), gateway_port=args.gateway_port, http_port=args.http_port,
+                        verifier_port=args.verifier_port, speculator_base_port=args.speculator_port,
+                        num_speculators=max(1, args.num_speculators), is_co_located=is_co_located,
+                        metrics_base_port=args.metrics_port)
+    check_ports(ports)  # before the demo models are built (minutes) or any process starts
     chat_template = args.chat_template or (Path(os.environ["SPECINFER_CHAT_TEMPLATE"])
                                            if os.environ.get("SPECINFER_CHAT_TEMPLATE") else None)
     if chat_template is not None:  # before any model is built or process starts
@@ -308,6 +419,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"), chat_template=chat_template,
     )
+    check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -318,20 +430,36 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         http = f", OpenAI-compatible API at http://{cfg.host}:{cfg.http_port}/v1" if cfg.http_port else ""
         print(f"specinfer: stack is up; gateway at {target}{http} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         if args.prompt:
-            from specinfer.cli.client import GatewayClient
-
-            reply = GatewayClient(target, timeout_s=300).generate(args.prompt, max_tokens=args.max_tokens)
-            print(json.dumps(_as_dict(reply)), flush=True)
+            _answer(target, args.prompt, args.max_tokens, args.json)
             if args.once:
                 return 0
         while not stopping:
             stack.supervise()
             time.sleep(0.2)
         return 0
+    except StackFailed as exc:
+        print(f"specinfer: error: {exc}; stopping the stack", file=sys.stderr, flush=True)
+        return exc.exit_code
     except KeyboardInterrupt:
         return 0
     finally:
-        stack.stop()
+        if stack.children:
+            stack.stop()
+            print("specinfer: stack stopped", file=sys.stderr, flush=True)
+
+
+def _answer(target: str, prompt: str, max_tokens: int, is_json: bool) -> None:
+    """The reply to `up --prompt`: its text as it comes and a line of statistics, or one JSON object."""
+    from specinfer.cli.client import GatewayClient, GatewayError, print_text
+
+    try:
+        with GatewayClient(target, timeout_s=300) as client:
+            if is_json:
+                print(json.dumps(_as_dict(client.generate(prompt, max_tokens=max_tokens))), flush=True)
+            else:
+                print_text(client.generate_stream(prompt, max_tokens=max_tokens), sys.stdout)
+    except GatewayError as exc:
+        raise StackFailed(f"the prompt failed: {exc.code.name}: {exc.details}") from None
 
 
 def _as_dict(reply) -> dict:

@@ -24,11 +24,11 @@ from grpc_reflection.v1alpha import reflection
 from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_grpc
 
-from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.errors import EXIT_CANNOT_BIND, BindError, CapacityError, NotFoundError, UnavailableError, UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
 from specinfer.serving.metrics import RpcMetrics, new_registry
 from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
-from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, message_options
+from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, bind_problem, message_options
 from specinfer.serving.tracing import error_trace_id, setup_tracing
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,14 @@ class ErrorInterceptor(grpc.ServerInterceptor):
 
 
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+INSTANCE_PREFIX = "specinfer.instance."
+
+
+def instance_health_name(instance_id: str) -> str:
+    """The health-check service name a process started with `--instance-id ID` answers SERVING
+    for: whoever started it asks for this name, and tells its own process from any other that
+    answers on the port (which does not know the name: NOT_FOUND)."""
+    return INSTANCE_PREFIX + instance_id
 
 
 def _add_reflection_v1_descriptor() -> None:
@@ -222,6 +230,7 @@ class ServerConfig:
     max_connection_age_s: int = 300
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     security: ServerSecurity = field(default_factory=ServerSecurity)  # token, TLS; default: open plaintext
+    instance_id: str = ""  # health also answers for `instance_health_name(instance_id)` when set
 
 
 class RunningServer:
@@ -234,6 +243,7 @@ class RunningServer:
         self.port = port
         self.health = health_servicer
         self.service_names = service_names
+        self.health_names = ["", *service_names]  # what health answers for (also the instance name)
         self.grace_s = grace_s
         self._on_stop = on_stop
         self._on_drain = on_drain  # called as draining starts (another API of the process drains alongside)
@@ -242,7 +252,7 @@ class RunningServer:
 
     def set_serving(self, is_serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if is_serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *self.service_names]:
+        for name in self.health_names:
             self.health.set(name, status)
 
     def stop(self, grace_s: float | None = None) -> None:
@@ -291,6 +301,7 @@ def start_server(
         # Clients re-resolve DNS only when a connection closes: cycling connections lets them
         # find replicas added by scaling; open streams get the grace period to finish.
         options=message_options(cfg.max_message_bytes) + [
+            ("grpc.so_reuseport", 0),  # a port another server holds is a bind error, never a shared port
             ("grpc.max_connection_age_ms", cfg.max_connection_age_s * 1000),
             ("grpc.max_connection_age_grace_ms", int(cfg.grace_s * 1000) + 600_000)],
         maximum_concurrent_rpcs=None,
@@ -302,11 +313,19 @@ def start_server(
     enable_reflection(list(service_names) + [health.SERVICE_NAME], server)
     address = f"{cfg.host}:{cfg.port}"
     credentials = server_credentials(cfg.security)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    problem = bind_problem(cfg.host, cfg.port) if cfg.port else None  # said plainly, before grpc's own log line
+    if problem:
+        raise BindError("gRPC API", cfg.host, cfg.port, problem)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind gRPC server to {address}")
+        raise BindError("gRPC API", cfg.host, cfg.port, "address already in use, or not an address of this host")
     server.start()
     running = RunningServer(server, port, health_servicer, service_names, cfg.grace_s, on_stop, on_drain)
+    if cfg.instance_id:
+        running.health_names.append(instance_health_name(cfg.instance_id))
     running.set_serving(True)
     log.info("serving %s on %s:%d (%s, %s)", ", ".join(service_names), cfg.host, port,
              "mTLS" if cfg.security.tls_client_ca else "TLS" if cfg.security.is_tls else "plaintext",
@@ -334,21 +353,25 @@ def start_model_server(service: str, host: str, port: int, grace_s: float, metri
                        registry, add_servicer: Callable[[grpc.Server], None], full_name: str,
                        stop_worker: Callable[[], None],
                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                       security: ServerSecurity | None = None) -> RunningServer:
+                       security: ServerSecurity | None = None, instance_id: str = "") -> RunningServer:
     """Starts a model-hosting service (verifier, speculator): its gRPC server with RPC metrics,
     and its /metrics endpoint when a port is set; stopping drains RPCs, then the model worker."""
     from specinfer.serving.metrics import MetricsServer
-
-    metrics = MetricsServer(registry, host, metrics_port) if metrics_port else None
 
     def on_stop():
         stop_worker()
         if metrics:
             metrics.stop()
 
-    return start_server(ServerConfig(host, port, grace_s=grace_s, max_message_bytes=max_message_bytes,
-                                     security=security or ServerSecurity()),
-                        [add_servicer], [full_name], on_stop, RpcMetrics.create(registry, service))
+    metrics = MetricsServer(registry, host, metrics_port) if metrics_port else None
+    try:
+        return start_server(ServerConfig(host, port, grace_s=grace_s, max_message_bytes=max_message_bytes,
+                                         security=security or ServerSecurity(), instance_id=instance_id),
+                            [add_servicer], [full_name], on_stop, RpcMetrics.create(registry, service))
+    except BaseException:
+        if metrics:
+            metrics.stop()
+        raise
 
 
 def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any], tuple[S, WorkerLoop]],
@@ -365,7 +388,7 @@ def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any]
     servicer, loop = create(tracer, registry)
     server = start_model_server(service, cfg.host, cfg.port, cfg.grace_s, cfg.metrics_port, registry,
                                 lambda s: add_servicer(servicer, s), full_name, loop.stop, cfg.max_message_bytes,
-                                getattr(cfg, "server_security", None))
+                                getattr(cfg, "server_security", None), getattr(cfg, "instance_id", ""))
     server.run_worker = loop.run
     return server, servicer
 
@@ -375,7 +398,8 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
     this (the loading) thread while gRPC threads take requests, until SIGTERM drains it.
 
     `build` returns (server, worker loop) with the worker not yet running. A UserError while
-    loading (a missing checkpoint, no CUDA) is one log line and exit code 2."""
+    loading (a missing checkpoint, no CUDA) is one log line and exit code 2; a port it cannot
+    bind is one line naming the address and the setting that moves it, and EXIT_CANNOT_BIND."""
     from specinfer.engine.runtime import configure_cpu_runtime
     from specinfer.serving.logs import setup_logging
 
@@ -387,6 +411,9 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
         torch.set_num_threads(num_threads)
     try:
         server, run_worker = build()
+    except BindError as exc:
+        print(f"specinfer-{service}: error: {bind_message(exc, service)}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_BIND
     except UserError as exc:
         log.error("cannot start: %s", exc)
         return 2
@@ -412,3 +439,11 @@ def model_service_main(service: str, argv: list[str] | None, parse_config: Calla
         return server, server.run_worker
 
     return serve_until_signalled(service, cfg.log_level, cfg.num_threads, build_inline)
+
+
+def bind_message(exc: BindError, service: str) -> str:
+    """A bind failure in words, with the flag (and variable) of the service that moves the port."""
+    flags = {"gRPC API": ("--port", f"SPECINFER_{service.upper()}_PORT"), "HTTP API": ("--http-port", "SPECINFER_HTTP_PORT"),
+             "metrics endpoint": ("--metrics-port", "SPECINFER_METRICS_PORT")}
+    flag, env = flags.get(exc.what, ("--port", f"SPECINFER_{service.upper()}_PORT"))
+    return f"{exc}; choose another port with {flag} (or {env})"

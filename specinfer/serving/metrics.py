@@ -14,6 +14,8 @@ from threading import Thread
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import MetricsHandler
 
+from specinfer.errors import BindError
+
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -139,7 +141,10 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int):
         handler = MetricsHandler.factory(registry)
-        self.httpd = ThreadingHTTPServer((host, port), handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, port), handler)
+        except OSError as exc:
+            raise BindError("metrics endpoint", host, port, exc.strerror or str(exc)) from None
         self.port = self.httpd.server_address[1]
         self.thread = Thread(target=self.httpd.serve_forever, daemon=True, name="metrics-http")
         self.thread.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
@@ -33,6 +34,20 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_PORT = 65535
 
 _TRUE = ("1", "true", "yes", "on")
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a server could not listen on host:port now (bound and released at once), or None.
+    SO_REUSEADDR as servers bind: a port in TIME_WAIT is free, one another process holds is not."""
+    host = host.strip("[]")  # "[::]" as gRPC writes IPv6
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 _FALSE = ("0", "false", "no", "off")
 
 
@@ -241,6 +256,9 @@ def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Fla
         port_flag("--metrics-port", "SPECINFER_METRICS_PORT", defaults["metrics_port"],
                   "Prometheus /metrics port; 0 = off"),
         Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), defaults["log_level"], ", ".join(LOG_LEVELS)),
+        Flag("--instance-id", "SPECINFER_INSTANCE_ID", str, defaults.get("instance_id", ""),
+             "a name for this process: its health service also answers SERVING for specinfer.instance.<id>, so "
+             "whoever started it can tell it from another process on its port; unset = none"),
         Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"], "drain period on SIGTERM", low=0),
         Flag("--max-message-bytes", "SPECINFER_MAX_MESSAGE_BYTES", parse_bytes, defaults["max_message_bytes"],
              "largest gRPC message received or sent, by this server and the channels it opens (4MiB, 512KiB)",
