@@ -27,14 +27,20 @@ print("wheel")
 print("async-timeout>=4.0.3")
 PY
 )
+# Every manylinux tag bookworm's glibc (2.36) runs, newest first: pip takes a wheel only if its
+# tag is listed here, so a dependency built for, say, glibc 2.31 needs that tag.
+platforms=()
+for glibc in 36 35 34 33 32 31 30 29 28 27 26 25 24 23 22 21 20 19 18 17; do
+  platforms+=(--platform "manylinux_2_${glibc}_x86_64")
+done
+platforms+=(--platform manylinux2014_x86_64 --platform linux_x86_64)
 # torch alone first: a `+cpu` build wherever the host's pip has one, never the CUDA wheels.
 torch_spec="torch==${torch_version}"
 if "$python" -m pip download --no-deps -q -d "$dest" --only-binary=:all: "torch==${torch_version}+cpu" 2>/dev/null; then
   torch_spec="torch==${torch_version}+cpu"
 fi
 "$python" -m pip download -q -d "$dest" --only-binary=:all: \
-  --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform linux_x86_64 \
+  --python-version 3.11 --implementation cp "${platforms[@]}" \
   "$torch_spec" "${requirements[@]}" 2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 if ls "$dest"/nvidia_* >/dev/null 2>&1; then
   echo "wheelhouse: warning: CUDA wheels came with torch; the host's pip has no CPU build of torch ${torch_version}" >&2
