@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specinfer.cli.flags import add_exec_flags, add_model_free_flag
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH, SSM_DTYPES
 from specinfer.serving.settings import HTTP_PORT, reconnect_options
@@ -234,8 +235,6 @@ def add_up_parser(sub) -> None:
     up.add_argument("--ssm", type=Path, action="append", default=[],
                     help="SSM directory, or lookup / suffix (model-free speculators); repeatable; both model-free "
                          "members join the pool unless one is named or --no-model-free is given; none: no pool")
-    from specinfer.cli.main import add_model_free_flag
-
     add_model_free_flag(up)
     up.add_argument("--co-located", action="store_true",
                     help="the verifier hosts the SSMs itself (the default: --num-speculators 0)")
@@ -258,8 +257,6 @@ def add_up_parser(sub) -> None:
     up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
-    from specinfer.cli.main import add_exec_flags
-
     add_exec_flags(up)
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, print the reply")
     up.add_argument("--max-tokens", type=int, default=64)

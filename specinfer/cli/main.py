@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from specinfer.cli.flags import add_exec_flags, add_model_free_flag
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
 from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
@@ -39,24 +40,6 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="shard the LLM over N processes on this host (GPUs with NCCL, else CPU with gloo)")
     add_exec_flags(p)
-
-
-def add_model_free_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-free", action=argparse.BooleanOptionalAction, default=True,
-                   help="lookup and suffix join the SSM pool (default; a pool naming either is taken as given)")
-
-
-def add_exec_flags(p: argparse.ArgumentParser) -> None:
-    """How the models execute (engine.config.ExecConfig): attention backend, CUDA graphs, offloading."""
-    from specinfer.engine.config import ATTENTION_BACKENDS
-
-    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
-                   help="triton: one fused tree-attention launch per layer over the paged KV cache; sdpa: torch "
-                        "per request with a dense mask; auto (default): triton on CUDA when importable, else sdpa")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay captured decode/verify steps (default: on with CUDA and the Triton backend)")
-    p.add_argument("--offload", action="store_true",
-                   help="keep the LLM's layer weights in pinned host memory, streamed to the GPU per layer")
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
