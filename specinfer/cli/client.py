@@ -28,16 +28,16 @@ import grpc
 
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags, constraint_fields, processor_values
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, GATEWAY_PORT
 from specinfer.logprobs import TokenLogprob
 from specinfer.stats import GenerationStats
 from specinfer.serving.convert import logprobs_from_proto, space_from_proto, stats_from_proto
 from specinfer.serving.security import CLIENT_TOKEN_ENV, ChannelSecurity, client_security_from_env, open_channel
-from specinfer.serving.settings import message_options
+from specinfer.serving.settings import LOCAL_HOST, message_options
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TARGET = f"{LOCAL_HOST}:{GATEWAY_PORT}"
 CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS}
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ def check_models(paths: ModelPaths) -> tuple[ModelConfig, list[ModelConfig]]:
     return llm_cfg, ssm_cfgs
 
 
-def load_runner(model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_kv_tokens: int = 8192,
-                block_size: int | None = None, parallel=None, exec_cfg=None):
+def load_runner(model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+                max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int | None = None, parallel=None, exec_cfg=None):
     """A `ModelRunner` for a checkpoint; with a tensor-parallel `parallel` (a `ParallelConfig`),
     this process is rank 0 of the group (its other ranks spawned here unless a launcher started
     them) and `runner.close()` stops them. `exec_cfg` (an `ExecConfig`) picks the attention

@@ -18,6 +18,7 @@ import torch
 from specinfer.engine.blocks import BlockAllocator, SequenceKV
 from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.engine.loader import llama_weights, load_state_dict, parse_dtype
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.engine.tree import is_chain, visibility
@@ -73,7 +74,8 @@ class ModelRunner:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_kv_tokens: int = 8192,
+        cls, model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+        max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
         """Loads a checkpoint into one process (`load.load_runner` shards it over a tensor-parallel
@@ -89,8 +91,9 @@ class ModelRunner:
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
-        max_kv_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
+        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+        max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
+        exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
         """A one-process runner over weights already read (`loader.llama_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
