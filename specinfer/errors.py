@@ -19,3 +19,15 @@ class NotFoundError(LookupError):
 
 class UnavailableError(RuntimeError):
     """A dependency (Redis, the verifier) cannot be reached (gRPC UNAVAILABLE)."""
+
+
+class PeerError(RuntimeError):
+    """A call to another service failed. `cause` is the error its status stands for (one of the
+    above, a TimeoutError, or a RuntimeError naming the status); `is_resumable` says whether a
+    later call may carry the request on (the peer was unreachable, slow or full, or the call was
+    cancelled)."""
+
+    def __init__(self, cause: Exception, is_resumable: bool):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.is_resumable = is_resumable

@@ -3,6 +3,7 @@
 - the engine imports no gRPC, protobuf, serving or CLI code;
 - the gateway imports no torch and no engine;
 - services import nothing from each other;
+- the gateway's request runs (runs.py) import no gRPC: the verifier client maps its errors;
 - `specinfer.serving` does not import `specinfer.cli`;
 - the shared vocabulary (params, limits, stats, errors, tokenizer) imports no torch;
 - no import circles among the project's modules (imports inside functions count too).
@@ -56,6 +57,11 @@ RULES = {
 @pytest.mark.parametrize("folder", list(RULES))
 def test_static_import_rules(folder):
     assert violations(folder, RULES[folder]) == []
+
+
+def test_the_gateway_runs_requests_without_grpc():
+    """gRPC stays at the edges: the verifier client turns a failed call into a domain error."""
+    assert not {n for n in imported_modules(ROOT / "services/gateway/runs.py") if n.split(".")[0] == "grpc"}
 
 
 def test_the_rule_checker_has_teeth(tmp_path):
