@@ -71,6 +71,7 @@ def main() -> int:
 
     from specinfer.engine.config import ModelConfig
     from specinfer.engine.llm_engine import Engine, mode_params
+    from specinfer.engine.load import load_runner
     from specinfer.engine.parallel import ParallelConfig
     from specinfer.engine.runner import ModelRunner
 
@@ -103,8 +104,8 @@ def main() -> int:
         prompt = [(7 * i + 3) % cfg.vocab_size for i in range(48)]
         params = mode_params("incremental", new_tokens)
         single = Engine.from_runners(ModelRunner.from_dir(path, dtype=dtype, device=device, max_kv_tokens=2048))
-        sharded_runner = ModelRunner.from_dir(path, dtype=dtype, device=device, max_kv_tokens=2048,
-                                              parallel=ParallelConfig.spawned(size))
+        sharded_runner = load_runner(path, dtype=dtype, device=device, max_kv_tokens=2048,
+                                     parallel=ParallelConfig.spawned(size))
         sharded = Engine.from_runners(sharded_runner)
         times = {1: [], size: []}
         outputs = {1: [], size: []}

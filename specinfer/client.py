@@ -7,9 +7,12 @@
 It lives beside the `specinfer client` command (`specinfer.cli.client`); this is its import path.
 """
 
-from specinfer.cli.client import Completion, Delta, GatewayClient, GatewayError, RequestInfo, Sample, Stats
+from specinfer.cli.client import Completion, Delta, GatewayClient, GatewayError, RequestInfo, Sample
 from specinfer.logprobs import TokenLogprob
 from specinfer.params import sample_seed
+from specinfer.stats import GenerationStats
 
-__all__ = ["Completion", "Delta", "GatewayClient", "GatewayError", "RequestInfo", "Sample", "Stats", "TokenLogprob",
-           "sample_seed"]
+Stats = GenerationStats  # the name results' stats had here before
+
+__all__ = ["Completion", "Delta", "GatewayClient", "GatewayError", "GenerationStats", "RequestInfo", "Sample", "Stats",
+           "TokenLogprob", "sample_seed"]

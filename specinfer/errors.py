@@ -31,3 +31,15 @@ class BindError(OSError):
     def __init__(self, what: str, host: str, port: int, reason: str):
         super().__init__(f"cannot bind the {what} to {host}:{port}: {reason}")
         self.what, self.host, self.port, self.reason = what, host, port, reason
+
+
+class PeerError(RuntimeError):
+    """A call to another service failed. `cause` is the error its status stands for (one of the
+    above, a TimeoutError, or a RuntimeError naming the status); `is_resumable` says whether a
+    later call may carry the request on (the peer was unreachable, slow or full, or the call was
+    cancelled)."""
+
+    def __init__(self, cause: Exception, is_resumable: bool):
+        super().__init__(str(cause))
+        self.cause = cause
+        self.is_resumable = is_resumable

@@ -1,4 +1,4 @@
-"""Every limit and default of a request, in one place, with one validation function per message.
+"""Every limit and default, in one place, with one validation function per message.
 
 The token-tree defaults are SpecInfer's (Section 3.1: the expansion config <1,1,3,1,1,1,1,1>).
 A limit here has one value wherever a message enters: the gateway, the verifier, the speculators
@@ -45,6 +45,7 @@ SUFFIX_MAX_SOURCES = 32  # continuations counted per source (the context, the ca
 
 # ---- model dtypes (specinfer/engine/dtype_choice.py) -------------------------------------------
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "float32"  # the LLM's (and a runner's) dtype when none is given
 AUTO_DTYPE = "auto"  # the SSMs' dtype: the fastest on this machine, measured once when they load
 SSM_DTYPES = (AUTO_DTYPE, *MODEL_DTYPES)
 DEFAULT_SSM_DTYPE = AUTO_DTYPE  # SSMs only propose: their dtype never changes the output
@@ -69,6 +70,7 @@ DEFAULT_MAX_FORCED_TOKENS = 16  # tokens a grammar forces that one step drafts f
 
 # ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
 DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
+DEFAULT_RUNNER_KV_TOKENS = 8192  # a runner loaded in process (the CLI, tools) when its caller names no budget
 DEFAULT_MAX_BATCH = 256  # requests in one forward pass
 # Speculators draft a greedy request's next tree while its tree is verified: None = where the SSMs
 # run on an accelerator (on a CPU the drafts ahead compete with the LLM's pass for cores).
@@ -79,6 +81,14 @@ DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory
 DEFAULT_MAX_SESSIONS = 64  # idle sessions whose KV prefix the verifier keeps
 DEFAULT_DEADLINE_S = 300.0  # a request's deadline when its caller sets none
 PREFIX_GROUP_WAIT_S = 2.0  # longest a sample waits for another to read the prompt they share
+
+# ---- where the services listen, and how long the gateway keeps state -------------------------
+GATEWAY_PORT = 50051
+HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API
+VERIFIER_PORT = 50052
+SPECULATOR_PORT = 50053  # the first speculator's; the next ones follow
+DEFAULT_REQUEST_TTL_S = 24 * 3600  # a request's state in the store
+DEFAULT_SESSION_TTL_S = 24 * 3600  # a session's
 
 # ---- gateway admission (services/gateway/admission.py) ----------------------------------------
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64  # hard cap on requests running through one gateway

@@ -80,12 +80,26 @@ class GenerationStats:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def summary(self) -> dict:
+        """The counts and the figures derived from them, as a client reports them (a figure not
+        measured is None)."""
+        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "llm_steps": self.llm_steps, "tokens_per_step": self.tokens_per_step,
+                "mean_accepted": self.mean_accepted, "mean_tree_nodes": self.mean_tree_nodes,
+                "acceptance_rate": self.acceptance_rate, "latency_s": self.latency_s, "fell_back": self.fell_back,
+                "cached_prompt_tokens": self.cached_prompt_tokens}
+
     @classmethod
     def from_json(cls, d: dict | None) -> "GenerationStats":
         d = dict(d or {})
         steps = d.get("llm_steps") or 0
         for total, mean in (("num_accepted", "mean_accepted"), ("num_tree_nodes", "mean_tree_nodes")):
-            if total not in d and d.get(mean) is not None:  # stored by an earlier gateway, as means
-                d[total] = float(d[mean]) * steps
+            if total not in d:  # stored by an earlier gateway, as means
+                d[total] = sum_from_mean(d.get(mean), steps)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def sum_from_mean(mean: float | None, llm_steps: int) -> float | None:
+    """A speculation sum from its mean over `llm_steps` steps (what older senders carried)."""
+    return None if mean is None else float(mean) * llm_steps

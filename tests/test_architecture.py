@@ -3,8 +3,10 @@
 - the engine imports no gRPC, protobuf, serving or CLI code;
 - the gateway imports no torch and no engine;
 - services import nothing from each other;
+- the gateway's request runs (runs.py) import no gRPC: the verifier client maps its errors;
 - `specinfer.serving` does not import `specinfer.cli`;
-- the shared vocabulary (params, limits, stats, errors, tokenizer) imports no torch.
+- the shared vocabulary (params, limits, stats, errors, tokenizer) imports no torch;
+- no import circles among the project's modules (imports inside functions count too).
 """
 
 from __future__ import annotations
@@ -57,9 +59,104 @@ def test_static_import_rules(folder):
     assert violations(folder, RULES[folder]) == []
 
 
+def test_the_gateway_runs_requests_without_grpc():
+    """gRPC stays at the edges: the verifier client turns a failed call into a domain error."""
+    assert not {n for n in imported_modules(ROOT / "services/gateway/runs.py") if n.split(".")[0] == "grpc"}
+
+
 def test_the_rule_checker_has_teeth(tmp_path):
     (tmp_path / "bad.py").write_text("def f():\n    from specinfer.serving.convert import stats_to_proto\n")
     assert any("specinfer.serving" in n for n in imported_modules(tmp_path / "bad.py"))
+
+
+PACKAGES = ("specinfer", "services")
+
+
+def project_modules(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package's __init__) for every module under `packages`."""
+    modules = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return modules
+
+
+def module_imports(name: str, path: Path, is_package: bool) -> set[str]:
+    """What a module's import statements name, anywhere in it: `from x import y` names x and
+    x.y (y may be a submodule); relative imports are resolved against `name`."""
+    named = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            named |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module
+            if node.level:
+                base = name.split(".")[:len(name.split(".")) - node.level + is_package]
+                module = ".".join(base + ([node.module] if node.module else []))
+            named.add(module)
+            named |= {f"{module}.{a.name}" for a in node.names}
+    return named
+
+
+def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (a name that is not a module counts as the
+    module that holds it: `from specinfer.limits import X` is specinfer.limits)."""
+    modules = project_modules(root, packages)
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        edges = set()
+        for target in module_imports(name, path, is_package):
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle as [a, b, ..., a], or [] when there is none (depth-first search)."""
+    state = {}  # module -> "open" while on the current path, "done" once all it reaches is searched
+    for start in sorted(graph):
+        if start in state:
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = "open"
+        while stack:
+            nxt = next(stack[-1], None)
+            if nxt is None:
+                state[path.pop()] = "done"
+                stack.pop()
+            elif state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state:
+                state[nxt] = "open"
+                path.append(nxt)
+                stack.append(iter(sorted(graph[nxt])))
+    return []
+
+
+def test_no_import_circles():
+    graph = import_graph(ROOT)
+    assert "specinfer.engine.runner" in graph["specinfer.engine.load"]
+    cycle = find_cycle(graph)
+    assert not cycle, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_circle_checker_has_teeth(tmp_path):
+    pkg = tmp_path / "specinfer"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from specinfer.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from . import c\n")
+    (pkg / "sub" / "c.py").write_text("import specinfer.limits\n\n\ndef g():\n    from ..a import X\n")
+    graph = import_graph(tmp_path, ("specinfer",))
+    assert find_cycle(graph) == ["specinfer.a", "specinfer.sub.b", "specinfer.sub.c", "specinfer.a"]
+    (pkg / "sub" / "c.py").write_text("import specinfer.limits\n")
+    assert find_cycle(import_graph(tmp_path, ("specinfer",))) == []
 
 
 def loaded_after_import(modules: list[str]) -> set[str]:

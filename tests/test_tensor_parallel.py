@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.model import KVCache
 from specinfer.engine.parallel import GroupBroken, ParallelConfig, ShardSpec, build_shard, serve_worker
+from specinfer.engine.load import load_runner
 from specinfer.engine.runner import ModelRunner, Work
 from specinfer.errors import UnavailableError, UserError
 from specinfer.params import SamplingParams, TreeShape
@@ -60,7 +61,7 @@ class Groups:
                                  ModelRunner.from_dir(ssm, max_kv_tokens=4096))
         if self.open is None or self.open[0] != name:
             self.close()
-            self.open = (name, ModelRunner.from_dir(llm, max_kv_tokens=4096, parallel=ParallelConfig.spawned(2)))
+            self.open = (name, load_runner(llm, max_kv_tokens=4096, parallel=ParallelConfig.spawned(2)))
         single, ssm_runner = self.single[name]
         return single, self.open[1], ssm_runner
 
@@ -124,7 +125,7 @@ def test_sizes_that_split_a_kv_head_are_refused_before_anything_starts(models):
     before = set(multiprocessing.active_children())
     for num_ranks in (3, 4):
         with pytest.raises(UserError, match=f"--tensor-parallel {num_ranks} does not divide the model's 2 KV heads"):
-            ModelRunner.from_dir(llm, parallel=ParallelConfig(num_ranks))
+            load_runner(llm, parallel=ParallelConfig(num_ranks))
     assert set(multiprocessing.active_children()) == before
 
 
@@ -152,7 +153,7 @@ def test_sharded_kv_commit_moves_every_ranks_share(models, runners, tmp_path):
                                                                                   str(out)))
     rank1.start()
     single = ModelRunner.from_dir(llm, max_kv_tokens=64)
-    sharded = ModelRunner.from_dir(llm, max_kv_tokens=64, parallel=pc)
+    sharded = load_runner(llm, max_kv_tokens=64, parallel=pc)
     try:
         for runner in (single, sharded):
             seq = runner.new_sequence()
@@ -179,7 +180,7 @@ def test_sharded_kv_commit_moves_every_ranks_share(models, runners, tmp_path):
 
 def test_a_rank_dying_breaks_the_group(models, runners):
     runners.close()
-    sharded = ModelRunner.from_dir(models["gqa"][0], max_kv_tokens=256, parallel=ParallelConfig.spawned(2))
+    sharded = load_runner(models["gqa"][0], max_kv_tokens=256, parallel=ParallelConfig.spawned(2))
     leader = sharded.model.leader
     reasons: list[str] = []
     leader.on_broken(reasons.append)

@@ -116,3 +116,23 @@ def test_stored_params_round_trip_through_json_text(constraint):
     resume a request; a retry compares what it reads with what the client sends again."""
     params = GenerationParams(max_new_tokens=12, sampling=SAMPLING, constraint=constraint, num_resumed_tokens=2)
     assert GenerationParams.from_json(json.loads(json.dumps(params.to_json()))) == params
+
+
+def test_stats_carry_sums_and_still_fill_the_means():
+    from specinfer.stats import GenerationStats
+
+    stats = GenerationStats(prompt_tokens=9, output_tokens=20, llm_steps=7, latency_s=0.5, num_accepted=13.0,
+                            num_tree_nodes=31.0, cached_prompt_tokens=4)
+    msg = convert.stats_to_proto(stats)
+    assert (msg.num_accepted, msg.num_tree_nodes) == (13.0, 31.0)
+    assert msg.mean_accepted == pytest.approx(13 / 7) and msg.acceptance_rate == pytest.approx(13 / 24)
+    back = convert.stats_from_proto(pb.GenerationStats.FromString(msg.SerializeToString()))
+    assert back.num_accepted == 13.0 and back.num_tree_nodes == 31.0 and back.llm_steps == 7
+    unmeasured = convert.stats_from_proto(convert.stats_to_proto(GenerationStats(llm_steps=3)))
+    assert unmeasured.num_accepted is None and unmeasured.acceptance_rate is None
+
+
+def test_stats_from_an_older_sender_read_its_means():
+    old = pb.GenerationStats(llm_steps=4, mean_accepted=2.0, mean_tree_nodes=5.0, acceptance_rate=0.5)
+    stats = convert.stats_from_proto(old)
+    assert (stats.num_accepted, stats.num_tree_nodes, stats.acceptance_rate) == (8.0, 20.0, 0.5)

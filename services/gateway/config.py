@@ -17,8 +17,9 @@ from services.gateway.admission import AdmissionConfig
 from services.gateway.chat_template import ChatTemplate
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
+from specinfer.limits import DEFAULT_REQUEST_TTL_S, DEFAULT_SESSION_TTL_S, GATEWAY_PORT, HTTP_PORT, VERIFIER_PORT
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, GATEWAY_PORT, HTTP_PORT, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, port_flag,
+    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, common_flags, port_flag,
     read_flags, security_flags,
 )
 from specinfer.serving.security import (
@@ -38,8 +39,8 @@ class GatewayConfig:
     chat_template: Path | None = None  # a Jinja file overriding the checkpoint's chat template
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
     default_deadline_s: float = DEFAULT_DEADLINE_S  # when the client sets no deadline
-    request_ttl_s: int = 24 * 3600
-    session_ttl_s: int = 24 * 3600
+    request_ttl_s: int = DEFAULT_REQUEST_TTL_S
+    session_ttl_s: int = DEFAULT_SESSION_TTL_S
     stale_after_s: float = 30.0  # a "running" request with no progress for this long is taken over
     lease_ttl_s: float = 5.0  # a gateway silent this long is gone: its running requests are taken over
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)  # max_running: limits' cap

@@ -20,24 +20,18 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import grpc
-
 from services.gateway.admission import Admission, Ticket
 from services.gateway.stops import TextState
 from services.gateway.store import CANCELLED, FAILED, FINISHED, INTERRUPTED, RUNNING, Progress, Store
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.verifier_client import VerifierCall, VerifierClient, VerifierStep, domain_error
-from specinfer.errors import CapacityError, UnavailableError
+from specinfer.errors import CapacityError, PeerError, UnavailableError
 from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams
 from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
-
-_RESUMABLE_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
-
 
 class _Stopped(Exception):
     """Raised in the worker when an observer or CancelRequest asked it to stop."""
@@ -245,8 +239,8 @@ class RequestRun:
                 if self._persist_running():  # one store round trip per verified step
                     self.cancel()  # another gateway's CancelRequest
             return self._end(FINISHED, "length")
-        except (grpc.RpcError, _Stopped) as exc:
-            return self._end_on_rpc_error(exc)
+        except (PeerError, _Stopped) as exc:
+            return self._end_on_call_error(exc)
         except UnavailableError as exc:  # the store failed mid-request: stop, stay resumable
             stream.cancel()
             return self._end(INTERRUPTED, "", exc)
@@ -306,16 +300,16 @@ class RequestRun:
             self.cond.notify_all()
         return is_cancel_requested
 
-    def _end_on_rpc_error(self, exc: Exception) -> None:
+    def _end_on_call_error(self, exc: Exception) -> None:
         with self.cond:
             reason = self._stop_reason
         if reason == "cancelled":
             return self._end(CANCELLED, "cancelled")
         if reason == "interrupted":
             return self._end(INTERRUPTED, "", UnavailableError(f"request {self.request_id} was interrupted; resume it"))
-        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
-        error = domain_error(exc)
-        return self._end(INTERRUPTED if code in _RESUMABLE_CODES else FAILED, "", error)
+        if isinstance(exc, PeerError):
+            return self._end(INTERRUPTED if exc.is_resumable else FAILED, "", exc.cause)
+        return self._end(FAILED, "", domain_error(exc))
 
     def _segment_stats(self, num_tokens: int) -> GenerationStats:
         """This verifier call's statistics: the verifier's, or, when the gateway ended the call

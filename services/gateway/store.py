@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from specinfer.errors import UnavailableError
+from specinfer.limits import DEFAULT_REQUEST_TTL_S, DEFAULT_SESSION_TTL_S
 from specinfer.stats import GenerationStats
 
 RUNNING, INTERRUPTED, FINISHED, CANCELLED, FAILED = "running", "interrupted", "finished", "cancelled", "failed"
@@ -260,7 +261,8 @@ class MemoryStore(Store):
 
     SWEEP_EVERY_S = 60.0
 
-    def __init__(self, request_ttl_s: int = 86400, session_ttl_s: int = 86400, key_prefix: str = "specinfer:"):
+    def __init__(self, request_ttl_s: int = DEFAULT_REQUEST_TTL_S, session_ttl_s: int = DEFAULT_SESSION_TTL_S,
+                 key_prefix: str = "specinfer:"):
         super().__init__(request_ttl_s, session_ttl_s, key_prefix)
         self._lock = threading.Lock()
         self._data: dict[str, tuple[Hash, float]] = {}
@@ -321,7 +323,8 @@ class RedisStore(Store):
 
     MAX_CAS_ATTEMPTS = 32
 
-    def __init__(self, url: str, request_ttl_s: int = 86400, session_ttl_s: int = 86400,
+    def __init__(self, url: str, request_ttl_s: int = DEFAULT_REQUEST_TTL_S,
+                 session_ttl_s: int = DEFAULT_SESSION_TTL_S,
                  key_prefix: str = "specinfer:", timeout_s: float = 0.5):
         import redis
         from redis.backoff import NoBackoff

@@ -15,7 +15,7 @@ from typing import Iterator
 
 import grpc
 
-from specinfer.errors import CapacityError, NotFoundError, UnavailableError, UserError
+from specinfer.errors import CapacityError, NotFoundError, PeerError, UnavailableError, UserError
 from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams
 from specinfer.serving import convert
@@ -25,6 +25,10 @@ from specinfer.serving.settings import message_options, reconnect_options
 from specinfer.stats import GenerationStats
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+
+# A call that failed with one of these may be made again later: the request stays resumable.
+RESUMABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED})
 
 @dataclass(frozen=True)
 class VerifierCall:
@@ -74,6 +78,12 @@ def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
     return RuntimeError(f"{details} ({code.name})")
 
 
+def peer_error(exc: grpc.RpcError) -> PeerError:
+    """A failed stream's status as a domain error, and whether the request may resume."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    return PeerError(domain_error(exc), code in RESUMABLE_CODES)
+
+
 def channel_options(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
     options = message_options(max_message_bytes) + reconnect_options()
     if target.startswith("dns:"):
@@ -88,11 +98,15 @@ class VerifierStream:
         self._call = call
 
     def __iter__(self) -> Iterator[VerifierStep]:
-        for msg in self._call:
-            yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
-                               convert.stats_from_proto(msg.stats) if msg.HasField("stats") else None,
-                               convert.logprobs_from_proto(msg.logprobs), convert.space_from_proto(msg.logprob_space),
-                               int(msg.cached_prompt_tokens))
+        """The verified steps; a failed call raises a `PeerError`."""
+        try:
+            for msg in self._call:
+                yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
+                                   convert.stats_from_proto(msg.stats) if msg.HasField("stats") else None,
+                                   convert.logprobs_from_proto(msg.logprobs),
+                                   convert.space_from_proto(msg.logprob_space), int(msg.cached_prompt_tokens))
+        except grpc.RpcError as exc:
+            raise peer_error(exc) from exc
 
     def cancel(self) -> None:
         self._call.cancel()

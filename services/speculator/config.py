@@ -16,10 +16,10 @@ from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_auto_s
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE, SSM_DTYPES,
-    SUFFIX_CACHE_TOKENS,
+    SPECULATOR_PORT, SUFFIX_CACHE_TOKENS,
 )
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, SPECULATOR_PORT, Flag, add_flag, cache_dir_flag, common_flags, one_of, parse_bool,
+    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, cache_dir_flag, common_flags, one_of, parse_bool,
     port_flag, read_flags, security_flags,
 )
 from specinfer.serving.security import ServerSecurity, server_security

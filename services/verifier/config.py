@@ -21,11 +21,11 @@ from specinfer.limits import (
     SUFFIX_CACHE_TOKENS, RequestLimits, parse_tree_width,
 )
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, DTYPES, LOCAL_HOST, VERIFIER_PORT, Flag, add_flag, common_flags, one_of, parse_bool, pick,
+    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, common_flags, one_of, parse_bool, pick,
     port_flag, read_flags, security_flags,
 )
 from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_security, server_security
-from specinfer.limits import DEFAULT_SSM_DTYPE, SSM_DTYPES
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, MODEL_DTYPES, SSM_DTYPES, VERIFIER_PORT
 from specinfer.serving.settings import cache_dir_flag
 from specinfer.util import default_cache_dir
 
@@ -42,7 +42,7 @@ class VerifierConfig:
     cache_dir: Path | None = None  # where load-time measurements (the SSMs' dtype) are cached; None: not cached
     host: str = LOCAL_HOST
     port: int = VERIFIER_PORT
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     max_kv_tokens: int = DEFAULT_KV_TOKENS  # the KV budget in tokens, unless kv_budget_bytes is set
     kv_budget_bytes: int = 0
@@ -92,7 +92,7 @@ def _flags() -> list[Flag]:
         cache_dir_flag(),
         Flag("--host", "SPECINFER_VERIFIER_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
-        Flag("--dtype", "SPECINFER_DTYPE", one_of(DTYPES), d["dtype"], "LLM weights dtype"),
+        Flag("--dtype", "SPECINFER_DTYPE", one_of(MODEL_DTYPES), d["dtype"], "LLM weights dtype"),
         Flag("--device", "SPECINFER_LLM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
         Flag("--kv-budget", ("SPECINFER_KV_BUDGET", "SPECINFER_KV_TOKENS"), parse_kv_budget,
              (d["max_kv_tokens"], d["kv_budget_bytes"]), "KV-cache budget: tokens (65536) or bytes (2GiB, 512MB)",

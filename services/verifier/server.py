@@ -154,8 +154,7 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     """Loads the LLM and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
     from specinfer.engine.config import ModelConfig
-    from specinfer.engine.load import kv_budget_tokens, resolve_device
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.load import kv_budget_tokens, load_runner, resolve_device
 
     from specinfer.engine.parallel import ParallelConfig, shard_config
 
@@ -164,8 +163,8 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     # A byte budget is per device: each rank holds 1/N of the KV heads.
     kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes,
                                  shard_config(ModelConfig.from_dir(cfg.model_dir), num_ranks), cfg.dtype)
-    runner = ModelRunner.from_dir(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device),
-                                  max_kv_tokens=kv_tokens, parallel=parallel, exec_cfg=cfg.execution)
+    runner = load_runner(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device), max_kv_tokens=kv_tokens,
+                         parallel=parallel, exec_cfg=cfg.execution)
     try:
         server, servicer = _serve(cfg, runner, exporter, is_worker_threaded)
     except BaseException:

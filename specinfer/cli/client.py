@@ -28,15 +28,16 @@ import grpc
 
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags, constraint_fields, processor_values
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, GATEWAY_PORT
 from specinfer.logprobs import TokenLogprob
-from specinfer.serving.convert import logprobs_from_proto, space_from_proto
+from specinfer.stats import GenerationStats
+from specinfer.serving.convert import logprobs_from_proto, space_from_proto, stats_from_proto
 from specinfer.serving.security import CLIENT_TOKEN_ENV, ChannelSecurity, client_security_from_env, open_channel
-from specinfer.serving.settings import message_options
+from specinfer.serving.settings import LOCAL_HOST, message_options
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TARGET = f"{LOCAL_HOST}:{GATEWAY_PORT}"
 CALLER_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OUT_OF_RANGE,
                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS}
 
@@ -49,20 +50,6 @@ class GatewayError(Exception):
 
 
 @dataclass(frozen=True)
-class Stats:
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    llm_steps: int = 0
-    tokens_per_step: float = 0.0
-    mean_accepted: float = 0.0
-    mean_tree_nodes: float = 0.0
-    acceptance_rate: float = 0.0
-    latency_s: float = 0.0
-    fell_back: bool = False
-    cached_prompt_tokens: int = 0
-
-
-@dataclass(frozen=True)
 class Sample:
     """One of the samples of an n > 1 request."""
 
@@ -72,7 +59,7 @@ class Sample:
     token_ids: tuple[int, ...]
     finish_reason: str
     finish: str  # the FinishReason enum: "length", "stop", "cancelled" ("" while running)
-    stats: Stats
+    stats: GenerationStats
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -82,7 +69,7 @@ class Completion:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
-    stats: Stats
+    stats: GenerationStats
     finish: str = ""  # the FinishReason enum, as a name
     logprobs: tuple[TokenLogprob, ...] = ()  # when asked for: one per token
     logprob_space: str = ""  # "raw" (greedy: log_softmax of the logits) or "processed" (the warped distribution)
@@ -96,7 +83,7 @@ class Delta:
     token_ids: tuple[int, ...]
     token_offset: int
     finish_reason: str = ""  # set on the last delta
-    stats: Stats | None = None  # set on the last delta
+    stats: GenerationStats | None = None  # set on the last delta
     finish: str = ""  # set on the last delta: the FinishReason enum, as a name
     logprobs: tuple[TokenLogprob, ...] = ()
     logprob_space: str = ""
@@ -110,13 +97,13 @@ class RequestInfo:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
-    stats: Stats
+    stats: GenerationStats
     session_id: str
     error: str
 
 
-def _stats(msg: pb.GenerationStats) -> Stats:
-    return Stats(**{f: getattr(msg, f) for f in Stats.__dataclass_fields__})
+def _stats(msg: pb.GenerationStats) -> GenerationStats:
+    return stats_from_proto(msg)
 
 
 def _finish(value: int) -> str:
@@ -332,7 +319,7 @@ def _print(obj) -> None:
     print(json.dumps(obj), flush=True)
 
 
-def stats_line(stats: Stats, finish: str = "") -> str:
+def stats_line(stats: GenerationStats, finish: str = "") -> str:
     """One short line of a completion's statistics, for people."""
     n = stats.output_tokens
     ms = f", {1000 * stats.latency_s / n:.1f} ms/token" if n and stats.latency_s else ""
@@ -364,6 +351,16 @@ def print_text(deltas: Iterator[Delta], out) -> None:
     out.flush()
 
 
+def _as_json(result) -> dict:
+    """A result as printed: its stats (and its samples') with the figures derived from them."""
+    d = asdict(result)
+    if result.stats is not None:
+        d["stats"] = result.stats.summary()
+    for sample, printed in zip(getattr(result, "samples", ()), d.get("samples", ())):
+        printed["stats"] = sample.stats.summary()
+    return d
+
+
 def run_client(args: argparse.Namespace) -> int:
     """Runs a `client` subcommand; gRPC errors print one line and return 2 (caller's fault) or 1."""
     target = args.target or os.environ.get("SPECINFER_GATEWAY_TARGET") or DEFAULT_TARGET
@@ -383,7 +380,7 @@ def run_client(args: argparse.Namespace) -> int:
             if args.client_command == "info":
                 _print(client.info())
             elif args.client_command == "get":
-                _print(asdict(client.get_request(args.request_id)))
+                _print(_as_json(client.get_request(args.request_id)))
             elif args.client_command == "cancel":
                 _print({"request_id": args.request_id, "cancelled": client.cancel(args.request_id)})
             else:
@@ -395,11 +392,11 @@ def run_client(args: argparse.Namespace) -> int:
                               logprobs=args.logprobs, n=args.n, **processor_values(args), **constraint)
                 if args.stream and args.json:
                     for delta in client.generate_stream(args.prompt, **params):
-                        _print(asdict(delta))
+                        _print(_as_json(delta))
                 elif args.stream:
                     print_text(client.generate_stream(args.prompt, **params), sys.stdout)
                 else:
-                    _print(asdict(client.generate(args.prompt, **params)))
+                    _print(_as_json(client.generate(args.prompt, **params)))
     except GatewayError as exc:
         print(f"specinfer: error: {exc.code.name}: {exc.details}", file=sys.stderr)
         return 2 if exc.code in CALLER_ERRORS else 1

@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specinfer.cli.flags import add_exec_flags, add_model_free_flag
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
-from specinfer.limits import DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH, SSM_DTYPES
-from specinfer.serving.settings import HTTP_PORT, bind_problem, reconnect_options
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, MODEL_DTYPES, PAPER_TREE_WIDTH, SSM_DTYPES
+from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT
+from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.util import CACHE_DIR_ENV
 
 
@@ -33,13 +35,13 @@ class StackConfig:
     llm: Path
     ssms: tuple[Path, ...]
     host: str = "127.0.0.1"
-    gateway_port: int = 50051
+    gateway_port: int = GATEWAY_PORT
     http_port: int = HTTP_PORT  # the gateway's OpenAI-compatible HTTP API; 0 = off
-    verifier_port: int = 50052
-    speculator_base_port: int = 50053
+    verifier_port: int = VERIFIER_PORT
+    speculator_base_port: int = SPECULATOR_PORT
     num_speculators: int = 1
     redis_url: str | None = None
-    dtype: str = "float32"
+    dtype: str = DEFAULT_DTYPE
     ssm_dtype: str | None = DEFAULT_SSM_DTYPE  # auto: the fastest here; None: `dtype`; never changes the output
     cache_dir: Path | None = None  # the children's cache directory (load-time measurements); None: their default
     model_free: tuple[str, ...] = ()  # model-free pool members (lookup, suffix), next to the SSMs
@@ -337,8 +339,6 @@ def add_up_parser(sub) -> None:
     up.add_argument("--ssm", type=Path, action="append", default=[],
                     help="SSM directory, or lookup / suffix (model-free speculators); repeatable; both model-free "
                          "members join the pool unless one is named or --no-model-free is given; none: no pool")
-    from specinfer.cli.main import add_model_free_flag
-
     add_model_free_flag(up)
     up.add_argument("--co-located", action="store_true",
                     help="the verifier hosts the SSMs itself (the default: --num-speculators 0)")
@@ -346,23 +346,21 @@ def add_up_parser(sub) -> None:
     up.add_argument("--num-speculators", type=int, default=0,
                     help="speculator processes hosting the SSMs; 0 (the default) = the verifier hosts them itself: "
                          "one host, no process hop per step")
-    up.add_argument("--gateway-port", type=int, default=50051)
+    up.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
     up.add_argument("--http-port", type=int, default=HTTP_PORT, help="OpenAI-compatible HTTP API; 0 = off")
     up.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja chat template for /v1/chat/completions, overriding the LLM's own (so a base model "
                          "without one can serve chat); default: SPECINFER_CHAT_TEMPLATE, else the LLM's")
-    up.add_argument("--verifier-port", type=int, default=50052)
-    up.add_argument("--speculator-port", type=int, default=50053, help="first speculator's port")
+    up.add_argument("--verifier-port", type=int, default=VERIFIER_PORT)
+    up.add_argument("--speculator-port", type=int, default=SPECULATOR_PORT, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
-    up.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    up.add_argument("--dtype", default=DEFAULT_DTYPE, choices=MODEL_DTYPES)
     up.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
                     help="auto (default): the fastest on this machine, measured when the SSMs load")
     up.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)))
     up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
-    from specinfer.cli.main import add_exec_flags
-
     add_exec_flags(up)
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up; its text is "
                                      "printed as it comes, then one line of statistics")

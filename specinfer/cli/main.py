@@ -10,10 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from specinfer.cli.flags import add_exec_flags, add_model_free_flag
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
 from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
-from specinfer.limits import PAPER_TREE_WIDTH
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_MAX_TREE_NODES, MODEL_DTYPES, PAPER_TREE_WIDTH
 from specinfer.limits import DEFAULT_SSM_DTYPE, SSM_DTYPES
 from specinfer.util import default_cache_dir
 
@@ -30,7 +31,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "own context) or suffix (its context and recent outputs); repeatable. Both model-free "
                         "members join the pool unless one is named or --no-model-free is given; none: no pool")
     add_model_free_flag(p)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=MODEL_DTYPES)
     p.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
                    help="dtype of the SSMs: auto (default) measures which is fastest on this machine when they load "
                         "(cached); it never changes the output")
@@ -41,29 +42,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     add_exec_flags(p)
 
 
-def add_model_free_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model-free", action=argparse.BooleanOptionalAction, default=True,
-                   help="lookup and suffix join the SSM pool (default; a pool naming either is taken as given)")
-
-
-def add_exec_flags(p: argparse.ArgumentParser) -> None:
-    """How the models execute (engine.config.ExecConfig): attention backend, CUDA graphs, offloading."""
-    from specinfer.engine.config import ATTENTION_BACKENDS
-
-    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
-                   help="triton: one fused tree-attention launch per layer over the paged KV cache; sdpa: torch "
-                        "per request with a dense mask; auto (default): triton on CUDA when importable, else sdpa")
-    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay captured decode/verify steps (default: on with CUDA and the Triton backend)")
-    p.add_argument("--offload", action="store_true",
-                   help="keep the LLM's layer weights in pinned host memory, streamed to the GPU per layer")
-
-
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)),
                    help="the static expansion of tree and sequence modes: children per level, e.g. 1,1,3,1 "
                         "(default: the paper's)")
-    p.add_argument("--max-tree-nodes", type=int, default=64, help="cap on a static tree's nodes per step")
+    p.add_argument("--max-tree-nodes", type=int, default=DEFAULT_MAX_TREE_NODES, help="cap on a static tree's nodes per step")
     p.add_argument("--min-path-prob", type=float, default=0.0,
                    help="prune tree branches whose SSM path probability is below this (0 = off)")
 

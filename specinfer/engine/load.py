@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specinfer.engine.config import ModelConfig
 from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,43 @@ def check_models(paths: ModelPaths) -> tuple[ModelConfig, list[ModelConfig]]:
     return llm_cfg, ssm_cfgs
 
 
+def load_runner(model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+                max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int | None = None, parallel=None, exec_cfg=None):
+    """A `ModelRunner` for a checkpoint; with a tensor-parallel `parallel` (a `ParallelConfig`),
+    this process is rank 0 of the group (its other ranks spawned here unless a launcher started
+    them) and `runner.close()` stops them. `exec_cfg` (an `ExecConfig`) picks the attention
+    backend, CUDA graphs and offloading."""
+    from specinfer.engine.backend import resolve_exec
+    from specinfer.engine.config import ExecConfig
+    from specinfer.engine.loader import parse_dtype
+    from specinfer.engine.parallel import ShardSpec, check_divisible
+    from specinfer.engine.runner import DEFAULT_BLOCK_SIZE, ModelRunner
+
+    block_size = block_size or DEFAULT_BLOCK_SIZE
+    if parallel is None or not parallel.is_parallel:
+        return ModelRunner.from_dir(model_dir, dtype, device, max_kv_tokens, block_size, exec_cfg)
+    cfg = ModelConfig.from_dir(model_dir)
+    parse_dtype(dtype)  # an unknown dtype fails before any process starts
+    ex = resolve_exec(exec_cfg or ExecConfig(), device, True)
+    check_divisible(cfg, parallel.num_ranks)  # before any process starts
+    num_blocks = -(-max_kv_tokens // block_size)
+    return leader_runner(ShardSpec(str(model_dir), dtype, device, num_blocks * block_size, ex.attention),
+                         parallel, block_size)
+
+
+def leader_runner(spec, pc, block_size: int):
+    """Rank 0's `ModelRunner` (a `parallel.ShardSpec` and `ParallelConfig`): its model call and
+    KV commits reach every rank first."""
+    from specinfer.engine.model import KVCache
+    from specinfer.engine.parallel import LeaderKV, LeaderModel, start_group
+    from specinfer.engine.runner import ModelRunner
+
+    model, leader = start_group(spec, pc)
+    kv = KVCache.allocate(model.cfg, spec.num_slots, model.dtype, model.device)
+    return ModelRunner(LeaderModel(model, leader), num_blocks=spec.num_slots // block_size, block_size=block_size,
+                       kv=LeaderKV(kv.k, kv.v, leader))
+
+
 def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
     return TextTokenizer.from_dir(paths.llm, llm_cfg.eos_token_ids)
 
@@ -101,14 +139,12 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     from specinfer.engine.config import ExecConfig
     from specinfer.engine.dtype_choice import load_ssm
     from specinfer.engine.llm_engine import Engine, EngineConfig
-    from specinfer.engine.runner import ModelRunner
-
     device = resolve_device(device)
     exec_cfg = exec_cfg or ExecConfig()
     is_parallel = parallel is not None and parallel.is_parallel
     resolve_exec(exec_cfg, device, is_parallel)  # a flag that cannot apply fails before any weights load
-    llm = ModelRunner.from_dir(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens,
-                               parallel=parallel, exec_cfg=exec_cfg)
+    llm = load_runner(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens, parallel=parallel,
+                      exec_cfg=exec_cfg)
     from specinfer.engine.speculator import model_free_member
 
     ssm_exec = replace(exec_cfg, offload=False)

@@ -449,13 +449,3 @@ def start_group(spec: ShardSpec, pc: ParallelConfig) -> tuple[LlamaModel, Leader
             p.kill()
         raise
     return model, Leader(group, workers)
-
-
-def leader_runner(spec: ShardSpec, pc: ParallelConfig, block_size: int):
-    """Rank 0's `ModelRunner`: its model call and KV commits reach every rank first."""
-    from specinfer.engine.runner import ModelRunner
-
-    model, leader = start_group(spec, pc)
-    runner = ModelRunner(LeaderModel(model, leader), num_blocks=spec.num_slots // block_size, block_size=block_size)
-    runner.kv = LeaderKV(runner.kv.k, runner.kv.v, leader)
-    return runner

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from specinfer.engine.blocks import BlockAllocator, SequenceKV
 from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.engine.loader import llama_weights, load_state_dict, parse_dtype
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.engine.tree import is_chain, visibility
-
-if TYPE_CHECKING:
-    from specinfer.engine.parallel import ParallelConfig
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -58,11 +56,15 @@ def chain_work(seq: SequenceKV, token_ids: list[int], logits: str = "last") -> W
 class ModelRunner:
     """One model, its preallocated KV cache, and the allocator that shares the cache out."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 kv: KVCache | None = None):
+        """`kv`: a cache of `num_blocks * block_size` slots made elsewhere (a tensor-parallel
+        leader's); by default one is allocated for `model`."""
         self.model = model
         self.cfg = model.cfg
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.kv = KVCache.allocate(model.cfg, num_blocks * block_size, model.dtype, model.device)
+        self.kv = kv if kv is not None else KVCache.allocate(model.cfg, num_blocks * block_size, model.dtype,
+                                                             model.device)
         self.max_context = min(model.cfg.max_position_embeddings, model.cfg.sliding_window or 1 << 62)
         self.on_forward: Callable[[int], None] | None = None  # told the token count of every forward
         # A kernels.TritonAttention given each step's metadata from the work items (no dense masks).
@@ -72,33 +74,26 @@ class ModelRunner:
 
     @classmethod
     def from_dir(
-        cls, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", max_kv_tokens: int = 8192,
-        block_size: int = DEFAULT_BLOCK_SIZE, parallel: ParallelConfig | None = None,
-        exec_cfg: ExecConfig | None = None,
+        cls, model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+        max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS,
+        block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
-        """Loads a checkpoint; with a tensor-parallel `parallel`, this process is rank 0 of the
-        group (its other ranks spawned here unless a launcher started them). `exec_cfg` picks the
-        attention backend, CUDA graphs and offloading (resolved for `device` here)."""
+        """Loads a checkpoint into one process (`load.load_runner` shards it over a tensor-parallel
+        group). `exec_cfg` picks the attention backend, CUDA graphs and offloading (resolved for
+        `device` here)."""
         from specinfer.engine.backend import resolve_exec
 
         cfg = ModelConfig.from_dir(model_dir)
-        parse_dtype(dtype)  # an unknown dtype fails before any process starts
-        num_blocks = -(-max_kv_tokens // block_size)
-        is_parallel = parallel is not None and parallel.is_parallel
-        ex = resolve_exec(exec_cfg or ExecConfig(), device, is_parallel)
-        if is_parallel:
-            from specinfer.engine.parallel import ShardSpec, check_divisible, leader_runner
-
-            check_divisible(cfg, parallel.num_ranks)  # before any process starts
-            return leader_runner(ShardSpec(str(model_dir), dtype, device, num_blocks * block_size, ex.attention),
-                                 parallel, block_size)
+        parse_dtype(dtype)  # an unknown dtype or flag fails before any weights are read
+        ex = resolve_exec(exec_cfg or ExecConfig(), device)
         return cls.from_weights(cfg, llama_weights(cfg, load_state_dict(model_dir)), dtype, device, max_kv_tokens,
                                 block_size, ex)
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = "float32", device: str = "cpu",
-        max_kv_tokens: int = 8192, block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
+        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+        max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
+        exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
         """A one-process runner over weights already read (`loader.llama_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can

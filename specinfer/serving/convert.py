@@ -14,7 +14,7 @@ from specinfer import limits
 from specinfer.errors import UserError
 from specinfer.logprobs import PROCESSED, RAW, TokenLogprob
 from specinfer.params import Constraint, GenerationParams, SamplingParams, TreeBudget, TreeShape
-from specinfer.stats import GenerationStats
+from specinfer.stats import GenerationStats, sum_from_mean
 from specinfer.v1 import specinfer_pb2 as pb
 
 _POLICY_NAMES = {pb.TREE_POLICY_MERGE: "merge", pb.TREE_POLICY_MIXED: "mixed"}
@@ -177,11 +177,12 @@ def params_from_generate_request(msg: pb.GenerateRequest) -> GenerationParams:
 
 
 def stats_to_proto(stats: GenerationStats) -> pb.GenerationStats:
+    """The sums, and for older readers the figures derived from them (unset where not measured)."""
     msg = pb.GenerationStats(prompt_tokens=stats.prompt_tokens, output_tokens=stats.output_tokens,
                              llm_steps=stats.llm_steps, tokens_per_step=stats.tokens_per_step,
                              latency_s=stats.latency_s, fell_back=stats.fell_back,
                              cached_prompt_tokens=stats.cached_prompt_tokens)
-    for name in ("mean_accepted", "mean_tree_nodes", "acceptance_rate"):
+    for name in ("num_accepted", "num_tree_nodes", "mean_accepted", "mean_tree_nodes", "acceptance_rate"):
         value = getattr(stats, name)
         if value is not None:
             setattr(msg, name, value)
@@ -189,11 +190,18 @@ def stats_to_proto(stats: GenerationStats) -> pb.GenerationStats:
 
 
 def stats_from_proto(msg: pb.GenerationStats) -> GenerationStats:
+    """The sums where the sender carried them, else (an older sender) its means over the steps."""
     steps = int(msg.llm_steps)
+
+    def total(name: str, mean: str) -> float | None:
+        if msg.HasField(name):
+            return float(getattr(msg, name))
+        return sum_from_mean(getattr(msg, mean) if msg.HasField(mean) else None, steps)
+
     return GenerationStats(
         prompt_tokens=int(msg.prompt_tokens), output_tokens=int(msg.output_tokens), llm_steps=steps,
         latency_s=float(msg.latency_s), fell_back=bool(msg.fell_back),
-        num_accepted=msg.mean_accepted * steps if msg.HasField("mean_accepted") else None,
-        num_tree_nodes=msg.mean_tree_nodes * steps if msg.HasField("mean_tree_nodes") else None,
+        num_accepted=total("num_accepted", "mean_accepted"),
+        num_tree_nodes=total("num_tree_nodes", "mean_tree_nodes"),
         cached_prompt_tokens=int(msg.cached_prompt_tokens),
     )

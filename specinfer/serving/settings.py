@@ -18,18 +18,14 @@ from typing import Any, Callable, Mapping, Sequence, TypeVar
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, MIN_MESSAGE_BYTES
 from specinfer.limits import INITIAL_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS, MIN_CONNECT_TIMEOUT_MS
+from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT  # noqa: F401 (their names here too)
 from specinfer.util import CACHE_DIR_ENV
 
 T = TypeVar("T")
 
 # ---- the services' defaults ------------------------------------------------------------------
 LOCAL_HOST = "127.0.0.1"  # internal services are not exposed by default
-GATEWAY_PORT = 50051
-HTTP_PORT = 8000  # the gateway's OpenAI-compatible HTTP API
-VERIFIER_PORT = 50052
-SPECULATOR_PORT = 50053
 DEFAULT_GRACE_S = 10.0  # drain period on SIGTERM
-DTYPES = ("float32", "bfloat16", "float16")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_PORT = 65535
 
