@@ -218,14 +218,15 @@ def test_service_flags_and_environment():
 def test_tensor_parallel_ranks_run_the_triton_backend(models):
     """Each rank of a two-rank group (gloo) runs Triton attention on its half of the heads; the
     greedy output equals the one-process SDPA model's."""
+    from specinfer.engine.load import load_runner
     from specinfer.engine.parallel import ParallelConfig
 
     if models[0].parent.name.startswith("mha"):
         pytest.skip("one head layout is enough: the group costs two processes")
     llm = models[0]
     single = ModelRunner.from_dir(llm, device=DEVICE, max_kv_tokens=256, exec_cfg=ExecConfig(attention="sdpa"))
-    sharded = ModelRunner.from_dir(llm, device=DEVICE, max_kv_tokens=256, parallel=ParallelConfig.spawned(2),
-                                   exec_cfg=ExecConfig(attention="triton"))
+    sharded = load_runner(llm, device=DEVICE, max_kv_tokens=256, parallel=ParallelConfig.spawned(2),
+                          exec_cfg=ExecConfig(attention="triton"))
     try:
         assert isinstance(sharded.model.model.attention_backend, TritonAttention)  # rank 0's own shard
         params = mode_params("tree", 8, SHAPE)
