@@ -61,7 +61,7 @@ from specinfer.engine.kernels.tree_attention import (  # noqa: E402
     metadata_from_seqs,
     tree_attention,
 )
-from specinfer.engine.loader import llama_weights, load_state_dict  # noqa: E402
+from specinfer.engine.checkpoint import llama_weights, load_state_dict  # noqa: E402
 from specinfer.engine.model import KVCache, LlamaModel, SeqAttention  # noqa: E402
 from specinfer.engine.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
 from specinfer.engine.runner import ModelRunner  # noqa: E402

@@ -17,7 +17,7 @@ from specinfer.engine import dtype_choice as dc
 from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.load import ModelPaths, load_engine
-from specinfer.engine.loader import llama_weights, load_state_dict
+from specinfer.engine.checkpoint import llama_weights, load_state_dict
 from specinfer.engine.runner import ModelRunner
 from specinfer.params import TreeShape
 

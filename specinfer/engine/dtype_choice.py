@@ -300,7 +300,7 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
     `prefer`, the LLM's, on ties), reported on one line through `report` (default: logged) and
     kept as the runner's `dtype_choice`."""
     from specinfer.engine.backend import resolve_exec
-    from specinfer.engine.loader import llama_weights, load_state_dict
+    from specinfer.engine.checkpoint import llama_weights, load_state_dict
     from specinfer.engine.runner import ModelRunner
 
     if dtype != AUTO_DTYPE:

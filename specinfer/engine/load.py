@@ -87,7 +87,7 @@ def load_runner(model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str =
     backend, CUDA graphs and offloading."""
     from specinfer.engine.backend import resolve_exec
     from specinfer.engine.config import ExecConfig
-    from specinfer.engine.loader import parse_dtype
+    from specinfer.engine.checkpoint import parse_dtype
     from specinfer.engine.parallel import ShardSpec, check_divisible
     from specinfer.engine.runner import DEFAULT_BLOCK_SIZE, ModelRunner
 

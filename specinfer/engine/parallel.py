@@ -41,7 +41,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from specinfer.engine.config import ModelConfig
-from specinfer.engine.loader import llama_weights, parse_dtype, safetensors_files
+from specinfer.engine.checkpoint import llama_weights, parse_dtype, safetensors_files
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.errors import UnavailableError, UserError
 

@@ -19,7 +19,7 @@ from specinfer.engine.blocks import BlockAllocator, SequenceKV
 from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
-from specinfer.engine.loader import llama_weights, load_state_dict, parse_dtype
+from specinfer.engine.checkpoint import llama_weights, load_state_dict, parse_dtype
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.engine.tree import is_chain, visibility
 
@@ -95,7 +95,7 @@ class ModelRunner:
         max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
         exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
-        """A one-process runner over weights already read (`loader.llama_weights`), cast to
+        """A one-process runner over weights already read (`checkpoint.llama_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
         build runners in several dtypes."""
         from specinfer.engine.backend import apply_exec, resolve_exec

@@ -18,7 +18,7 @@ from specinfer.engine.processors import RequestLogits
 from specinfer.engine.runner import ModelRunner, Work, chain_work
 from specinfer.engine.sampling import SamplingNoise, sample, token_logprobs
 from specinfer.engine.tree import TokenTree
-from specinfer.engine.verify import verify_tree
+from specinfer.engine.acceptance import verify_tree
 from specinfer.params import SamplingParams
 
 

@@ -339,7 +339,7 @@ def load_model(model_dir: Path, device: str):
     """An SSM as a float32 transformers `LlamaForCausalLM` (safetensors only)."""
     from transformers import AutoModelForCausalLM
 
-    from specinfer.engine.loader import safetensors_files
+    from specinfer.engine.checkpoint import safetensors_files
 
     safetensors_files(Path(model_dir))  # refuses pickle-only checkpoints with a UserError
     with quiet_transformers():
