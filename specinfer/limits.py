@@ -78,7 +78,8 @@ DEFAULT_PIPELINE: bool | None = None
 DEFAULT_TOKEN_BUDGET = 512  # tokens per LLM pass: trees first, then prompt chunks
 DEFAULT_MAX_WAITING = 64  # requests queued for KV memory before RESOURCE_EXHAUSTED
 DEFAULT_ADMISSION_TIMEOUT_S = 30.0  # longest wait for KV memory
-DEFAULT_MAX_SESSIONS = 64  # idle sessions whose KV prefix the verifier keeps
+DEFAULT_MAX_SESSIONS = 64  # sessions whose cached KV blocks the verifier can release by name
+DEFAULT_IS_PREFIX_CACHING = True  # full committed KV blocks are shared by every request with the same prefix
 DEFAULT_DEADLINE_S = 300.0  # a request's deadline when its caller sets none
 PREFIX_GROUP_WAIT_S = 2.0  # longest a sample waits for another to read the prompt they share
 

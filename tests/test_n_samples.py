@@ -1,5 +1,6 @@
 """n > 1: the samples of one prompt share its KV (the prompt is read once) and each sample is
-exactly the request it would be alone with its own seed (`sample_seed(seed, i)`)."""
+exactly the request it would be alone with its own seed (`sample_seed(seed, i)`). With prefix
+caching off, the samples of one request still share within their group's own cache namespace."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import random
 
 import pytest
 
-from specinfer.engine.blocks import BlockAllocator, SequenceKV
-from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.blocks import BlockAllocator, SequenceKV, cache_root
+from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.runner import ModelRunner
+from specinfer.engine.scheduler import SchedulerConfig
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, SamplingParams, TreeShape, sample_seed
 
 NUM_SAMPLES = 3
 NEW_TOKENS = 20
 SHAPE = TreeShape((1, 2, 1, 1))
+NO_PREFIX_CACHING = EngineConfig(scheduler=SchedulerConfig(admission_timeout_s=0.0, is_prefix_caching=False))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def counting(llm, monkeypatch) -> list[int]:
                          ids=["greedy", "sampled"])
 def test_samples_share_the_prompt_and_equal_independent_requests(runners, long_prompt, sampling, monkeypatch):
     llm, ssm = runners
-    engine = Engine.from_runners(llm, [ssm])
+    engine = Engine.from_runners(llm, [ssm], NO_PREFIX_CACHING)  # the independent runs share nothing
     seeds = [sample_seed(sampling.seed or 0, i) for i in range(NUM_SAMPLES)]
     params = [mode_params("tree", NEW_TOKENS, SHAPE, sampling=SamplingParams(
         sampling.temperature, sampling.top_p, seed=s), is_ignore_eos=True) for s in seeds]
@@ -49,7 +52,8 @@ def test_samples_share_the_prompt_and_equal_independent_requests(runners, long_p
     alone = [engine.generate(long_prompt, p) for p in params]
     tokens_alone = sum(seen)
     seen.clear()
-    grouped = [engine.start(long_prompt, p, prefix_group="req") for p in params]
+    group = "req-greedy" if sampling.is_greedy else "req-sampled"  # a namespace of its own
+    grouped = [engine.start(long_prompt, p, prefix_group=group) for p in params]
     reused = []
     while any(not g.is_done for g in grouped):
         engine.step(grouped)
@@ -68,7 +72,7 @@ def test_samples_share_the_prompt_and_equal_independent_requests(runners, long_p
 
 def test_a_member_whose_leader_is_gone_reads_the_prompt_itself(runners, long_prompt):
     llm, ssm = runners
-    engine = Engine.from_runners(llm, [ssm])
+    engine = Engine.from_runners(llm, [ssm], NO_PREFIX_CACHING)
     params = mode_params("tree", 8, SHAPE, is_ignore_eos=True)
     leader = engine.start(long_prompt, params, prefix_group="gone")
     engine.finish(leader)
@@ -80,16 +84,19 @@ def test_a_member_whose_leader_is_gone_reads_the_prompt_itself(runners, long_pro
 
 def test_shared_blocks_are_freed_by_their_last_holder():
     allocator = BlockAllocator(8, 4)
-    a, b = SequenceKV(allocator), SequenceKV(allocator)
+    root = cache_root("group:g")
+    a, b = SequenceKV(allocator, root), SequenceKV(allocator, root)
     a.ensure_capacity(12)
-    a.num_committed = 9
+    a.advance(list(range(9)))
     b.ensure_capacity(12)
-    b.share_prefix(a, 2)
+    hits, digests = allocator.match(root, list(range(9)))
+    assert hits == a.block_table[:2]
+    b.adopt(hits, digests, list(range(9)))
     assert b.block_table[:2] == a.block_table[:2] and b.num_committed == 8 and allocator.num_used == 4
     a.free()
     assert allocator.num_used == 3  # b still holds the two shared blocks and its own third
     b.free()
-    assert allocator.num_used == 0
+    assert allocator.num_used == 0 and allocator.num_cached == 2  # free, and still addressable
     with pytest.raises(ValueError):
         allocator.free([0])
 

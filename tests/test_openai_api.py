@@ -123,6 +123,23 @@ def test_greedy_completion_equals_the_grpc_api(stack, client, model, prompt):
     assert metrics["llm_steps"] == grpc_resp.stats.llm_steps and metrics["tokens_per_step"] > 1.0
 
 
+def test_a_prompt_served_from_the_prefix_cache_reports_it_and_answers_as_cold(stack, client, model):
+    system = f"# {uuid.uuid4().hex}\n" + "import os\nimport sys\n" * 20  # nobody has sent this prefix yet
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "def add(a, b):"}]
+    cold = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    warm = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.usage.prompt_tokens_details.cached_tokens >= 0.8 * warm.usage.prompt_tokens
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    other = [messages[0], {"role": "user", "content": "for x in range(3):"}]  # the same system prompt
+    metrics = stack.verifier_servicer.engine.scheduler.metrics  # the verifier's Prometheus counters
+    hits_before = metrics.prefix_cache_hits._value.get()
+    shared = client.chat.completions.create(model=model, messages=other, max_tokens=4, temperature=0)
+    assert shared.usage.prompt_tokens_details.cached_tokens >= 0.8 * shared.usage.prompt_tokens
+    assert metrics.prefix_cache_hits._value.get() - hits_before == shared.usage.prompt_tokens_details.cached_tokens
+    assert metrics.prefix_cache_queries._value.get() >= metrics.prefix_cache_hits._value.get()
+
+
 def test_streamed_completion_adds_up_to_the_plain_one(client, model):
     plain = client.completions.create(model=model, prompt="for x in", max_tokens=30, temperature=0)
     chunks = list(client.completions.create(model=model, prompt="for x in", max_tokens=30, temperature=0,

@@ -32,7 +32,7 @@ def decode_greedy(worker: Scheduler, prompt: list[int], max_new: int, record: li
             if record is not None:
                 record.append(time.monotonic())
     finally:
-        worker.close(session, None)
+        worker.close(session)
     return out.output_ids
 
 
@@ -80,10 +80,10 @@ def test_admission_waits_for_memory_then_runs(worker_factory, executor):
     # wait is what is tested: no event marks "still waiting".
     with pytest.raises(TimeoutError):
         pending.result(timeout=0.2)
-    worker.close(first, None)
+    worker.close(first)
     second = pending.result(timeout=5)
     assert second.state.seq.capacity >= 40
-    worker.close(second, None)
+    worker.close(second)
     assert worker.runner.allocator.num_used == 0
 
 
@@ -108,7 +108,7 @@ def test_admission_rejects_when_queue_full_or_timeout(worker_factory, executor):
     assert sorted("timed out" in e for e in errors) == [False, True], errors
     with pytest.raises(CapacityError, match="cache holds"):
         worker.open([1], None, 10_000)  # can never fit
-    worker.close(hog, None)
+    worker.close(hog)
     assert worker.runner.allocator.num_used == 0
 
 
@@ -259,7 +259,7 @@ def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair)
                 if i == 1 and step == 3:
                     with pytest.raises(RuntimeError):
                         future.result(timeout=30)
-                    scheduler.close(sessions[1], None)
+                    scheduler.close(sessions[1])
                     sessions[1] = None
                     continue
                 accepted, bonus = future.result(timeout=30)
@@ -271,7 +271,7 @@ def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair)
     finally:
         for session in sessions:
             if session is not None:
-                scheduler.close(session, None)
+                scheduler.close(session)
 
 
 def test_tiny_temperatures_decode_greedily_instead_of_overflowing(tiny_pair):

@@ -124,16 +124,19 @@ def test_invalid_requests(stack, request_kwargs, field):
 
 def test_session_reuses_kv_prefix_and_output_unchanged(stack, engine):
     stub, servicer = stack.verifier_stub, stack.verifier_servicer
-    turn1 = [5, 9, 13, 17, 21]
+    allocator = servicer.engine.verifier.runner.allocator
+    turn1 = [5, 9, 13, 17, 21] * 4
     out1, _ = generate(stub, turn1, 16, session_id="s1")
     turn2 = turn1 + out1 + [30, 31, 32]
-    before = servicer.engine.scheduler.sessions["s1"].token_ids
-    assert before == (turn1 + out1)[: len(before)] and len(before) >= len(turn1)
-    out2, _ = generate(stub, turn2, 16, session_id="s1")
+    kept = servicer.engine.scheduler.sessions["s1"]  # the hashes of the turn's full committed blocks
+    assert len(kept) == len(turn1 + out1) // allocator.block_size
+    out2, last = generate(stub, turn2, 16, session_id="s1")
+    assert last.cached_prompt_tokens == len(kept) * allocator.block_size
     assert out2 == engine.generate(turn2, mode_params("tree", 16, TreeShape(WIDTHS))).output_ids
+    num_cached = allocator.num_cached
     released = stub.ReleaseSession(pb.ReleaseSessionRequest(session_id="s1"))
-    assert released.released
-    assert servicer.engine.verifier.runner.allocator.num_used == 0
+    assert released.released and allocator.num_cached < num_cached  # its blocks were evicted by name
+    assert allocator.num_used == 0
 
 
 def test_speculator_rejects_bad_streams(stack):

@@ -659,3 +659,13 @@ def test_signal_stops_a_model_service_whose_worker_loop_runs_on_the_main_thread(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     assert loop.ran_on is threading.main_thread() and loop.stopped.is_set()
+
+
+def test_prefix_cache_counters_carry_vllms_names():
+    from specinfer.serving.metrics import ModelMetrics
+
+    registry = new_registry()
+    ModelMetrics.create(registry, "verifier").observe_prefix_cache(100, 80)
+    labels = {"service": "verifier"}
+    assert registry.get_sample_value("specinfer_prefix_cache_queries_total", labels) == 100
+    assert registry.get_sample_value("specinfer_prefix_cache_hits_total", labels) == 80

@@ -93,7 +93,7 @@ def test_bad_stop_token_ids_are_invalid_argument(client):
 def test_a_sessions_second_turn_reports_its_cached_prompt_tokens(stack, client):
     session = client.create_session("import os\nimport sys\n" * 4)
     first = client.generate("def add(a, b):", max_tokens=6, ignore_eos=True, session_id=session)
-    # the verifier keeps the turn's KV once its call has ended, just after the last message
+    # the turn's blocks stay cached once its call has ended, just after the last message
     assert wait_until(lambda: session in stack.verifier_servicer.engine.scheduler.sessions, 5.0)
     second = client.generate("\nfor x in range(3):", max_tokens=6, ignore_eos=True, session_id=session)
     assert first.stats.cached_prompt_tokens == 0
@@ -120,7 +120,7 @@ def test_n_samples_are_independent_seeded_requests_sharing_the_prompt(client):
         assert sample.token_ids == alone.token_ids and sample.finish == "length"
     assert len({s.token_ids for s in done.samples}) > 1
     cached = [s.stats.cached_prompt_tokens for s in done.samples]
-    assert 0 in cached and max(cached) > 0  # the first sample admitted read the prompt; another reused it
+    assert cached.count(0) <= 1 and max(cached) > 0  # the prompt was read once at most, then reused
     assert client.get_request("three-samples.2").token_ids == done.samples[2].token_ids
 
 

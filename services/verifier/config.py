@@ -16,6 +16,7 @@ from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_cuda_g
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_IS_PREFIX_CACHING,
     DEFAULT_MAX_SESSIONS,
     DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
     SUFFIX_CACHE_TOKENS, RequestLimits, parse_tree_width,
@@ -52,6 +53,7 @@ class VerifierConfig:
     default_deadline_s: float = DEFAULT_DEADLINE_S
     speculator_step_timeout_s: float = 5.0
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    is_prefix_caching: bool = DEFAULT_IS_PREFIX_CACHING  # full KV blocks shared by every request with their prefix
     token_budget: int = DEFAULT_TOKEN_BUDGET
     max_waiting: int = DEFAULT_MAX_WAITING
     admission_timeout_s: float = DEFAULT_ADMISSION_TIMEOUT_S
@@ -110,8 +112,11 @@ def _flags() -> list[Flag]:
              "the longest wait for a speculator's tree (a stream's first; later ones are waited for by the "
              "speculator's own pace); a speculator that owes a tree this long is dropped for the request",
              is_positive=True),
-        Flag("--max-sessions", "SPECINFER_MAX_SESSIONS", int, d["max_sessions"], "sessions kept with their KV cache",
-             low=0),
+        Flag("--max-sessions", "SPECINFER_MAX_SESSIONS", int, d["max_sessions"],
+             "sessions whose cached KV a ReleaseSession call can evict by name", low=0),
+        Flag("--prefix-caching", "SPECINFER_PREFIX_CACHING", parse_bool, d["is_prefix_caching"],
+             "share the KV of full prompt blocks across requests with the same prefix (off: only within a session "
+             "or one request's samples)", is_switch=True),
         Flag("--token-budget", "SPECINFER_TOKEN_BUDGET", int, d["token_budget"],
              "tokens per forward pass (trees first, then prompt chunks)", is_positive=True),
         Flag("--max-waiting", "SPECINFER_MAX_WAITING", int, d["max_waiting"],
@@ -166,7 +171,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         limits=RequestLimits(max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"]),
         max_batch=a["max_batch"], tree_width=a["tree_width"], max_tree_nodes=a["max_tree_nodes"],
         default_deadline_s=a["default_deadline_s"], speculator_step_timeout_s=a["speculator_step_timeout_s"],
-        max_sessions=a["max_sessions"], token_budget=a["token_budget"], max_waiting=a["max_waiting"],
+        max_sessions=a["max_sessions"], is_prefix_caching=a["prefix_caching"], token_budget=a["token_budget"], max_waiting=a["max_waiting"],
         admission_timeout_s=a["admission_timeout_s"], is_load_aware=is_load_aware, otlp_endpoint=a["otlp_endpoint"],
         metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=security,

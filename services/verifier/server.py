@@ -88,8 +88,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             finally:
                 if not is_ok and context.is_active() is False:
                     span.add_event("cancelled")
-                history = prompt_ids + generation.result.output_ids if is_ok and request.session_id else None
-                self.engine.finish(generation, history)
+                self.engine.finish(generation)
 
     def _response(self, generation, kept: list[int]) -> pb.VerifierGenerateResponse:
         result, num_cached = generation.result, generation.session.num_reused
@@ -197,6 +196,7 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
                               is_load_aware=cfg.is_load_aware, is_guarded=True,
                               scheduler=SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget,
                                                         max_waiting=cfg.max_waiting, max_sessions=cfg.max_sessions,
+                                                        is_prefix_caching=cfg.is_prefix_caching,
                                                         admission_timeout_s=cfg.admission_timeout_s))
 
     def create(tracer, registry):

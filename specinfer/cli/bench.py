@@ -175,6 +175,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         for member in target.source.speculator.model_free:  # no arm learns from another's outputs
             if hasattr(member, "cache"):
                 member.cache.clear()
+        target.scheduler.reset_prefix_cache()  # every arm reads its prompt: none is served another's KV
         extra = {"num_logprobs": args.logprobs} if name == "tree_logprobs" else {}
         sampling = SamplingParams(args.temperature, seed=len(ids)) if args.temperature else SamplingParams()
         if name != "incremental_free":
@@ -186,9 +187,17 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     def run_samples(is_shared: bool, ids: list[int], max_new: int, names_used) -> tuple[list[int], int, float, int]:
         """Greedy samples are all the same output: sample 0's is returned when they agree."""
         params = mode_params("tree", max_new, shape, ssm_names=tuple(names_used))
+        scheduler = engine.scheduler
+        caching = scheduler.cfg
+        scheduler.reset_prefix_cache()
+        if not is_shared:  # each sample reads the prompt: no prefix cache to share it through
+            scheduler.cfg = replace(caching, is_prefix_caching=False)
         started = time.perf_counter()
-        gens = [engine.start(ids, params, prefix_group="bench" if is_shared else None) for _ in range(args.samples)]
-        results = engine.generate_batch(gens)
+        try:
+            gens = [engine.start(ids, params, prefix_group="bench" if is_shared else None) for _ in range(args.samples)]
+            results = engine.generate_batch(gens)
+        finally:
+            scheduler.cfg = caching
         seconds = time.perf_counter() - started
         same = all(r.output_ids == results[0].output_ids for r in results)
         return ((results[0].output_ids if same else []), sum(r.num_llm_steps for r in results), seconds,

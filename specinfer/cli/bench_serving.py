@@ -227,7 +227,9 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                               admission_latency_factor=None if args.adaptive_admission else 0.0,
                               # Arms and rounds send the same prompts: a shared suffix cache would draft
                               # each greedy output from an earlier arm's (the repeated-task case).
-                              suffix_cache_tokens=None if args.shared_suffix_cache else 0))
+                              suffix_cache_tokens=None if args.shared_suffix_cache else 0,
+                              # ... and a prefix cache would serve later arms' prompts from earlier arms' KV.
+                              is_prefix_caching=False))
     # As `specinfer up` starts it: the verifier hosts the pool unless speculator processes are asked for.
     stack = Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
                           is_co_located=args.co_located or not args.num_speculators or not paths.ssms))
@@ -244,7 +246,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                          "requests_per_level": args.requests_per_level, "rounds": args.rounds,
                          "temperatures": temperatures, "compare_pipeline": bool(args.compare_pipeline),
                          "noisy_phase_s": args.noisy_phase_s, "adaptive_admission": bool(args.adaptive_admission),
-                         "shared_suffix_cache": bool(args.shared_suffix_cache)},
+                         "shared_suffix_cache": bool(args.shared_suffix_cache), "prefix_caching": False},
               "results": {}}
     try:
         stack.start()

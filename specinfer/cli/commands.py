@@ -12,7 +12,7 @@ from specinfer.engine.load import (
     ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts, split_pool,
 )
 from specinfer.errors import UserError
-from specinfer.limits import parse_tree_width
+from specinfer.limits import DEFAULT_IS_PREFIX_CACHING, parse_tree_width
 
 
 def resolve_paths(
@@ -55,6 +55,7 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     `auto` mode; the SSMs' measured dtype is cached under `cache_dir` and told on stderr.
     Returns (tokenizer, prompt ids, engine)."""
     from specinfer.engine.llm_engine import EngineConfig
+    from specinfer.engine.scheduler import SchedulerConfig
 
     llm_cfg, ssm_cfgs = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
@@ -64,7 +65,9 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     # `bench --samples N` runs N requests at once.
     per_request = needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64
     engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=per_request * max(1, getattr(args, "samples", 1)),
-                         ssm_dtype=args.ssm_dtype, cfg=EngineConfig(default_shape=tree_shape(args)),
+                         ssm_dtype=args.ssm_dtype, cfg=EngineConfig(
+                             default_shape=tree_shape(args), scheduler=SchedulerConfig(
+                                 admission_timeout_s=0.0, is_prefix_caching=getattr(args, "prefix_caching", DEFAULT_IS_PREFIX_CACHING))),
                          parallel=tensor_parallel(args), exec_cfg=exec_config(args),
                          cache_dir=cache_dir, report=lambda line: print(f"specinfer: {line}", file=sys.stderr))
     return tokenizer, prompt_ids, engine

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from specinfer.cli.flags import add_exec_flags, add_model_free_flag
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, MODEL_DTYPES, PAPER_TREE_WIDTH, SSM_DTYPES
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, MODEL_DTYPES, PAPER_TREE_WIDTH, SSM_DTYPES
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.util import CACHE_DIR_ENV
@@ -58,6 +58,7 @@ class StackConfig:
     speculator_pipeline: tuple[bool, ...] = ()  # per speculator: draft ahead or not (empty: their default)
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     admission_latency_factor: float | None = None  # the gateway's (0 = a fixed limit); None: its default
+    is_prefix_caching: bool = DEFAULT_IS_PREFIX_CACHING  # the verifier shares full prompt blocks across requests
     chat_template: Path | None = None  # the gateway's --chat-template: a Jinja file overriding the LLM's
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
@@ -197,6 +198,8 @@ class Stack:
             common_env[CACHE_DIR_ENV] = str(cfg.cache_dir)
         if cfg.suffix_cache_tokens is not None:
             common_env["SPECINFER_SUFFIX_CACHE_TOKENS"] = str(cfg.suffix_cache_tokens)
+        if not cfg.is_prefix_caching:
+            common_env["SPECINFER_PREFIX_CACHING"] = "off"
         spec_targets = []
         groups = [] if cfg.is_co_located else _split(cfg.ssms, cfg.num_speculators)
         for i, group in enumerate(groups):
@@ -361,6 +364,8 @@ def add_up_parser(sub) -> None:
     up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
+    up.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_IS_PREFIX_CACHING,
+                    help="the verifier shares the KV of full prompt blocks across requests with the same prefix")
     add_exec_flags(up)
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up; its text is "
                                      "printed as it comes, then one line of statistics")
@@ -416,6 +421,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"), chat_template=chat_template,
+        is_prefix_caching=args.prefix_caching,
     )
     check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)

@@ -15,7 +15,7 @@ from specinfer.cli.request_flags import add_constraint_flags, add_processor_flag
 from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_MAX_TREE_NODES, MODEL_DTYPES, PAPER_TREE_WIDTH
-from specinfer.limits import DEFAULT_SSM_DTYPE, SSM_DTYPES
+from specinfer.limits import DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, SSM_DTYPES
 from specinfer.util import default_cache_dir
 
 
@@ -49,6 +49,8 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=DEFAULT_MAX_TREE_NODES, help="cap on a static tree's nodes per step")
     p.add_argument("--min-path-prob", type=float, default=0.0,
                    help="prune tree branches whose SSM path probability is below this (0 = off)")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_IS_PREFIX_CACHING,
+                   help="share the KV of full prompt blocks across requests with the same prefix")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--samples", type=int, default=1,
                    help="N > 1 adds two tree arms of N samples per prompt: sharing the prompt's KV, and not")
     b.add_argument("--output", type=Path, help="also write the JSON result here")
+    b.add_argument("--shared-prefix-tokens", type=int, default=0,
+                   help="benchmark prefix caching instead: every prompt starts with one shared prefix of about this "
+                        "many tokens; time to first token cold against cached, and throughput with caching on "
+                        "against off")
+    b.add_argument("--concurrency-in-process", type=int, default=16,
+                   help="with --shared-prefix-tokens: requests that arrive together in the throughput arms")
+    b.add_argument("--rounds-in-process", type=int, default=3,
+                   help="with --shared-prefix-tokens: interleaved rounds of the throughput arms")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: benchmark the services under load instead")
     b.add_argument("--requests-per-level", type=int, default=16, help="with --concurrency: requests per arm")
     b.add_argument("--rounds", type=int, default=1,
@@ -148,6 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             from specinfer.cli.commands import run_generate
 
             return run_generate(args, cache_dir)
+        if args.command == "bench" and args.shared_prefix_tokens:
+            from specinfer.cli.bench_prefix import run_prefix_bench
+
+            return run_prefix_bench(args, cache_dir)
         if args.command == "bench" and args.concurrency:
             from specinfer.cli.bench_serving import run_serving_bench
 

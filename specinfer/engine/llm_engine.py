@@ -255,7 +255,7 @@ class Engine:
             drafts = (self.source.drafts(request_id, prompt_ids, params, shape, timeout_s) if num_sources
                       else NoDrafts())
         except BaseException:
-            self.scheduler.close(session, None)
+            self.scheduler.close(session)
             raise
         choose = WidthChoice(shape.widths, self.policy() if is_load_aware else None, self.guard,
                              params.sampling.is_greedy, tuple(sorted(params.ssm_names)))
@@ -293,9 +293,9 @@ class Engine:
 
         return run_step(generations, verify, lambda: self.scheduler.num_open)
 
-    def finish(self, generation: Generation, history: list[int] | None = None) -> None:
-        """Frees the request's KV caches, or keeps the LLM's as its session's cache when `history`
-        is given (the tokens the conversation now holds). Idempotent."""
+    def finish(self, generation: Generation) -> None:
+        """Frees the request's KV caches; the LLM's full committed blocks stay in its prefix cache
+        for later requests (a session's next turn among them). Idempotent."""
         if generation.session is None:
             return
         session, generation.session = generation.session, None
@@ -303,7 +303,7 @@ class Engine:
         try:
             generation.drafts.close()
         finally:
-            self.scheduler.close(session, history)
+            self.scheduler.close(session)
 
     def generate_batch(self, generations: list[Generation]) -> list[GenerationResult]:
         try:

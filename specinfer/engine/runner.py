@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from specinfer.engine.blocks import BlockAllocator, SequenceKV
+from specinfer.engine.blocks import BlockAllocator, BlockHash, SequenceKV
 from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
@@ -118,8 +118,9 @@ class ModelRunner:
         if leader is not None:
             leader.close()
 
-    def new_sequence(self) -> SequenceKV:
-        return SequenceKV(self.allocator)
+    def new_sequence(self, root: BlockHash | None = None) -> SequenceKV:
+        """An empty sequence; with a cache `root` its full committed blocks become shareable."""
+        return SequenceKV(self.allocator, root)
 
     # ---- tensors are built here and nowhere else -------------------------------------------
 
@@ -234,16 +235,24 @@ class ModelRunner:
             chunks = [items[i][1][offset : offset + chunk_size] for i in idx]
             logits = self.run([chain_work(items[i][0], c, "last") for i, c in zip(idx, chunks)])
             for i, c, rows in zip(idx, chunks, logits):
-                items[i][0].num_committed += len(c)
+                items[i][0].advance(c)
                 last[i] = rows
             offset += chunk_size
 
-    def commit(self, seq: SequenceKV, scratch_indices: list[int]) -> None:
-        """Makes the given scratch tokens (in order) the next committed slots; drops the rest."""
+    def commit(self, seq: SequenceKV, scratch_indices: list[int], token_ids: list[int] | None = None) -> None:
+        """Makes the given scratch tokens (in order) the next committed slots; drops the rest.
+        `token_ids`: the tokens they hold, which a cached sequence needs to address its blocks."""
         base = seq.num_committed
         moves = [(base + s, base + j) for j, s in enumerate(scratch_indices) if s != j]
         if moves:
             src = torch.tensor([seq.slot(a) for a, _ in moves], dtype=torch.long, device=self.model.device)
             dst = torch.tensor([seq.slot(b) for _, b in moves], dtype=torch.long, device=self.model.device)
             self.kv.move(src, dst)
-        seq.num_committed = base + len(scratch_indices)
+        if token_ids is None:
+            if seq.root is not None:
+                raise ValueError("a cached sequence commits its tokens with their ids")
+            seq.num_committed = base + len(scratch_indices)
+        else:
+            if len(token_ids) != len(scratch_indices):
+                raise ValueError("one token id per committed scratch token")
+            seq.advance(token_ids)

@@ -8,19 +8,29 @@ between iterations.
 
 KV memory: a request is admitted only once the blocks for its whole worst case (prompt, new
 tokens, the largest tree it may verify) are reserved, so nothing runs out of memory mid-request
-and the allocator never fragments into failure under its budget. When memory is short, idle
-session caches are evicted first; then new requests wait in a bounded queue, and get
-RESOURCE_EXHAUSTED when it is full or their wait times out. Every exit path frees the blocks.
+and the allocator never fragments into failure under its budget. The prompt's leading full blocks
+that the prefix cache holds (`blocks.BlockAllocator.match`) are adopted instead of computed, and
+credited against the reservation. Blocks nobody holds stay cached until an allocation evicts them
+(least recently freed first); when memory is still short, new requests wait in a bounded queue,
+and get RESOURCE_EXHAUSTED when it is full or their wait times out. Every exit path frees the
+blocks.
+
+One mechanism serves every reuse: a multi-turn session's next turn, the samples of one request
+(a prefix group: the others wait for the first to have read the prompt, then adopt its blocks)
+and unrelated requests with a common prefix. With prefix caching off, blocks are shared only
+within one session or one prefix group (their own cache namespace).
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from specinfer import limits
+from specinfer.engine.blocks import BlockHash, block_hash, cache_root
 from specinfer.engine.sampling import SamplingNoise
 from specinfer.engine.tree import TokenTree
 from specinfer.engine.verifier import LLMState, Verifier
@@ -37,6 +47,7 @@ class SchedulerConfig:
     max_waiting: int = limits.DEFAULT_MAX_WAITING  # requests queued for KV memory before RESOURCE_EXHAUSTED
     admission_timeout_s: float = limits.DEFAULT_ADMISSION_TIMEOUT_S
     max_sessions: int = limits.DEFAULT_MAX_SESSIONS
+    is_prefix_caching: bool = limits.DEFAULT_IS_PREFIX_CACHING
 
 
 @dataclass
@@ -45,7 +56,7 @@ class VerifySession:
 
     state: LLMState
     session_id: str | None
-    num_reused: int = 0  # prompt tokens whose KV came from the session cache or the group's leader
+    num_reused: int = 0  # prompt tokens whose KV came from the prefix cache
     last_batch_size: int = 0  # requests verified in the same pass as this one's last step
     group: PrefixGroup | None = None  # its prefix group, until it has shared the leader's prompt (or gave up)
 
@@ -64,13 +75,6 @@ class PrefixGroup:
     wait_until: float
 
 
-@dataclass
-class CachedSession:
-    state: LLMState
-    token_ids: list[int]  # tokens whose KV the cache holds, in order
-    last_used: float
-
-
 class Scheduler:
     """Owns the LLM runner; every model call goes through its worker. In the verifier service,
     request threads submit and one thread runs the passes (its own, or the main thread calling
@@ -81,7 +85,8 @@ class Scheduler:
         self.verifier = verifier
         self.runner = verifier.runner
         self.cfg = cfg
-        self.sessions: dict[str, CachedSession] = {}
+        self.sessions: OrderedDict[str, list[BlockHash]] = OrderedDict()  # a session's cached blocks, LRU first
+        self.cache_stats = PrefixCacheStats()
         self.leaders: dict[str, tuple[VerifySession, list[int]]] = {}  # prefix group -> its leader and prompt
         self.metrics = metrics
         self.num_open = 0
@@ -110,16 +115,19 @@ class Scheduler:
                noise: SamplingNoise | None) -> Future:
         return self.worker.submit("verify", session, tree, params, noise)
 
-    def close(self, session: VerifySession, history: list[int] | None) -> None:
-        """Frees the request's KV, or keeps it as its session's cache when `history` is given
-        (the tokens the session's conversation now holds)."""
+    def close(self, session: VerifySession) -> None:
+        """Frees the request's KV; its full committed blocks stay cached for later requests."""
         try:
-            self.worker.call("close", session, history)
+            self.worker.call("close", session)
         except UnavailableError:  # shutting down: the whole cache goes with the process
             pass
 
     def release_session(self, session_id: str) -> bool:
         return self.worker.call("release_session", session_id)
+
+    def reset_prefix_cache(self) -> int:
+        """Evicts every cached block no running request holds (a benchmark's cold start)."""
+        return self.worker.call("reset_prefix_cache")
 
     def pump(self, futures: list[Future]) -> None:
         """Runs passes on this thread until `futures` are done (an unthreaded scheduler)."""
@@ -142,7 +150,8 @@ class Scheduler:
         return carried, is_busy
 
     def _iterate(self, jobs: list[Job]) -> tuple[list[Job], bool]:
-        by_kind: dict[str, list[Job]] = {"open": [], "verify": [], "close": [], "release_session": [], "draft": []}
+        by_kind: dict[str, list[Job]] = {"open": [], "verify": [], "close": [], "release_session": [], "draft": [],
+                                         "reset_prefix_cache": []}
         for job in jobs:
             by_kind[job.kind].append(job)
         for job in by_kind["draft"]:  # a co-located pool's trees, on this thread too (`run_drafting`)
@@ -151,9 +160,12 @@ class Scheduler:
             _settle(job, lambda: self._close(*job.args))
         for job in by_kind["release_session"]:
             _settle(job, lambda: self._release(job.args[0]))
+        for job in by_kind["reset_prefix_cache"]:
+            _settle(job, self.runner.allocator.forget_all)
         waiting = self._admit(by_kind["open"])
         prefilling, did_run = self._run_step(by_kind["verify"])
-        is_busy = did_run or bool(by_kind["close"] or by_kind["release_session"] or by_kind["draft"])
+        is_busy = did_run or bool(by_kind["close"] or by_kind["release_session"] or by_kind["draft"]
+                                  or by_kind["reset_prefix_cache"])
         return waiting + prefilling, is_busy
 
     def _admit(self, opens: list[Job]) -> list[Job]:
@@ -173,25 +185,47 @@ class Scheduler:
 
     def _try_admit(self, job: Job, prompt_ids: list[int], session_id: str | None, num_slots: int,
                    prefix_group: str | None = None) -> bool:
-        block_size = self.runner.allocator.block_size
-        cached = self.sessions.get(session_id) if session_id else None
-        needed = -(-num_slots // block_size) - (len(cached.state.seq.block_table) if cached else 0)
         allocator = self.runner.allocator
-        if needed > allocator.num_blocks:
+        block_size = allocator.block_size
+        num_blocks = -(-num_slots // block_size)
+        if num_blocks > allocator.num_blocks:
             job.future.set_exception(CapacityError(
                 f"request needs {num_slots} KV slots; the cache holds {allocator.num_blocks * block_size}"))
             return True
-        while needed > allocator.num_free and self._evict_one(keep=session_id):
-            pass
-        if needed > allocator.num_free:
+        root = self._cache_root(session_id, prefix_group)
+        hits, digests = allocator.match(root, prompt_ids[:-1]) if root is not None else ([], [])  # >= 1 token pending
+        num_idle_hits = sum(allocator.is_idle(b) for b in hits)  # free now, held once adopted
+        if num_blocks - len(hits) > allocator.num_free - num_idle_hits:
             return False
-        session = self._open(prompt_ids, session_id)
-        session.state.seq.ensure_capacity(num_slots)
+        state = self.verifier.start(prompt_ids, root)
+        num_cached = state.seq.adopt(hits, digests, prompt_ids) if hits else 0
+        state.pending = list(prompt_ids[num_cached:])
+        state.seq.ensure_capacity(num_slots)
+        session = VerifySession(state, session_id, num_reused=num_cached)
+        self._observe_cache(len(prompt_ids), num_cached)
         if prefix_group:
             self._join_group(session, prefix_group, prompt_ids)
+        elif root is not None:
+            self._follow_or_lead(session, prompt_ids, digests)
         self.num_open += 1
         job.future.set_result(session)
         return True
+
+    def _observe_cache(self, num_queried: int, num_hit: int) -> None:
+        self.cache_stats.observe(num_queried, num_hit)
+        if self.metrics is not None:
+            self.metrics.observe_prefix_cache(num_queried, num_hit)
+
+    def _cache_root(self, session_id: str | None, prefix_group: str | None) -> BlockHash | None:
+        """The cache namespace of a request: every request's, with prefix caching; else only its
+        session's or its prefix group's; None: its KV is not cached."""
+        if self.cfg.is_prefix_caching:
+            return cache_root()
+        if session_id:
+            return cache_root("session:" + session_id)
+        if prefix_group:
+            return cache_root("group:" + prefix_group)
+        return None
 
     def _run_step(self, verifies: list[Job]) -> tuple[list[Job], bool]:
         """One forward pass: every ready tree, plus prompt chunks under the token budget."""
@@ -245,18 +279,25 @@ class Scheduler:
         job.future.set_exception(CapacityError(f"a tree of {len(tree)} nodes exceeds the request's reserved KV"))
         return False
 
-    def _open(self, prompt_ids: list[int], session_id: str | None) -> VerifySession:
-        cached = self.sessions.pop(session_id, None) if session_id else None
-        if cached is None:
-            return VerifySession(self.verifier.start(prompt_ids), session_id)
-        common = 0
-        limit = min(len(cached.token_ids), len(prompt_ids) - 1)  # keep >= 1 pending token (the root)
-        while common < limit and cached.token_ids[common] == prompt_ids[common]:
-            common += 1
-        state = cached.state
-        state.seq.num_committed = common
-        state.pending = list(prompt_ids[common:])
-        return VerifySession(state, session_id, num_reused=common)
+    def _follow_or_lead(self, session: VerifySession, prompt_ids: list[int], cached: list[BlockHash]) -> None:
+        """Requests that arrive together with a common prefix read it once: when a running request
+        is still reading the first full block this one lacks, this one follows it (a prefix group
+        of its own); otherwise it leads for each full block of its prompt it will compute."""
+        size = self.runner.allocator.block_size
+        parent = cached[-1] if cached else session.state.seq.root
+        keys = []
+        for start in range(len(cached) * size, len(prompt_ids) - size, size):  # full blocks, >= 1 token pending
+            parent = block_hash(parent, prompt_ids[start:start + size])
+            keys.append("prefix:" + parent.hex())
+        if not keys:
+            return
+        leader = self.leaders.get(keys[0])
+        if leader is not None and not leader[0].state.seq.is_freed:
+            session.group = PrefixGroup(keys[0], leader[0], leader[1], list(prompt_ids),
+                                        time.monotonic() + limits.PREFIX_GROUP_WAIT_S)
+            return
+        for key in keys:
+            self.leaders.setdefault(key, (session, list(prompt_ids)))
 
     def _join_group(self, session: VerifySession, key: str, prompt_ids: list[int]) -> None:
         leader = self.leaders.get(key)
@@ -266,7 +307,8 @@ class Scheduler:
             session.group = PrefixGroup(key, leader[0], leader[1], list(prompt_ids), time.monotonic() + limits.PREFIX_GROUP_WAIT_S)
 
     def _share_prefix(self, session: VerifySession) -> bool:
-        """False while a group member waits for its leader; shares the leader's blocks once it can."""
+        """False while a group member waits for its leader to read the prompt; then adopts the
+        cached blocks of the prompt they share."""
         group = session.group
         if group is None:
             return True
@@ -278,51 +320,54 @@ class Scheduler:
         num_blocks = common // block_size
         leader = group.leader.state.seq
         is_leader_gone = self.leaders.get(group.key, (None,))[0] is not group.leader or leader.is_freed
-        if num_blocks and not is_leader_gone and leader.num_committed < num_blocks * block_size:
-            if time.monotonic() < group.wait_until:
-                return False  # the leader is still reading the prompt
-            num_blocks = 0
+        state = session.state
+        if state.seq.num_committed >= num_blocks * block_size:  # the cache already gave it as much
+            session.group = None
+            return True
+        if not is_leader_gone and leader.num_committed < num_blocks * block_size and time.monotonic() < group.wait_until:
+            return False  # the leader is still reading the prompt
         session.group = None
-        if num_blocks and not is_leader_gone:
-            session.state.seq.share_prefix(leader, num_blocks)
-            session.state.pending = session.state.pending[num_blocks * block_size:]
-            session.num_reused = num_blocks * block_size
+        before = state.seq.num_committed
+        if before == len(state.seq.digests) * block_size:  # nothing computed past its cached blocks yet
+            hits, digests = self.runner.allocator.match(state.seq.root, group.member_prompt_ids[:common])
+            if len(hits) * block_size > before:
+                session.num_reused = state.seq.adopt(hits, digests, group.member_prompt_ids)
+                state.pending = state.pending[session.num_reused - before:]
+                self._observe_cache(0, session.num_reused - before)
         return True
 
-    def _close(self, session: VerifySession, history: list[int] | None) -> None:
+    def _close(self, session: VerifySession) -> None:
         self.num_open -= 1
         for key, (leader, _) in list(self.leaders.items()):
             if leader is session:
                 del self.leaders[key]
-        state = session.state
-        if history is None or not session.session_id:
-            self.verifier.release(state)
-            return
-        # The cache holds the committed prefix; the newest token is still pending.
-        num = min(state.seq.num_committed, len(history))
-        state.seq.num_committed = num
-        state.seq.trim(num)
-        old = self.sessions.pop(session.session_id, None)
-        if old is not None:
-            self.verifier.release(old.state)
-        self.sessions[session.session_id] = CachedSession(state, list(history[:num]), time.monotonic())
-        while len(self.sessions) > self.cfg.max_sessions:
-            self._evict_one(keep=None)
-
-    def _evict_one(self, keep: str | None) -> bool:
-        """Frees the least recently used idle session cache (not `keep`)."""
-        candidates = [k for k in self.sessions if k != keep]
-        if not candidates:
-            return False
-        self._release(min(candidates, key=lambda k: self.sessions[k].last_used))
-        return True
+        seq = session.state.seq
+        if session.session_id and seq.digests:  # what `release_session` may evict by name
+            self.sessions.pop(session.session_id, None)
+            self.sessions[session.session_id] = list(seq.digests)
+            while len(self.sessions) > self.cfg.max_sessions:
+                self.sessions.popitem(last=False)
+        self.verifier.release(session.state)
 
     def _release(self, session_id: str) -> bool:
-        cached = self.sessions.pop(session_id, None)
-        if cached is None:
+        """Evicts the session's cached blocks that no running request holds."""
+        digests = self.sessions.pop(session_id, None)
+        if digests is None:
             return False
-        self.verifier.release(cached.state)
+        self.runner.allocator.forget(digests)
         return True
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache, and those found (vLLM's queries and hits)."""
+
+    num_queries: int = 0
+    num_hits: int = 0
+
+    def observe(self, num_queried: int, num_hit: int) -> None:
+        self.num_queries += num_queried
+        self.num_hits += num_hit
 
 
 def _settle(job: Job, fn) -> None:

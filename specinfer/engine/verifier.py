@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specinfer.engine.blocks import SequenceKV
+from specinfer.engine.blocks import BlockHash, SequenceKV
 from specinfer.engine.processors import RequestLogits
 from specinfer.engine.runner import ModelRunner, Work, chain_work
 from specinfer.engine.sampling import SamplingNoise, sample, token_logprobs
@@ -38,8 +38,9 @@ class Verifier:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def start(self, prompt_ids: list[int]) -> LLMState:
-        return LLMState(self.runner.new_sequence(), list(prompt_ids))
+    def start(self, prompt_ids: list[int], root: BlockHash | None = None) -> LLMState:
+        """A request's state; with a cache `root`, its committed KV is addressable by prefix."""
+        return LLMState(self.runner.new_sequence(root), list(prompt_ids))
 
     def release(self, state: LLMState) -> None:
         state.seq.free()
@@ -54,7 +55,7 @@ class Verifier:
         works += [tree_work(state, tree) for state, tree, _, _ in items]
         all_logits = self.runner.run(works)  # one pass over every request's chunk or tree
         for state, n in prefills:
-            state.seq.num_committed += n
+            state.seq.advance(state.pending[:n])
             state.pending = state.pending[n:]
         results: list[tuple[list[int], int] | Exception] = []
         for item, logits in zip(items, all_logits[len(prefills):]):
@@ -83,7 +84,8 @@ class Verifier:
         if state.processors is not None:
             state.processors.advance([tree.tokens[n] for n in path[1:]] + [bonus])
         num_chain = len(state.pending) - 1
-        self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path])
+        self.runner.commit(state.seq, list(range(num_chain)) + [num_chain + n for n in path],
+                           state.pending[:-1] + [tree.tokens[n] for n in path])
         state.pending = [bonus]
         return [tree.tokens[n] for n in path[1:]], bonus
 

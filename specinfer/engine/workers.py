@@ -38,6 +38,8 @@ class WorkerMetrics(Protocol):
 
     def observe_kv(self, num_used: int, num_free: int) -> None: ...
 
+    def observe_prefix_cache(self, num_queried: int, num_hit: int) -> None: ...
+
 
 @dataclass
 class Job:

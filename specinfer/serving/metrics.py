@@ -57,6 +57,8 @@ class ModelMetrics:
     requests_running: Gauge
     requests_waiting: Gauge
     ahead_trees: Any  # trees drafted ahead, by whether they stood (speculator)
+    prefix_cache_queries: Any  # prompt tokens looked up in the prefix cache (verifier), as vLLM counts them
+    prefix_cache_hits: Any  # of those, the tokens found cached
 
     @classmethod
     def create(cls, registry: CollectorRegistry, service: str) -> "ModelMetrics":
@@ -77,12 +79,20 @@ class ModelMetrics:
             requests_waiting=gauge("specinfer_num_requests_waiting", "Jobs queued for the model worker"),
             ahead_trees=Counter("specinfer_ahead_trees", "Trees drafted while the previous one was verified, by "
                                 "whether the verdict let them stand", ["service", "outcome"], registry=registry),
+            prefix_cache_queries=Counter("specinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                         "cache", ["service"], registry=registry).labels(service),
+            prefix_cache_hits=Counter("specinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                      ["service"], registry=registry).labels(service),
         )
 
     def observe_kv(self, num_used: int, num_free: int) -> None:
         self.kv_blocks_used.set(num_used)
         self.kv_blocks_free.set(num_free)
         self.kv_usage.set(num_used / max(1, num_used + num_free))
+
+    def observe_prefix_cache(self, num_queried: int, num_hit: int) -> None:
+        self.prefix_cache_queries.inc(num_queried)
+        self.prefix_cache_hits.inc(num_hit)
 
 
 @dataclass

@@ -172,6 +172,7 @@ class Flag:
     high: float | None = None
     is_positive: bool = False  # > 0
     shown_default: str | None = None  # the default as the help text shows it, when not str(default)
+    is_switch: bool = False  # an on/off setting: --name and --no-name on the command line, parse_bool in the variable
 
     @property
     def dest(self) -> str:
@@ -203,6 +204,9 @@ def add_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
         shown = ",".join(map(str, flag.default)) if is_seq else str(flag.default)
     default = f", default {shown}" if shown else ""
     help_text = f"{flag.help} (env {' or '.join(flag.envs)}{default})".lstrip()
+    if flag.is_switch:
+        p.add_argument(flag.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        return
     p.add_argument(flag.name, type=_for_argparse(flag.parse), default=None, help=help_text,
                    action="append" if flag.is_list else "store")
 
