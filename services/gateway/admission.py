@@ -1,5 +1,5 @@
-"""Admission control: how many requests run at once, derived from measured capacity and the KV
-budget, with a brief FIFO queue before a request is refused.
+"""Admission control: how many requests run at once, derived from measured capacity, with a
+brief FIFO queue before a request is refused.
 
 Verification batches every running request into one LLM pass (SpecInfer Section 4), so a step
 gets slower as more requests share it. Past the point where the pass is compute-bound, admitting
@@ -16,8 +16,10 @@ more requests adds no throughput, only latency. The gateway therefore measures i
   are waiting and the fit allows more or cannot tell (too few samples, all at one load, or no
   slowdown measured). Each raise is a probe whose samples the next fit uses; at a steady limit
   the load stops varying, so probes recur and the verdict is re-measured.
-- The KV budget: the sum over running requests of their worst-case tokens (context plus
-  `max_new_tokens`) stays within the verifier's KV capacity (Verifier.Info).
+- KV memory is not modelled here: the verifier is the one place that admits against it, since
+  only it knows what a request really costs (its reservation credits the prompt blocks its prefix
+  cache already holds). A request whose worst case exceeds the verifier's whole cache
+  (Verifier.Info) is refused at once.
 
 A request that does not fit waits in a FIFO queue for at most `queue_timeout_s` (and never past
 its deadline); the queue holds at most `max_queued`. Then it is refused with RESOURCE_EXHAUSTED.
@@ -89,9 +91,8 @@ class LatencyModel:
 
 @dataclass
 class Ticket:
-    """One admitted request's claim on a running slot and on KV tokens."""
+    """One admitted request's claim on a running slot."""
 
-    num_kv_tokens: int
     is_released: bool = False
 
 
@@ -103,7 +104,6 @@ class Admission:
         self._cond = threading.Condition()
         self._queue: deque[object] = deque()
         self._num_running = 0
-        self._num_kv_tokens = 0
         self._kv_capacity_tokens = 0  # 0 = unknown
         self._num_samples = 0
         self._probed_at = -limits.ADMISSION_SAMPLES_PER_PROBE
@@ -158,15 +158,16 @@ class Admission:
 
     # -- admitting ---------------------------------------------------------------------------
     def acquire(self, num_kv_tokens: int, timeout_s: float | None = None) -> Ticket:
-        """Waits in FIFO order for a slot; CapacityError when the queue is full or the wait ends."""
+        """Waits in FIFO order for a slot; CapacityError when the queue is full or the wait ends,
+        or at once when `num_kv_tokens` (the request's worst case) exceeds the verifier's cache."""
         wait_s = self.cfg.queue_timeout_s if timeout_s is None else min(timeout_s, self.cfg.queue_timeout_s)
         deadline = self.clock() + max(0.0, wait_s)
         with self._cond:
             kv = self._kv_capacity_tokens
             if kv and num_kv_tokens > kv:
                 raise CapacityError(f"the request needs up to {num_kv_tokens} KV tokens; the verifier holds {kv}")
-            if not self._queue and self._fits(num_kv_tokens):
-                return self._admit(num_kv_tokens)
+            if not self._queue and self._fits():
+                return self._admit()
             if len(self._queue) >= self.cfg.max_queued:
                 raise CapacityError(self._refusal("and its queue is full"))
             me = object()
@@ -175,12 +176,12 @@ class Admission:
             if cap is None or cap > self._limit:
                 self._probe()
             try:
-                while not (self._queue[0] is me and self._fits(num_kv_tokens)):
+                while not (self._queue[0] is me and self._fits()):
                     remaining = deadline - self.clock()
                     if remaining <= 0:
                         raise CapacityError(self._refusal(f"after queueing for {wait_s:.1f} s"))
                     self._cond.wait(min(remaining, 0.25))
-                return self._admit(num_kv_tokens)
+                return self._admit()
             finally:
                 self._queue.remove(me)
                 self._cond.notify_all()
@@ -191,17 +192,14 @@ class Admission:
                 return
             ticket.is_released = True
             self._num_running -= 1
-            self._num_kv_tokens -= ticket.num_kv_tokens
             self._cond.notify_all()
 
-    def _fits(self, num_kv_tokens: int) -> bool:
-        kv = self._kv_capacity_tokens
-        return self._num_running < self._limit and (not kv or self._num_kv_tokens + num_kv_tokens <= kv)
+    def _fits(self) -> bool:
+        return self._num_running < self._limit
 
-    def _admit(self, num_kv_tokens: int) -> Ticket:
+    def _admit(self) -> Ticket:
         self._num_running += 1
-        self._num_kv_tokens += num_kv_tokens
-        return Ticket(num_kv_tokens)
+        return Ticket()
 
     def _probe(self) -> None:
         """Demand at the limit raises it by one per few new samples, while the fit allows more or
@@ -217,4 +215,4 @@ class Admission:
 
     def _refusal(self, how: str) -> str:
         return (f"the gateway is at its limit of {self._limit} running requests "
-                f"(at most {self.cfg.max_running}; {self._num_kv_tokens} KV tokens reserved) {how}; retry later")
+                f"(at most {self.cfg.max_running}) {how}; retry later")
