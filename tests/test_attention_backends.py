@@ -166,7 +166,7 @@ def test_exec_config_under_tensor_parallel_and_offload_refuses_graphs():
 @pytest.mark.parametrize("flags, message", [
     (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a CUDA device"),
     (["--offload", "--device", "cpu"], "--offload streams"),
-    (["--attention", "flash"], "invalid choice"),
+    (["--attention", "flash"], "choose one of auto, triton, sdpa"),
 ])
 def test_cli_refuses_what_cannot_apply_with_exit_code_2(text_pair, capsys, flags, message):
     from specinfer.cli.main import main

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from pathlib import Path
 
 from specinfer.cli.main import main
 from util import save_text_pair, save_tiny_llama, set_config
@@ -164,3 +165,45 @@ def test_real_entry_point_has_no_traceback(cli_models):
 def test_bad_serving_bench_flags_exit_2_before_starting_a_stack(cli_models, capsys, extra, fragment):
     code, out, err = run_cli(["bench", "--llm", str(cli_models["llm"]), "--ssm", str(cli_models["ssm"])] + extra, capsys)
     assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1 and out == ""
+
+
+SHARED_SETTINGS = ("--attention", "--cuda-graphs", "--offload", "--model-free", "--prefix-caching", "--dtype",
+                   "--ssm-dtype")
+
+
+def test_every_shared_setting_is_declared_once_for_the_services_and_the_commands():
+    """The settings the command line and the services both have live in one module; nowhere
+    else is one of them declared again (as an argparse argument or a Flag)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    declared = re.compile(r"""(add_argument|Flag)\(\s*"(--[a-z-]+)\"""")
+    for path in list((root / "specinfer").rglob("*.py")) + list((root / "services").rglob("*.py")):
+        if path.name == "shared_flags.py":
+            continue
+        for _, name in declared.findall(path.read_text()):
+            assert name not in SHARED_SETTINGS, f"{path.relative_to(root)} declares {name} again"
+
+
+def test_a_shared_setting_reads_the_same_flag_forms_and_variable_everywhere():
+    from services.speculator.config import parse_config as speculator_config
+    from services.verifier.config import parse_config as verifier_config
+    from specinfer.cli.main import build_parser
+
+    parser = build_parser()
+    off = {"SPECINFER_PREFIX_CACHING": "off", "SPECINFER_CUDA_GRAPHS": "off", "SPECINFER_ATTENTION": "sdpa"}
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in off.items():
+            mp.setenv(key, value)
+        for argv in (["generate", "--prompt", "x"], ["bench"], ["up"]):
+            args = parser.parse_args(argv)
+            assert (args.prefix_caching, args.cuda_graphs, args.attention) == (False, False, "sdpa"), argv
+        assert parser.parse_args(["up", "--prefix-caching"]).prefix_caching is True  # the flag wins
+    verifier = verifier_config(["--model", "m"], off)
+    assert (verifier.is_prefix_caching, verifier.execution.cuda_graphs, verifier.execution.attention) == (
+        False, False, "sdpa")
+    for form in (["--no-prefix-caching"], ["--prefix-caching", "off"]):
+        assert verifier_config(["--model", "m", *form], {}).is_prefix_caching is False
+        assert parser.parse_args(["generate", "--prompt", "x", *form]).prefix_caching is False
+    assert verifier_config(["--model", "m", "--offload"], {}).execution.offload is True
+    assert speculator_config(["--ssm", "s", "--no-model-free", "--no-cuda-graphs"], {}).execution.cuda_graphs is False

@@ -317,7 +317,7 @@ def test_an_unknown_ssm_dtype_exits_2_on_one_line(capsys, argv):
     assert main(argv) == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert out == "" and len(lines) == 1 and "--ssm-dtype" in lines[0] and "invalid choice" in lines[0]
+    assert out == "" and len(lines) == 1 and "--ssm-dtype" in lines[0] and "choose one of auto" in lines[0]
 
 
 def test_an_unknown_ssm_dtype_in_a_services_environment_names_the_variable():

@@ -12,16 +12,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
-from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_auto_switch, parse_cuda_graphs
+from specinfer.engine.config import ExecConfig, parse_auto_switch
 from specinfer.errors import UserError
 from specinfer.limits import (
-    DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE, SSM_DTYPES,
+    DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE,
     SPECULATOR_PORT, SUFFIX_CACHE_TOKENS,
 )
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, cache_dir_flag, common_flags, one_of, parse_bool,
-    port_flag, read_flags, security_flags,
+    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, cache_dir_flag, common_flags, port_flag, read_flags, security_flags,
 )
+from specinfer.serving.shared_flags import exec_flags, model_free_flag, ssm_dtype_flag
 from specinfer.serving.security import ServerSecurity, server_security
 from specinfer.util import default_cache_dir
 
@@ -56,13 +56,11 @@ def _flags() -> list[Flag]:
         Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory, or a model-free speculator "
              "(lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated; lookup and "
              "suffix join the pool unless one is named", is_list=True),
-        Flag("--model-free", "SPECINFER_MODEL_FREE", parse_bool, True,
-             "lookup and suffix join the pool this speculator hosts (on or off)"),
+        model_free_flag("the pool this speculator hosts"),
         Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
         Flag("--host", "SPECINFER_SPECULATOR_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_SPECULATOR_PORT", d["port"], "gRPC port"),
-        Flag("--dtype", "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), d["dtype"],
-             "the SSMs' dtype: auto (the fastest on this machine, measured when they load) or a dtype"),
+        ssm_dtype_flag("--dtype"),
         cache_dir_flag(),
         Flag("--device", "SPECINFER_SSM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
         Flag("--max-kv-tokens", "SPECINFER_SSM_KV_TOKENS", int, d["max_kv_tokens"], "SSM KV-cache budget in tokens",
@@ -72,10 +70,7 @@ def _flags() -> list[Flag]:
         Flag("--pipeline", "SPECINFER_PIPELINE", lambda text: parse_auto_switch(text, "pipeline"),
              d["is_pipelined"], "draft a greedy request's next tree while the verifier verifies this one: auto "
              "(on where the SSMs run on an accelerator), on or off", shown_default="auto"),
-        Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
-             "attention backend: triton, sdpa, or auto (triton on CUDA when importable, else sdpa)"),
-        Flag("--cuda-graphs", "SPECINFER_CUDA_GRAPHS", parse_cuda_graphs, None,
-             "replay captured SSM steps: auto (on with CUDA and the Triton backend), on or off", shown_default="auto"),
+        *exec_flags(llm=False),
         *common_flags(d),
         *security_flags(has_channels=False),
     ]

@@ -12,22 +12,23 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from specinfer.engine.config import ATTENTION_BACKENDS, ExecConfig, parse_cuda_graphs
+from specinfer.engine.config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import (
-    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_IS_PREFIX_CACHING,
-    DEFAULT_MAX_SESSIONS,
-    DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
+    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_IS_PREFIX_CACHING, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
     SUFFIX_CACHE_TOKENS, RequestLimits, parse_tree_width,
 )
 from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, common_flags, one_of, parse_bool, pick,
+    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, common_flags, parse_bool, pick,
     port_flag, read_flags, security_flags,
 )
 from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_security, server_security
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, MODEL_DTYPES, SSM_DTYPES, VERIFIER_PORT
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, VERIFIER_PORT
 from specinfer.serving.settings import cache_dir_flag
+from specinfer.serving.shared_flags import (
+    exec_flags, llm_dtype_flag, model_free_flag, prefix_caching_flag, ssm_dtype_flag,
+)
 from specinfer.util import default_cache_dir
 
 
@@ -86,15 +87,13 @@ def _flags() -> list[Flag]:
              "directory, lookup or suffix; repeatable, comma-separated in the variable; lookup and suffix join "
              "the pool unless one is named (default without --speculator: them alone); none: no speculation",
              is_list=True),
-        Flag("--model-free", "SPECINFER_MODEL_FREE", parse_bool, True,
-             "lookup and suffix join the pool this process hosts (on or off)"),
+        model_free_flag("the pool this process hosts"),
         Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
-        Flag("--ssm-dtype", "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), d["ssm_dtype"],
-             "co-located SSMs' dtype: auto (the fastest on this machine, measured when they load) or a dtype"),
+        ssm_dtype_flag(),
         cache_dir_flag(),
         Flag("--host", "SPECINFER_VERIFIER_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
-        Flag("--dtype", "SPECINFER_DTYPE", one_of(MODEL_DTYPES), d["dtype"], "LLM weights dtype"),
+        llm_dtype_flag(),
         Flag("--device", "SPECINFER_LLM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
         Flag("--kv-budget", ("SPECINFER_KV_BUDGET", "SPECINFER_KV_TOKENS"), parse_kv_budget,
              (d["max_kv_tokens"], d["kv_budget_bytes"]), "KV-cache budget: tokens (65536) or bytes (2GiB, 512MB)",
@@ -114,9 +113,7 @@ def _flags() -> list[Flag]:
              is_positive=True),
         Flag("--max-sessions", "SPECINFER_MAX_SESSIONS", int, d["max_sessions"],
              "sessions whose cached KV a ReleaseSession call can evict by name", low=0),
-        Flag("--prefix-caching", "SPECINFER_PREFIX_CACHING", parse_bool, d["is_prefix_caching"],
-             "share the KV of full prompt blocks across requests with the same prefix (off: only within a session "
-             "or one request's samples)", is_switch=True),
+        prefix_caching_flag(),
         Flag("--token-budget", "SPECINFER_TOKEN_BUDGET", int, d["token_budget"],
              "tokens per forward pass (trees first, then prompt chunks)", is_positive=True),
         Flag("--max-waiting", "SPECINFER_MAX_WAITING", int, d["max_waiting"],
@@ -179,19 +176,3 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         tensor_parallel=parallel.num_ranks, execution=execution,
         parallel=None if parallel == ParallelConfig() else parallel,  # one process: the field's default
     )
-
-
-def exec_flags(llm: bool) -> list[Flag]:
-    """How the models execute (engine.config.ExecConfig); `llm` adds offloading, which only the LLM has."""
-    flags = [
-        Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
-             "attention backend: triton (one fused tree-attention launch per layer over the paged KV cache), "
-             "sdpa, or auto: triton on CUDA when importable, else sdpa"),
-        Flag("--cuda-graphs", "SPECINFER_CUDA_GRAPHS", parse_cuda_graphs, None,
-             "replay captured decode/verify steps: auto (on with CUDA and the Triton backend), on or off",
-             shown_default="auto"),
-    ]
-    if llm:
-        flags.append(Flag("--offload", "SPECINFER_OFFLOAD", parse_bool, False,
-                          "keep the LLM's layer weights in pinned host memory, streamed to the GPU per layer"))
-    return flags

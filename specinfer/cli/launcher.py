@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specinfer.cli.flags import add_exec_flags, add_model_free_flag
+from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, MODEL_DTYPES, PAPER_TREE_WIDTH, SSM_DTYPES
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.util import CACHE_DIR_ENV
@@ -357,15 +357,12 @@ def add_up_parser(sub) -> None:
     up.add_argument("--verifier-port", type=int, default=VERIFIER_PORT)
     up.add_argument("--speculator-port", type=int, default=SPECULATOR_PORT, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
-    up.add_argument("--dtype", default=DEFAULT_DTYPE, choices=MODEL_DTYPES)
-    up.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
-                    help="auto (default): the fastest on this machine, measured when the SSMs load")
+    add_dtype_flags(up)
     up.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)))
     up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                     help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
-    up.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_IS_PREFIX_CACHING,
-                    help="the verifier shares the KV of full prompt blocks across requests with the same prefix")
+    add_prefix_caching_flag(up)
     add_exec_flags(up)
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up; its text is "
                                      "printed as it comes, then one line of statistics")

@@ -10,18 +10,22 @@ import argparse
 import sys
 from pathlib import Path
 
-from specinfer.cli.flags import add_exec_flags, add_model_free_flag
+from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
+from specinfer.serving.shared_flags import resolve_declared
 from specinfer.engine.runtime import configure_cpu_runtime
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_MAX_TREE_NODES, MODEL_DTYPES, PAPER_TREE_WIDTH
-from specinfer.limits import DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, SSM_DTYPES
+from specinfer.limits import DEFAULT_MAX_TREE_NODES, PAPER_TREE_WIDTH
 from specinfer.util import default_cache_dir
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit code 2
         raise UserError(f"{self.prog}: {message}")
+
+    def parse_args(self, args=None, namespace=None):
+        """The shared settings resolved too: each flag, else its variable, else its default."""
+        return resolve_declared(super().parse_args(args, namespace))
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -31,10 +35,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                         "own context) or suffix (its context and recent outputs); repeatable. Both model-free "
                         "members join the pool unless one is named or --no-model-free is given; none: no pool")
     add_model_free_flag(p)
-    p.add_argument("--dtype", default=DEFAULT_DTYPE, choices=MODEL_DTYPES)
-    p.add_argument("--ssm-dtype", default=DEFAULT_SSM_DTYPE, choices=SSM_DTYPES,
-                   help="dtype of the SSMs: auto (default) measures which is fastest on this machine when they load "
-                        "(cached); it never changes the output")
+    add_dtype_flags(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--cache-dir", type=Path, help="where demo models are built and cached, and the SSMs' measured dtype")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
@@ -49,8 +50,7 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-nodes", type=int, default=DEFAULT_MAX_TREE_NODES, help="cap on a static tree's nodes per step")
     p.add_argument("--min-path-prob", type=float, default=0.0,
                    help="prune tree branches whose SSM path probability is below this (0 = off)")
-    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=DEFAULT_IS_PREFIX_CACHING,
-                   help="share the KV of full prompt blocks across requests with the same prefix")
+    add_prefix_caching_flag(p)
 
 
 def build_parser() -> argparse.ArgumentParser:

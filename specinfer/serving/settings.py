@@ -204,8 +204,11 @@ def add_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
         shown = ",".join(map(str, flag.default)) if is_seq else str(flag.default)
     default = f", default {shown}" if shown else ""
     help_text = f"{flag.help} (env {' or '.join(flag.envs)}{default})".lstrip()
-    if flag.is_switch:
-        p.add_argument(flag.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    if flag.is_switch:  # --name (on), --name VALUE (as the variable takes it), --no-name (off)
+        p.add_argument(flag.name, nargs="?", const=True, type=_for_argparse(flag.parse), default=None,
+                       help=help_text, metavar="on|off")
+        p.add_argument("--no-" + flag.name.removeprefix("--"), dest=flag.dest, action="store_const", const=False,
+                       help=argparse.SUPPRESS)
         return
     p.add_argument(flag.name, type=_for_argparse(flag.parse), default=None, help=help_text,
                    action="append" if flag.is_list else "store")
@@ -216,7 +219,12 @@ def read_flags(p: argparse.ArgumentParser, flags: Sequence[Flag], argv: list[str
     """Parses `argv` with `p` (which holds `flags`, added by `add_flag`, and maybe other
     arguments); returns every argument by destination, each flag resolved flag > env > default
     and range-checked."""
-    args = vars(p.parse_args(argv))
+    return resolve_flags(vars(p.parse_args(argv)), flags, env)
+
+
+def resolve_flags(args: dict[str, Any], flags: Sequence[Flag], env: Mapping[str, str]) -> dict[str, Any]:
+    """`args` (parsed, by destination) with each of `flags` resolved flag > env > default and
+    range-checked."""
     for flag in flags:
         if flag.is_list:
             parse_list = lambda text, parse=flag.parse: [parse(item) for item in comma_list(text)]  # noqa: E731
