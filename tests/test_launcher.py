@@ -159,6 +159,23 @@ def test_a_taken_port_stops_up_before_anything_starts(monkeypatch, capsys, tmp_p
     assert spawned == [] and out == ""  # no child, no model built (the LLM directory does not even exist)
 
 
+def test_bench_under_load_refuses_a_taken_port_before_starting_the_stack(monkeypatch, capsys, tiny_pair, tmp_path,
+                                                                         held_port):
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, *args: spawned.append(args))
+    from specinfer.cli.main import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def"}\n')
+    argv = ["bench", "--llm", str(tiny_pair.llm), "--ssm", str(tiny_pair.ssms[0]), "--cache-dir", str(tmp_path),
+            "--prompts", str(prompts), "--concurrency", "1", "--port", str(held_port - 1)]  # the verifier's: +1
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    (line,) = err.strip().splitlines()
+    assert "is taken" in line and "move this stack's with --port" in line, line  # held_port, unless a
+    assert spawned == [] and out == ""                                              # neighbour is taken too
+
+
 def test_a_port_given_twice_is_refused():
     port = free_port()
     with pytest.raises(launcher.UserError, match=f"port {port} is given twice.*--gateway-port.*--verifier-port"):

@@ -201,7 +201,7 @@ def measure_http_overhead(client, http_url: str, model: str, prompts: list[str],
 def run_serving_bench(args, cache_dir: Path) -> int:
     from specinfer.cli.client import GatewayClient
     from specinfer.cli.commands import bench_prompts, resolve_paths
-    from specinfer.cli.launcher import Stack, StackConfig
+    from specinfer.cli.launcher import Stack, StackConfig, check_ports
     from specinfer.engine.load import check_models
     from specinfer.limits import parse_tree_width
 
@@ -248,6 +248,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                          "noisy_phase_s": args.noisy_phase_s, "adaptive_admission": bool(args.adaptive_admission),
                          "shared_suffix_cache": bool(args.shared_suffix_cache), "prefix_caching": False},
               "results": {}}
+    check_ports(stack.cfg, moved_by="--port (the first of the stack's ports)")  # before anything starts
     try:
         stack.start()
         stack.wait_healthy()

@@ -104,9 +104,10 @@ def is_port_free(host: str, port: int) -> bool:
     return bind_problem(host, port) is None
 
 
-def check_ports(cfg: StackConfig) -> None:
+def check_ports(cfg: StackConfig, moved_by: str | None = None) -> None:
     """UserError (exit code 2) naming the first port that is out of range, used twice or held by
-    another process, and the flag that moves it; before any child starts."""
+    another process, and the flag that moves it (`moved_by`: one flag that moves them all); before
+    any child starts."""
     seen: dict[int, PortUse] = {}
     for use in planned_ports(cfg):
         if not 1 <= use.port <= 65535:
@@ -118,7 +119,7 @@ def check_ports(cfg: StackConfig) -> None:
     for use in seen.values():
         if not is_port_free(cfg.host, use.port):
             raise UserError(f"port {use.port} is taken: {use.describe(cfg.host)} is held by another process "
-                            f"(another stack?); stop it, or move this stack's with {use.flag.split()[0]}")
+                            f"(another stack?); stop it, or move this stack's with {moved_by or use.flag.split()[0]}")
 
 
 class StackFailed(RuntimeError):
