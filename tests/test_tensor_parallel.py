@@ -18,11 +18,12 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.model import KVCache
 from specinfer.engine.parallel import GroupBroken, ParallelConfig, ShardSpec, build_shard, serve_worker
 from specinfer.engine.load import load_runner
 from specinfer.engine.runner import ModelRunner, Work
+from specinfer.engine.scheduler import SchedulerConfig
 from specinfer.errors import UnavailableError, UserError
 from specinfer.params import SamplingParams, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
@@ -91,6 +92,23 @@ def test_two_ranks_decode_what_one_does(runners, name, mode):
     assert [r.num_llm_steps for r in got] == [r.num_llm_steps for r in expected]
     if mode == "tree":
         assert sum(r.num_llm_steps for r in got) < sum(len(r.output_ids) for r in got)  # trees were accepted
+    assert sharded.allocator.num_used == 0
+
+
+def test_prefix_cache_hits_on_two_ranks_decode_what_one_does_cold(runners):
+    """The prefix cache is bookkeeping on rank 0; every rank reads the shared blocks' slots."""
+    single, sharded, ssm = runners("gqa")
+    cold = Engine.from_runners(single, [ssm], EngineConfig(scheduler=SchedulerConfig(
+        admission_timeout_s=0.0, is_prefix_caching=False)))
+    two = Engine.from_runners(sharded, [ssm])
+    shared = [7 + i % 50 for i in range(70)]
+    prompts = [shared + p for p in PROMPTS]
+    params = mode_params("tree", 16, TreeShape(WIDTHS))
+    expected = [cold.generate(p, params).output_ids for p in prompts]
+    first = two.generate(prompts[0], params)  # the rest find its blocks
+    later = [two.start(p, params) for p in prompts[1:]]
+    assert all(g.session.num_reused >= 64 for g in later)
+    assert [first.output_ids] + [r.output_ids for r in two.generate_batch(later)] == expected
     assert sharded.allocator.num_used == 0
 
 
