@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 import traceback
@@ -35,7 +36,7 @@ def parse_args():
                     help="folder with reference-llm and reference-ssm (default: random-weight models only)")
     ap.add_argument("--tiny", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new work after this long")
-    ap.add_argument("--skip", default="", help="comma-separated sections to skip: ceilings,correct,kernel,engine,e2e,offload")
+    ap.add_argument("--skip", default="", help="comma-separated sections to skip: ceilings,correct,kernel,engine,e2e,prefix,offload")
     return ap.parse_args()
 
 
@@ -552,6 +553,7 @@ def mode_request(mode: str, max_new: int):
 def timed_generate(engine: Engine, prompt: list[int], max_new: int, mode: str, warm: bool):
     if warm and not TINY:
         engine.generate(prompt, mode_request(mode, max_new))
+    engine.scheduler.reset_prefix_cache()  # every timed run reads its prompt
     sync()
     res = engine.generate(prompt, mode_request(mode, max_new))
     sync()
@@ -727,6 +729,55 @@ def graph_check():
     graphs.close()
 
 
+# ---- section 3b: prefix caching on the serving path -------------------------------------------------
+
+def section_prefix_cache():
+    """A prompt whose prefix the cache holds gives the cold run's output on every backend, and its
+    first token comes sooner."""
+    REPORT.add("## 3b. Prefix caching: cached prefix against cold, per backend")
+    REPORT.add("")
+    models = reference_models()
+    spec = ("dir", models / "reference-llm") if models else ("random", "tiny", 1)
+    llm = make_runner(build_model(spec, DEV), max_kv_tokens=8192)
+    vocab = llm.cfg.vocab_size
+    shared = [(7 * i) % (vocab - 3) + 2 for i in range(64 if TINY else 1024)]
+    prompts = [shared + [(11 * j + i) % (vocab - 3) + 2 for j in range(24)] for i in range(3)]
+    backends = ["sdpa", "triton"] + (["triton+graphs"] if graphs_available(DEV) else [])
+    rows = []
+    for backend in backends:
+        set_backend(llm, "sdpa" if backend == "sdpa" else "triton")
+        graphs = GraphRunner(llm).install() if backend == "triton+graphs" else None
+        engine = Engine.from_runners(llm, [])
+        try:
+            params = mode_request("incremental", 16)
+            cold, warm, cold_s, warm_s = [], [], [], []
+            for prompt in prompts:
+                engine.scheduler.reset_prefix_cache()
+                sync()
+                t = time.perf_counter()
+                cold.append(engine.generate(prompt, mode_request("incremental", 1)).output_ids)
+                sync()
+                cold_s.append(time.perf_counter() - t)
+                engine.scheduler.reset_prefix_cache()
+                cold[-1] = engine.generate(prompt, params).output_ids  # the whole output, cold
+            engine.scheduler.reset_prefix_cache()
+            engine.generate(prompts[0], mode_request("incremental", 1))  # the prefix is now cached
+            for prompt in prompts[1:]:
+                sync()
+                t = time.perf_counter()
+                engine.generate(prompt, mode_request("incremental", 1))
+                sync()
+                warm_s.append(time.perf_counter() - t)
+                warm.append(engine.generate(prompt, params).output_ids)
+            same = warm == cold[1:]
+            rows.append([backend, len(shared), fmt(1e3 * statistics.median(cold_s)), fmt(1e3 * statistics.median(warm_s)),
+                         REPORT.check(f"prefix cache hit equals cold ({backend})", same)])
+        finally:
+            if graphs is not None:
+                graphs.close()
+    REPORT.table(["backend", "shared tokens", "cold TTFT ms", "cached TTFT ms", "outputs equal"], rows)
+
+
 # ---- section 4: offloading -------------------------------------------------------------------------
 
 
@@ -798,7 +849,8 @@ def main() -> int:
     )
     skip = set(filter(None, ARGS.skip.split(",")))
     sections = (("ceilings", section_ceilings), ("correct", section_correctness), ("kernel", section_kernel),
-                ("engine", section_engine), ("e2e", section_e2e), ("offload", section_offload))
+                ("engine", section_engine), ("e2e", section_e2e),
+                ("prefix", section_prefix_cache), ("offload", section_offload))
     for name, fn in sections:
         if name in skip:
             continue
