@@ -15,8 +15,8 @@ verifiers' caches; it remembers instead what it sent where:
   the verifier holding the longest leading run of the prompt's blocks wins, unless it is much
   busier than the least loaded one (in-flight requests, more than `balance_abs` more and more
   than `balance_ratio` times as many: SGLang's cache-aware router's rule): then, and when no
-  verifier holds any of the prompt, the least loaded takes it. Each pick holds one unit of load
-  until the call ends (`Route.release`).
+  verifier holds any of the prompt, the least loaded takes it (of equals, the one sent the
+  least). Each pick holds one unit of load until the call ends (`Route.release`).
 
 Nothing here does I/O; the pool of verifiers (`verifier_pool.py`) says which are serving.
 """
@@ -186,9 +186,11 @@ class Router:
         return Route(self, address, reason, matches[address] // chosen.block_size, chosen.block_size)
 
     def _pick(self, candidates: Sequence[Candidate], matched_tokens: dict[str, int]) -> tuple[str, str]:
-        # Ties go to the less loaded, then to the earlier candidate (the pool's order is stable).
+        # The least loaded; among equals the one sent the least (most room in its cache, as SGLang
+        # picks the smallest tree), then the earlier candidate (the pool's order is stable).
         order = {c.address: i for i, c in enumerate(candidates)}
-        least = min(candidates, key=lambda c: (self._loads.get(c.address, 0), order[c.address])).address
+        least = min(candidates, key=lambda c: (self._loads.get(c.address, 0), self._size(c.address),
+                                               order[c.address])).address
         best = max(candidates, key=lambda c: (matched_tokens[c.address], -self._loads.get(c.address, 0),
                                               -order[c.address])).address
         if matched_tokens[best] == 0:
@@ -197,6 +199,10 @@ class Router:
         if best_load > least_load + self.cfg.balance_abs and best_load > least_load * self.cfg.balance_ratio:
             return least, BALANCE
         return best, CACHE
+
+    def _size(self, address: str) -> int:
+        index = self._indexes.get(address)
+        return len(index) if index is not None else 0
 
     def forget_affinity(self, key: str) -> str | None:
         """Unpins a session (deleted); returns the verifier it was on, if known."""
