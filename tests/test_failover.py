@@ -190,3 +190,56 @@ def test_sessions_stay_on_their_verifier_and_move_when_it_dies(fleet):
     assert wait_until(lambda: fleet.gateway.core.verifier.num_serving() == 1, 5)
     fleet.stub.Generate(pb.GenerateRequest(prompt=" the", max_tokens=2, session_id=session), timeout=10)
     assert sum(c.request.session_id == session for c in fleet.fakes[1 - home].calls) == 1
+
+
+# -- real verifiers: the output does not change -------------------------------------------------------
+SAMPLED = pb.SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+
+def test_a_request_that_moves_to_another_real_verifier_mid_stream_outputs_what_it_would_have(text_pair):
+    """Greedy, and sampled with a seed: the continuation on the other verifier recomputes the KV of
+    the prompt and the tokens so far, and its tokens are those of the uninterrupted request."""
+    from services.verifier.config import VerifierConfig
+    from services.verifier.server import build as build_verifier
+
+    llm, _ = text_pair
+    verifiers = [build_verifier(VerifierConfig(llm, (), port=0, device="cpu", grace_s=0))[0] for _ in range(2)]
+    registry = new_registry()
+    limits = RequestLimits(max_prompt_tokens=64, max_new_tokens=400, default_max_new_tokens=16,
+                           max_concurrent_requests=16, max_stop_sequences=4, max_tree_depth=8)
+    cfg = GatewayConfig(port=0, verifier_addr=",".join(f"127.0.0.1:{v.port}" for v in verifiers), limits=limits,
+                        grace_s=0, model_dir=llm, pool=POOL)
+    gateway = serve(cfg, trace.NoOpTracer(), registry)
+    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
+    stub = pb_grpc.GatewayStub(channel)
+    prompts = ["def add(a, b):", "import os", "for x in range(3):", "import sys", "def f(", "print(x)"]
+    requests = [pb.GenerateRequest(prompt=p, max_tokens=300, **({"sampling": SAMPLED} if i % 2 else {}))
+                for i, p in enumerate(prompts)]
+    streaming = threading.Semaphore(0)  # released by each request of the second round at its first tokens
+
+    def run(request, is_watched: bool = False) -> list[int]:
+        ids = []
+        for msg in stub.GenerateStream(request, timeout=120):
+            assert msg.token_offset == len(ids)
+            if msg.token_ids and not ids and is_watched:
+                streaming.release()
+            ids.extend(msg.token_ids)
+        return ids
+
+    try:
+        assert wait_until(lambda: gateway.core.verifier.num_serving() == 2, 10)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            reference = list(pool.map(run, requests))
+            assert all(len(ids) == 300 for ids in reference)
+            futures = [pool.submit(run, r, True) for r in requests]
+            for _ in requests:  # every request streams: kill verifier 0 under them
+                assert streaming.acquire(timeout=60)
+            verifiers[0].stop(0)
+            outputs = [f.result(timeout=120) for f in futures]
+        assert _metric(registry, "specinfer_gateway_verifier_failovers_total") >= 1
+        assert outputs == reference
+    finally:
+        channel.close()
+        gateway.stop(0)
+        for v in verifiers:
+            v.stop(0)
