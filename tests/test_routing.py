@@ -307,3 +307,13 @@ def test_a_dns_name_is_resolved_to_every_address_again_and_again(monkeypatch):
         pool.close()
         for s in servers:
             s.stop(0)
+
+
+def test_prompts_too_short_to_leave_a_trace_take_turns():
+    router = Router()
+    picks = []
+    for i in range(6):  # one after the other: equal loads, nothing cached anywhere
+        route = router.route([i] * 5, [V0, V1])
+        picks.append(route.address)
+        route.release()
+    assert picks == [V0.address, V1.address] * 3

@@ -149,6 +149,8 @@ class Router:
         self._indexes: dict[str, PrefixIndex] = {}
         self._loads: dict[str, int] = {}
         self._affinities = Affinities(self.cfg.max_affinities)
+        self._picked_at: dict[str, int] = {}  # the pick number each verifier was last picked at
+        self._num_picks = 0
 
     def load(self, address: str) -> int:
         with self._lock:
@@ -181,16 +183,19 @@ class Router:
                 index = self._indexes[address] = PrefixIndex(self.cfg.index_blocks)
             index.add(hashes_by_size[chosen.block_size])
             self._loads[address] = self._loads.get(address, 0) + 1
+            self._num_picks += 1
+            self._picked_at[address] = self._num_picks
             if affinity_key:
                 self._affinities.pin(affinity_key, address)
         return Route(self, address, reason, matches[address] // chosen.block_size, chosen.block_size)
 
     def _pick(self, candidates: Sequence[Candidate], matched_tokens: dict[str, int]) -> tuple[str, str]:
         # The least loaded; among equals the one sent the least (most room in its cache, as SGLang
-        # picks the smallest tree), then the earlier candidate (the pool's order is stable).
+        # picks the smallest tree), then the one picked longest ago (prompts shorter than a block
+        # leave no trace: they take turns), then the earlier candidate (the pool's order is stable).
         order = {c.address: i for i, c in enumerate(candidates)}
         least = min(candidates, key=lambda c: (self._loads.get(c.address, 0), self._size(c.address),
-                                               order[c.address])).address
+                                               self._picked_at.get(c.address, -1), order[c.address])).address
         best = max(candidates, key=lambda c: (matched_tokens[c.address], -self._loads.get(c.address, 0),
                                               -order[c.address])).address
         if matched_tokens[best] == 0:
