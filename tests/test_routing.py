@@ -25,7 +25,7 @@ from specinfer.errors import UnavailableError, UserError
 from specinfer.params import GenerationParams
 from specinfer.serving.grpc_server import ServerConfig, start_server
 from specinfer.serving.metrics import new_registry
-from util import free_port, wait_until
+from util import wait_until
 
 BS = 16
 V0, V1 = Candidate("v0:1", BS), Candidate("v1:1", BS)
