@@ -123,6 +123,8 @@ def test_a_verifier_that_dies_mid_stream_costs_no_request_and_changes_no_output(
     assert _metric(fleet.registry, "specinfer_gateway_verifier_failovers_total") == len(on_0)
     assert _metric(fleet.registry, "specinfer_gateway_requests_total",
                    {"method": "GenerateStream", "code": "OK"}) == len(PROMPTS)
+    router = fleet.gateway.core.verifier.router  # every call, failed or not, gave its load back
+    assert wait_until(lambda: all(router.load(f"127.0.0.1:{p}") == 0 for p in fleet.ports), 5)
 
 
 def test_a_restarted_verifier_is_used_again_and_no_request_fails_meanwhile(fleet):
