@@ -232,6 +232,8 @@ class RequestRun:
             return self._end(FINISHED, "length")
         failed_on: set[str] = set()
         for attempt in range(MAX_VERIFIER_ATTEMPTS):
+            if self.num_tokens >= plan.params.max_new_tokens:  # a failed call had sent them all
+                return self._end(FINISHED, "length")
             timeout_s = plan.deadline_s - (time.monotonic() - plan.started_at)
             if timeout_s <= 0:
                 return self._end(INTERRUPTED, "", TimeoutError(f"request {self.request_id}: deadline passed"))
