@@ -103,6 +103,21 @@ ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
 ADMISSION_MIN_LOAD_VARIANCE = 0.05  # the load must have varied this much for a fit
 ADMISSION_SAMPLES_PER_PROBE = 32  # new samples between two probing raises of the limit
 
+# ---- routing over several verifiers (services/gateway/routing.py, verifier_pool.py) --------------
+DEFAULT_KV_BLOCK_SIZE = 16  # tokens per KV block: the verifiers' paged cache, and the gateway's prefix hashes
+# A request goes to the verifier that holds the longest leading run of its prompt's blocks, unless
+# that verifier is busier than the least loaded one by more than BALANCE_ABS in-flight requests
+# and more than BALANCE_RATIO times as busy (then the least loaded takes it, as SGLang's router).
+DEFAULT_ROUTING_BALANCE_ABS = 8
+DEFAULT_ROUTING_BALANCE_RATIO = 1.5
+DEFAULT_ROUTING_INDEX_BLOCKS = 65536  # block hashes remembered per verifier (least recently sent go first)
+DEFAULT_ROUTING_MAX_AFFINITIES = 65536  # sessions and sample groups whose verifier is remembered
+DEFAULT_DNS_REFRESH_S = 5.0  # how often a dns:/// verifier address is resolved again
+HEALTH_POLL_S = 0.2  # how often each verifier's health is checked: membership follows SERVING
+HEALTH_TIMEOUT_S = 1.0  # one health check
+ROUTE_WAIT_S = 1.0  # longest a request waits for a verifier to serve before it fails (resumable)
+MAX_VERIFIER_ATTEMPTS = 8  # verifier calls one request makes before it gives up (stays resumable)
+
 # ---- messages on the wire: every server and every channel a service opens ------------------
 # The largest legitimate message is a sampled token tree (Speculator -> Verifier). It has at most
 # MAX_TREE_NODES nodes, hence at most MAX_TREE_NODES - 1 draft attempts per SSM, and each

@@ -233,3 +233,115 @@ def test_a_service_that_cannot_bind_exits_once_with_one_clear_line(tmp_path, hel
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"specinfer-gateway: error: cannot bind the {what} to 127.0.0.1:{held_port}: ")
     assert f"{flag} (or {env})" in line, line
+
+
+def test_several_verifiers_get_consecutive_ports_and_the_gateway_gets_them_all(monkeypatch):
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn",
+                        lambda self, name, module, args, port, env: spawned.append((name, module, args, port, env)))
+    Stack(StackConfig(llm=Path("/m/llm"), ssms=(Path("/m/a"),), is_co_located=True, verifier_port=6000,
+                      num_verifiers=2, metrics_base_port=7000)).start()
+    assert [(name, port) for name, _, _, port, _ in spawned] == [("verifier-0", 6000), ("verifier-1", 6001),
+                                                                ("gateway", 50051)]
+    by_name = {name: (args, env) for name, _, args, _, env in spawned}
+    for i in (0, 1):
+        args, env = by_name[f"verifier-{i}"]
+        assert args[args.index("--port") + 1] == str(6000 + i) and args.count("--port") == 1
+        assert args[args.index("--ssm") + 1] == "/m/a"  # each hosts its own pool
+        assert args[args.index("--threads") + 1] == "4"  # they share the cores
+        assert env["SPECINFER_METRICS_PORT"] == str(7001 + i)
+    assert by_name["gateway"][1]["SPECINFER_VERIFIER_ADDR"] == "127.0.0.1:6000,127.0.0.1:6001"
+    uses = {(u.service, u.port) for u in launcher.planned_ports(StackConfig(
+        llm=Path(), ssms=(), verifier_port=6000, num_verifiers=2, num_speculators=1, metrics_base_port=7000))}
+    assert {("verifier-0", 6000), ("verifier-1", 6001), ("verifier-1", 7002), ("speculator-0", 7003)} <= uses
+
+
+def test_up_starts_the_verifiers_it_is_asked_for_and_checks_each_port_first(monkeypatch, tiny_pair, tmp_path,
+                                                                              capsys, held_port):
+    from specinfer.cli.main import main
+
+    started = []
+
+    def start(self):
+        started.append(self.cfg)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Stack, "start", start)
+    base = ["up", "--llm", str(tiny_pair.llm), "--ssm", str(tiny_pair.ssms[0]), "--cache-dir", str(tmp_path),
+            "--gateway-port", str(_free_ports(1)), "--http-port", "0"]
+    first = _free_ports(2)
+    assert main(base + ["--num-verifiers", "2", "--verifier-port", str(first)]) == 0
+    assert [(cfg.num_verifiers, cfg.verifier_port) for cfg in started] == [(2, first)]
+    assert main(base + ["--num-verifiers", "0"]) == 2
+    assert "--num-verifiers must be >= 1" in capsys.readouterr().err
+    # the second verifier's port is held by another process: nothing starts, the line names it
+    assert main(base + ["--num-verifiers", "2", "--verifier-port", str(held_port - 1)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"port {held_port} is taken" in line and "verifier-1" in line and "--verifier-port" in line, line
+    assert len(started) == 1
+
+
+def _free_ports(n: int) -> int:
+    """The first of `n` consecutive ports that are free now."""
+    import random
+
+    rng = random.Random()
+    while True:
+        first = rng.randrange(20000, 60000)
+        if all(launcher.is_port_free("127.0.0.1", first + i) for i in range(n)):
+            return first
+
+
+def test_up_with_two_verifiers_serves_through_both(tiny_pair, tmp_path):
+    """The real thing: `specinfer up --num-verifiers 2` starts two verifier processes and the gateway
+    routes over them (each answers requests)."""
+    import grpc
+
+    from specinfer.v1 import specinfer_pb2 as pb
+    from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+    from util import save_text_pair
+
+    llm, ssm = save_text_pair(tmp_path / "models", 300, ["def add(a, b):\n    return a + b\n"] * 30, hidden=32,
+                            max_pos=256, seed=3, ssm_seed=4, noise=0.04)
+    base = _free_ports(6)  # gateway, two verifiers, three metrics endpoints
+    metrics = base + 3
+    argv = [sys.executable, "-m", "specinfer.cli", "up", "--llm", str(llm), "--ssm", str(ssm), "--cache-dir", str(tmp_path),
+            "--num-verifiers", "2", "--gateway-port", str(base), "--verifier-port", str(base + 1),
+            "--http-port", "0", "--metrics-port", str(metrics)]
+    log = tmp_path / "up.log"
+
+    def scrape() -> str:
+        import urllib.request
+
+        return urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
+
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        with grpc.insecure_channel(f"127.0.0.1:{base}") as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            while True:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    stub.Generate(pb.GenerateRequest(prompt="def add", max_tokens=2), timeout=10)
+                    break
+                except grpc.RpcError:
+                    assert time.monotonic() < deadline, "the stack did not come up"
+                    time.sleep(0.5)
+            while "specinfer_gateway_verifiers_serving 2.0" not in scrape():  # the second may still load
+                assert time.monotonic() < deadline, "the second verifier did not come up"
+                time.sleep(0.5)
+            for i in range(8):  # short prompts leave no trace in the routing index: they take turns
+                stub.Generate(pb.GenerateRequest(prompt=f"{i} def add", max_tokens=2), timeout=30)
+        text = scrape()
+        routed = {m.group(1) for m in re.finditer(r'specinfer_gateway_routed_requests_total\{[^}]*verifier="([^"]+)"',
+                                                  text)}
+        assert routed == {f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"}, text
+    finally:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Mapping
 
 from services.gateway.admission import AdmissionConfig
 from services.gateway.chat_template import ChatTemplate
+from services.gateway.routing import RoutingConfig
+from services.gateway.verifier_pool import PoolConfig, VerifierTargets
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
 from specinfer.limits import DEFAULT_REQUEST_TTL_S, DEFAULT_SESSION_TTL_S, GATEWAY_PORT, HTTP_PORT, VERIFIER_PORT
@@ -32,7 +34,10 @@ from specinfer.serving.security import (
 class GatewayConfig:
     host: str = LOCAL_HOST
     port: int = GATEWAY_PORT
-    verifier_addr: str = f"{LOCAL_HOST}:{VERIFIER_PORT}"  # host:port, or a dns:///host:port target (round robin)
+    # host:port, several comma-separated, or dns:///host:port (every address the name resolves to)
+    verifier_addr: str = f"{LOCAL_HOST}:{VERIFIER_PORT}"
+    routing: RoutingConfig = field(default_factory=RoutingConfig)  # which verifier a request goes to
+    pool: PoolConfig = field(default_factory=PoolConfig)  # finding the verifiers and following their health
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off (the stacks we ship set HTTP_PORT)
     redis_url: str | None = None  # None = embedded in-memory store
     model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
@@ -56,6 +61,10 @@ class GatewayConfig:
     gateway_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
+    def verifier_targets(self) -> VerifierTargets:
+        return VerifierTargets.parse(self.verifier_addr)
+
+    @property
     def num_server_workers(self) -> int:
         """gRPC threads: one per running or queued request plus headroom, so admission is reached
         instead of requests queueing silently inside the server's thread pool."""
@@ -63,13 +72,26 @@ class GatewayConfig:
 
 
 def _flags() -> list[Flag]:
-    d = {f.name: f.default for f in fields(GatewayConfig) if f.name not in ("limits", "gateway_id", "admission")}
-    dl, da = RequestLimits(), AdmissionConfig()
+    d = {f.name: f.default for f in fields(GatewayConfig)
+         if f.name not in ("limits", "gateway_id", "admission", "routing", "pool")}
+    dl, da, dr, dp = RequestLimits(), AdmissionConfig(), RoutingConfig(), PoolConfig()
     return [
         Flag("--host", "SPECINFER_GATEWAY_HOST", str, d["host"], "bind address"),
         port_flag("--port", "SPECINFER_GATEWAY_PORT", d["port"], "gRPC port"),
         Flag("--verifier-addr", "SPECINFER_VERIFIER_ADDR", str, d["verifier_addr"],
-             "verifier host:port or dns:///host:port"),
+             "the verifiers: host:port, several comma-separated, or dns:///host:port (every address the name "
+             "resolves to, resolved again every --verifier-dns-refresh-s)"),
+        Flag("--verifier-dns-refresh-s", "SPECINFER_VERIFIER_DNS_REFRESH_S", float, dp.dns_refresh_s,
+             "how often a dns:/// verifier address is resolved again", is_positive=True),
+        Flag("--routing-balance-threshold", "SPECINFER_ROUTING_BALANCE_THRESHOLD", int, dr.balance_abs,
+             "a request goes to the least loaded verifier instead of the one holding its prefix when that one "
+             "has more than this many requests in flight beyond the least loaded's (and --routing-balance-ratio "
+             "times as many)", low=0),
+        Flag("--routing-balance-ratio", "SPECINFER_ROUTING_BALANCE_RATIO", float, dr.balance_ratio,
+             "see --routing-balance-threshold", low=1),
+        Flag("--routing-index-blocks", "SPECINFER_ROUTING_INDEX_BLOCKS", int, dr.index_blocks,
+             "KV blocks of prompts remembered per verifier for routing (least recently sent forgotten first)",
+             is_positive=True),
         Flag("--redis-url", "SPECINFER_REDIS_URL", str, d["redis_url"], "redis://host:port/db; unset = in-memory store"),
         port_flag("--http-port", "SPECINFER_HTTP_PORT", d["http_port"],
                   f"OpenAI-compatible HTTP API port; 0 = off (specinfer up, compose and Kubernetes use {HTTP_PORT})"),
@@ -129,6 +151,10 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         raise UserError("the gateway needs the LLM's directory for its tokenizer: --model-dir or SPECINFER_MODEL_DIR")
     if a["chat_template"] is not None:  # checked now: a bad file stops the gateway before it serves
         ChatTemplate.from_file(a["chat_template"], a["model_dir"], "--chat-template (SPECINFER_CHAT_TEMPLATE)")
+    VerifierTargets.parse(a["verifier_addr"], "--verifier-addr (SPECINFER_VERIFIER_ADDR)")  # now, not per request
+    routing = replace(RoutingConfig(), balance_abs=a["routing_balance_threshold"],
+                      balance_ratio=a["routing_balance_ratio"], index_blocks=a["routing_index_blocks"])
+    pool = replace(PoolConfig(), dns_refresh_s=a["verifier_dns_refresh_s"])
     limits = RequestLimits(
         max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"],
         default_max_new_tokens=a["default_max_tokens"], max_concurrent_requests=a["max_concurrent_requests"],
@@ -141,7 +167,8 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         queue_timeout_s=a["admission_queue_timeout_s"],
     )
     return GatewayConfig(
-        host=a["host"], port=a["port"], verifier_addr=a["verifier_addr"], redis_url=a["redis_url"],
+        host=a["host"], port=a["port"], verifier_addr=a["verifier_addr"], routing=routing, pool=pool,
+        redis_url=a["redis_url"],
         http_port=a["http_port"], model_dir=a["model_dir"], chat_template=a["chat_template"], limits=limits,
         default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],

@@ -29,7 +29,8 @@ from services.gateway.stops import TextState
 from services.gateway.store import INTERRUPTED, RUNNING, RequestRecord, SessionRecord, Store
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest, validate_request
-from services.gateway.verifier_client import VerifierClient, VerifierSummary
+from services.gateway.verifier_client import VerifierSummary
+from services.gateway.verifier_pool import RoutedVerifiers
 from specinfer.errors import NotFoundError, UnavailableError, UserError
 from specinfer.limits import check_id, check_prompt_length, check_text_size
 from specinfer.params import GenerationParams, sample_seed
@@ -158,7 +159,7 @@ def encode_turn(tokenizer: TextTokenizer, text: str, has_history: bool) -> tuple
 
 
 class GatewayCore:
-    def __init__(self, cfg: GatewayConfig, tokenizer: TextTokenizer, store: Store, verifier: VerifierClient,
+    def __init__(self, cfg: GatewayConfig, tokenizer: TextTokenizer, store: Store, verifier: RoutedVerifiers,
                  metrics: GatewayMetrics):
         self.cfg = cfg
         self.limits = cfg.limits

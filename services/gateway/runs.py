@@ -24,8 +24,10 @@ from services.gateway.admission import Admission, Ticket
 from services.gateway.stops import TextState
 from services.gateway.store import CANCELLED, FAILED, FINISHED, INTERRUPTED, RUNNING, Progress, Store
 from services.gateway.telemetry import GatewayMetrics
-from services.gateway.verifier_client import VerifierCall, VerifierClient, VerifierStep, domain_error
+from services.gateway.verifier_client import VerifierCall, VerifierStep, domain_error
+from services.gateway.verifier_pool import RoutedVerifiers
 from specinfer.errors import CapacityError, PeerError, UnavailableError
+from specinfer.limits import MAX_VERIFIER_ATTEMPTS
 from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams
 from specinfer.stats import GenerationStats
@@ -35,11 +37,6 @@ log = logging.getLogger(__name__)
 
 class _Stopped(Exception):
     """Raised in the worker when an observer or CancelRequest asked it to stop."""
-
-
-def derive_seed(seed: int, num_done: int) -> int:
-    """A continuation's seed: the original one for a fresh start, else mixed with the offset."""
-    return seed if num_done == 0 else (seed * 1_000_003 + num_done) % (1 << 63)
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ class RunPlan:
 class RunDeps:
     tokenizer: TextTokenizer
     store: Store
-    verifier: VerifierClient
+    verifier: RoutedVerifiers
     metrics: GatewayMetrics
     on_exit: Callable[["RequestRun"], None]
     # Seconds per output token between two verified steps: a speculative step brings several tokens
@@ -114,6 +111,9 @@ class RequestRun:
         self._stream = None
         self._num_steps = 0
         self._verifier_stats: GenerationStats | None = None
+        # Calls of this run that failed over to another verifier, as the gateway counted them.
+        self._earlier_calls: GenerationStats | None = None
+        self._call_first_step, self._call_first_token = 0, len(plan.generated_ids)
         self._last_token_at: float | None = None
         # Observers see a token only once it is in the store, so a client never holds a token
         # that a crash of this gateway would lose (a resume by offset always finds it).
@@ -211,39 +211,84 @@ class RequestRun:
             self.deps.metrics.active_requests.dec()
             self.deps.on_exit(self)
 
-    def _generate(self) -> None:
+    def _call(self) -> VerifierCall:
+        """The verifier call that generates the rest: a continuation sends the tokens generated so
+        far as the prompt's tail (the verifier's penalties count them as output, a constraint
+        resumes past them) and keeps the request's seed: a sampled token's noise depends on the
+        seed and its position only, so the output is the one an uninterrupted call gives."""
         plan = self.plan
-        num_done = len(plan.generated_ids)
-        if num_done >= plan.params.max_new_tokens:
-            return self._end(FINISHED, "length")
-        sampling = replace(plan.params.sampling, seed=derive_seed(plan.params.sampling.seed or 0, num_done))
-        # A continuation sends the tokens generated so far as the prompt's tail: the verifier's
-        # penalties count them as output, and a constraint resumes past them.
-        params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - num_done, sampling=sampling,
-                         num_resumed_tokens=plan.params.num_resumed_tokens + num_done)
-        call = VerifierCall(plan.request_id, plan.prompt_ids + plan.generated_ids, params, plan.session_id,
-                            plan.prefix_group)
-        stream = self.deps.verifier.generate(call, plan.deadline_s, list(plan.metadata))
         with self.cond:
-            self._stream = stream
-            if self._stop_reason:
-                stream.cancel()
-        try:
-            for step in stream:
-                end_reason = self._apply(step)
-                if end_reason:
-                    stream.cancel()  # a stop string matched: free the verifier's KV now
-                    return self._end(FINISHED, end_reason)
-                if step.finish_reason:
-                    return self._end(FINISHED, step.finish_reason)
-                if self._persist_running():  # one store round trip per verified step
-                    self.cancel()  # another gateway's CancelRequest
+            done = tuple(self.text.ids)
+        params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - len(done),
+                         num_resumed_tokens=plan.params.num_resumed_tokens + len(done))
+        return VerifierCall(plan.request_id, plan.prompt_ids + done, params, plan.session_id, plan.prefix_group)
+
+    def _generate(self) -> None:
+        """Verifier calls until the request ends. A call that fails with UNAVAILABLE (its verifier
+        died, drains or cannot be reached) goes on on another serving verifier, from the tokens
+        generated so far, within the deadline; with none, the request ends resumable."""
+        plan = self.plan
+        if len(plan.generated_ids) >= plan.params.max_new_tokens:
             return self._end(FINISHED, "length")
-        except (PeerError, _Stopped) as exc:
-            return self._end_on_call_error(exc)
-        except UnavailableError as exc:  # the store failed mid-request: stop, stay resumable
-            stream.cancel()
-            return self._end(INTERRUPTED, "", exc)
+        failed_on: set[str] = set()
+        for attempt in range(MAX_VERIFIER_ATTEMPTS):
+            if self.num_tokens >= plan.params.max_new_tokens:  # a failed call had sent them all
+                return self._end(FINISHED, "length")
+            timeout_s = plan.deadline_s - (time.monotonic() - plan.started_at)
+            if timeout_s <= 0:
+                return self._end(INTERRUPTED, "", TimeoutError(f"request {self.request_id}: deadline passed"))
+            try:
+                stream = self.deps.verifier.generate(self._call(), timeout_s, list(plan.metadata),
+                                                     frozenset(failed_on))
+            except UnavailableError as exc:  # no verifier serves: stay resumable
+                return self._end(INTERRUPTED, "", exc)
+            with self.cond:
+                self._stream = stream
+                if self._stop_reason:
+                    stream.cancel()
+            try:
+                for step in stream:
+                    end_reason = self._apply(step)
+                    if end_reason:
+                        stream.cancel()  # a stop string matched: free the verifier's KV now
+                        return self._end(FINISHED, end_reason)
+                    if step.finish_reason:
+                        return self._end(FINISHED, step.finish_reason)
+                    if self._persist_running():  # one store round trip per verified step
+                        self.cancel()  # another gateway's CancelRequest
+                return self._end(FINISHED, "length")
+            except PeerError as exc:
+                if not self._fails_over(exc) or attempt + 1 == MAX_VERIFIER_ATTEMPTS:
+                    return self._end_on_call_error(exc)
+                log.warning("request %s: verifier %s failed (%s); going on on another verifier", self.request_id,
+                            stream.address, exc.cause)
+                failed_on.add(stream.address)
+                self._close_call()
+                self.deps.metrics.verifier_failovers.inc()
+            except _Stopped as exc:
+                return self._end_on_call_error(exc)
+            except UnavailableError as exc:  # the store failed mid-request: stop, stay resumable
+                stream.cancel()
+                return self._end(INTERRUPTED, "", exc)
+        raise AssertionError("unreachable")
+
+    def _fails_over(self, exc: PeerError) -> bool:
+        """Whether a failed call goes on elsewhere: its verifier was unavailable, and nobody asked
+        the run to stop (a stop cancels the call, which reads as a failure too)."""
+        with self.cond:
+            return isinstance(exc.cause, UnavailableError) and not self._stop_reason
+
+    def _close_call(self) -> None:
+        """Keeps what the failed call produced in this run's statistics (the gateway's counts)."""
+        with self.cond:
+            self._stream = None
+            earlier = GenerationStats(prompt_tokens=len(self.plan.prompt_ids),
+                                      output_tokens=self.text.num_tokens - self._call_first_token,
+                                      llm_steps=self._num_steps - self._call_first_step,
+                                      cached_prompt_tokens=self._num_cached)
+            self._earlier_calls = earlier if self._earlier_calls is None else self._earlier_calls.merged(earlier)
+            self._call_first_step, self._call_first_token = self._num_steps, self.text.num_tokens
+            self._verifier_stats = None
 
     def _apply(self, step: VerifierStep) -> str:
         """Adds one verified step's tokens; returns a finish reason if the gateway ends it here."""
@@ -317,9 +362,13 @@ class RequestRun:
         counted itself; the speculation figures are then unknown and stay unset."""
         latency_s = (self._last_token_at or time.monotonic()) - self.plan.started_at
         if self._verifier_stats is not None:
-            return replace(self._verifier_stats, latency_s=latency_s)
-        return GenerationStats(prompt_tokens=len(self.plan.prompt_ids), output_tokens=num_tokens,
-                               llm_steps=self._num_steps, latency_s=latency_s, cached_prompt_tokens=self._num_cached)
+            last = replace(self._verifier_stats, latency_s=latency_s)
+        else:
+            last = GenerationStats(prompt_tokens=len(self.plan.prompt_ids),
+                                   output_tokens=num_tokens - (self._call_first_token - len(self.plan.generated_ids)),
+                                   llm_steps=self._num_steps - self._call_first_step, latency_s=latency_s,
+                                   cached_prompt_tokens=self._num_cached)
+        return last if self._earlier_calls is None else self._earlier_calls.merged(last)
 
     def _end(self, status: str, finish_reason: str, error: Exception | None = None) -> None:
         """Persists the final state first, then tells observers (so GetRequest agrees with them)."""

@@ -29,7 +29,9 @@ from services.gateway.runs import Chunk
 from services.gateway.store import RequestRecord, Store, make_store
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest
+from services.gateway.routing import Router
 from services.gateway.verifier_client import VerifierClient
+from services.gateway.verifier_pool import SERVING, RoutedVerifiers, VerifierPool
 from specinfer.errors import EXIT_CANNOT_BIND, BindError, UnavailableError, UserError
 from specinfer.limits import MAX_LOGPROBS, MAX_SAMPLES
 from specinfer.serving import convert
@@ -248,6 +250,24 @@ class GatewayServer:
         self.running.stop(grace_s)
 
 
+def connect_verifiers(cfg: GatewayConfig, metrics: GatewayMetrics) -> RoutedVerifiers:
+    """The verifiers behind one routing client: one channel and health watcher per address."""
+    targets = cfg.verifier_targets
+    router = Router(cfg.routing)
+    tls_name = targets.tls_name()
+
+    def on_change(address: str, state: str) -> None:
+        if state == SERVING:  # it may have restarted with an empty cache
+            router.drop(address)
+        metrics.verifiers_serving.set(len(pool.serving()))
+
+    pool = VerifierPool(targets, lambda address: VerifierClient(address, cfg.max_message_bytes,
+                                                                cfg.verifier_security, tls_name),
+                        cfg.pool, on_change, router.load)
+    pool.start()
+    return RoutedVerifiers(pool, router, metrics)
+
+
 def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry, *,
           store: Store | None = None, tokenizer: TextTokenizer | None = None) -> GatewayServer:
     """Builds the gateway from its config and starts serving (health, reflection included)."""
@@ -257,8 +277,8 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
         store.ping()
     except UnavailableError as exc:
         log.warning("request store not reachable at startup (requests fail with UNAVAILABLE until it is): %s", exc)
-    verifier = VerifierClient(cfg.verifier_addr, cfg.max_message_bytes, cfg.verifier_security)
     metrics = GatewayMetrics.create(registry)
+    verifier = connect_verifiers(cfg, metrics)
     core = GatewayCore(cfg, tokenizer, store, verifier, metrics)
     core.start()
     servicer = GatewayServicer(core, tracer, metrics)

@@ -18,6 +18,10 @@ class GatewayMetrics:
     output_tokens: Counter
     admission_limit: Gauge  # requests the gateway lets run at once now (measured)
     queued_requests: Gauge  # requests waiting for a slot
+    routed_requests: Counter  # verifier calls, by verifier address and why it was picked (routing.REASONS)
+    routed_prefix_tokens: Counter  # prompt tokens the picked verifier was already sent (cache-aware hits)
+    verifier_failovers: Counter  # calls made again on another verifier after one failed (UNAVAILABLE)
+    verifiers_serving: Gauge  # verifiers whose health says SERVING
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> "GatewayMetrics":
@@ -37,4 +41,16 @@ class GatewayMetrics:
                                   registry=registry),
             queued_requests=Gauge("specinfer_gateway_queued_requests", "Requests waiting for a slot",
                                   registry=registry),
+            routed_requests=Counter("specinfer_gateway_routed_requests",
+                                    "Verifier calls, by verifier and why it was picked: cache (it holds the "
+                                    "prompt's prefix), balance (least loaded) or affinity (the session's verifier)",
+                                    ["verifier", "reason"], registry=registry),
+            routed_prefix_tokens=Counter("specinfer_gateway_routed_prefix_tokens",
+                                         "Prompt tokens whose prefix the picked verifier had been sent before",
+                                         registry=registry),
+            verifier_failovers=Counter("specinfer_gateway_verifier_failovers",
+                                       "Verifier calls that failed (UNAVAILABLE) and went on on another verifier",
+                                       registry=registry),
+            verifiers_serving=Gauge("specinfer_gateway_verifiers_serving", "Verifiers whose health says SERVING",
+                                    registry=registry),
         )

@@ -1,15 +1,14 @@
 """The gateway's client for the Verifier service: one outbound Generate stream per request.
 
-Calls never use wait_for_ready, so a verifier that is down fails the call at once (UNAVAILABLE),
-and reconnect backoff is capped (`reconnect_options`) so a restarted verifier is found again
-within about a second. A `dns:///host:port` target spreads requests over all resolved verifiers
-(round robin).
+One client per verifier address (`verifier_pool.py` makes one for each, and routes between
+them). Calls never use wait_for_ready, so a verifier that is down fails the call at once
+(UNAVAILABLE), and reconnect backoff is capped (`reconnect_options`) so a restarted verifier is
+found again within about a second.
 gRPC errors are turned into the project's domain errors here, at the edge.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -59,6 +58,7 @@ class VerifierSummary:
     num_speculators: int
     ssm_names: tuple[str, ...] = ()
     kv_capacity_tokens: int = 0  # 0 = unknown
+    kv_block_size: int = 0  # 0 = unknown
 
 
 def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
@@ -84,10 +84,13 @@ def peer_error(exc: grpc.RpcError) -> PeerError:
     return PeerError(domain_error(exc), code in RESUMABLE_CODES)
 
 
-def channel_options(target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, tls_name: str | None = None
+                    ) -> list[tuple[str, object]]:
+    """One verifier's channel; `tls_name`: the name its certificate carries when `target` is an
+    address resolved from it."""
     options = message_options(max_message_bytes) + reconnect_options()
-    if target.startswith("dns:"):
-        options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
+    if tls_name:
+        options.append(("grpc.ssl_target_name_override", tls_name))
     return options
 
 
@@ -114,9 +117,9 @@ class VerifierStream:
 
 class VerifierClient:
     def __init__(self, target: str, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 security: ChannelSecurity | None = None):
+                 security: ChannelSecurity | None = None, tls_name: str | None = None):
         self.target = target
-        self.channel = open_channel(target, security, channel_options(target, max_message_bytes))
+        self.channel = open_channel(target, security, channel_options(max_message_bytes, tls_name))
         self.stub = pb_grpc.VerifierStub(self.channel)
 
     def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:
@@ -140,7 +143,7 @@ class VerifierClient:
         ssm_names = tuple(msg.ssm_names)
         return VerifierSummary(msg.model, msg.vocab_size, msg.max_context, tuple(msg.default_shape.widths),
                                msg.default_shape.max_nodes, msg.num_speculators, ssm_names,
-                               msg.kv_capacity_tokens)
+                               msg.kv_capacity_tokens, msg.kv_block_size)
 
     def close(self) -> None:
         self.channel.close()

@@ -57,6 +57,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             num_speculators=len(getattr(speculation, "speculators", ())),
             kv_capacity_tokens=engine.verifier.runner.kv.num_slots,
             ssm_names=speculation.all_names() if speculation else [],
+            kv_block_size=engine.verifier.runner.allocator.block_size,
         )
 
     def ReleaseSession(self, request, context):

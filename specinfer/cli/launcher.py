@@ -1,7 +1,9 @@
 """`specinfer up`: the whole stack on one machine, as separate processes on localhost.
 
 Speculators (SSMs), the verifier (LLM) and the gateway (public API) start as child processes,
-exactly as the docker-compose stack runs them, and stop together on Ctrl-C / SIGTERM. Every
+exactly as the docker-compose stack runs them, and stop together on Ctrl-C / SIGTERM. With
+`--num-verifiers N`, N verifiers (each hosting its own pool, or sharing the speculator processes)
+listen on consecutive ports and the gateway routes between them. Every
 port is checked before anything starts; the stack is up once each service answers with this
 stack's instance id (not merely something on its port). A child that exits on its own is
 restarted with backoff while the others keep serving, except one that cannot bind its port: that
@@ -37,7 +39,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     gateway_port: int = GATEWAY_PORT
     http_port: int = HTTP_PORT  # the gateway's OpenAI-compatible HTTP API; 0 = off
-    verifier_port: int = VERIFIER_PORT
+    verifier_port: int = VERIFIER_PORT  # the first verifier's; the next ones follow
+    num_verifiers: int = 1  # verifier processes, each with the whole LLM; the gateway routes between them
     speculator_base_port: int = SPECULATOR_PORT
     num_speculators: int = 1
     redis_url: str | None = None
@@ -87,17 +90,31 @@ def planned_ports(cfg: StackConfig) -> list[PortUse]:
     uses = [PortUse(cfg.gateway_port, "gateway", "gRPC API", "--gateway-port")]
     if cfg.http_port:
         uses.append(PortUse(cfg.http_port, "gateway", "HTTP API", "--http-port"))
-    uses.append(PortUse(cfg.verifier_port, "verifier", "gRPC API", "--verifier-port"))
+    uses += [PortUse(cfg.verifier_port + i, verifier_name(cfg, i), "gRPC API",
+                     "--verifier-port" + (f" (the first verifier's; verifier-{i} takes it + {i})" if i else ""))
+             for i in range(cfg.num_verifiers)]
     num_speculators = 0 if cfg.is_co_located else cfg.num_speculators
     uses += [PortUse(cfg.speculator_base_port + i, f"speculator-{i}", "gRPC API",
                      "--speculator-port" + (f" (the first speculator's; speculator-{i} takes it + {i})" if i else ""))
              for i in range(num_speculators)]
     if cfg.metrics_base_port:
         uses.append(PortUse(cfg.metrics_base_port, "gateway", "metrics endpoint", "--metrics-port"))
-        uses.append(PortUse(cfg.metrics_base_port + 1, "verifier", "metrics endpoint", "--metrics-port (+ 1)"))
-        uses += [PortUse(cfg.metrics_base_port + 2 + i, f"speculator-{i}", "metrics endpoint", f"--metrics-port (+ {2 + i})")
-                 for i in range(num_speculators)]
+        uses += [PortUse(cfg.metrics_base_port + 1 + i, verifier_name(cfg, i), "metrics endpoint",
+                         f"--metrics-port (+ {1 + i})") for i in range(cfg.num_verifiers)]
+        first = cfg.metrics_base_port + 1 + cfg.num_verifiers
+        uses += [PortUse(first + i, f"speculator-{i}", "metrics endpoint",
+                         f"--metrics-port (+ {first + i - cfg.metrics_base_port})") for i in range(num_speculators)]
     return uses
+
+
+def verifier_name(cfg: StackConfig, index: int) -> str:
+    """The child's name: `verifier` when there is one, else verifier-0, verifier-1, ..."""
+    return "verifier" if cfg.num_verifiers == 1 else f"verifier-{index}"
+
+
+def default_verifier_threads(num_verifiers: int) -> int:
+    """Torch threads per verifier: torch's default (every core) for one; several share the cores."""
+    return 0 if num_verifiers <= 1 else max(1, (os.cpu_count() or 1) // num_verifiers)
 
 
 def is_port_free(host: str, port: int) -> bool:
@@ -214,11 +231,12 @@ class Stack:
                 args += ["--pipeline", "on" if cfg.speculator_pipeline[i] else "off"]
             env = dict(common_env)
             if cfg.metrics_base_port:
-                env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 2 + i)
+                env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + cfg.num_verifiers + i)
             self._spawn(f"speculator-{i}", "services.speculator", args, port, env)
             spec_targets.append(f"{cfg.host}:{port}")
-        args = ["--model", str(cfg.llm), "--host", cfg.host, "--port", str(cfg.verifier_port), "--dtype", cfg.dtype,
-                "--tree-width", cfg.tree_width, "--threads", str(cfg.verifier_threads)]
+        threads = cfg.verifier_threads or default_verifier_threads(cfg.num_verifiers)
+        args = ["--model", str(cfg.llm), "--host", cfg.host, "--dtype", cfg.dtype,
+                "--tree-width", cfg.tree_width, "--threads", str(threads)]
         args += [a for t in spec_targets for a in ("--speculator", t)]
         if cfg.is_co_located:
             pool = tuple(map(str, cfg.ssms)) + cfg.model_free
@@ -227,13 +245,17 @@ class Stack:
         if cfg.tensor_parallel > 1:
             args += ["--tensor-parallel", str(cfg.tensor_parallel)]
         args += _exec_args(cfg) + (["--offload", "on"] if cfg.is_offloaded else [])
-        env = dict(common_env)
-        if cfg.metrics_base_port:
-            env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1)
-        self._spawn("verifier", "services.verifier", args, cfg.verifier_port, env)
+        verifier_targets = []
+        for i in range(cfg.num_verifiers):
+            port = cfg.verifier_port + i
+            env = dict(common_env)
+            if cfg.metrics_base_port:
+                env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + i)
+            self._spawn(verifier_name(cfg, i), "services.verifier", args + ["--port", str(port)], port, env)
+            verifier_targets.append(f"{cfg.host}:{port}")
         env = dict(common_env, SPECINFER_GATEWAY_HOST=cfg.host, SPECINFER_GATEWAY_PORT=str(cfg.gateway_port),
                    SPECINFER_HTTP_PORT=str(cfg.http_port),
-                   SPECINFER_VERIFIER_ADDR=f"{cfg.host}:{cfg.verifier_port}", SPECINFER_MODEL_DIR=str(cfg.llm))
+                   SPECINFER_VERIFIER_ADDR=",".join(verifier_targets), SPECINFER_MODEL_DIR=str(cfg.llm))
         if cfg.redis_url:
             env["SPECINFER_REDIS_URL"] = cfg.redis_url
         if cfg.admission_latency_factor is not None:
@@ -316,8 +338,9 @@ class Stack:
 
     def supervise(self) -> None:
         """Restarts, with backoff, every child that exited; the others keep serving (the verifier
-        decodes without speculation while a speculator is down, the gateway answers UNAVAILABLE
-        while the verifier is). A child that could not bind its port is StackFailed instead."""
+        decodes without speculation while a speculator is down; the gateway sends requests to the
+        other verifiers while one is, moving its running requests there, and answers UNAVAILABLE
+        while none serves). A child that could not bind its port is StackFailed instead."""
         now = time.monotonic()
         for child in self.children:
             if child.restart_at is None and child.proc.poll() == EXIT_CANNOT_BIND:  # restarting will not free it
@@ -355,7 +378,11 @@ def add_up_parser(sub) -> None:
     up.add_argument("--chat-template", type=Path, metavar="FILE",
                     help="a Jinja chat template for /v1/chat/completions, overriding the LLM's own (so a base model "
                          "without one can serve chat); default: SPECINFER_CHAT_TEMPLATE, else the LLM's")
-    up.add_argument("--verifier-port", type=int, default=VERIFIER_PORT)
+    up.add_argument("--num-verifiers", type=int, default=1, metavar="N",
+                    help="verifier processes, each holding the whole LLM (and its own pool), on consecutive ports "
+                         "from --verifier-port; the gateway sends each request to the one that already holds its "
+                         "prompt's prefix, balanced by load, and moves running requests off one that stops")
+    up.add_argument("--verifier-port", type=int, default=VERIFIER_PORT, help="first verifier's port")
     up.add_argument("--speculator-port", type=int, default=SPECULATOR_PORT, help="first speculator's port")
     up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
     add_dtype_flags(up)
@@ -377,6 +404,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.limits import parse_tree_width
 
     parse_tree_width(args.tree_width)
+    if args.num_verifiers < 1:
+        raise UserError(f"--num-verifiers must be >= 1, got {args.num_verifiers}")
     if args.num_speculators < 0:
         raise UserError("--num-speculators must be >= 0 (0 = the verifier hosts the SSMs itself)")
     if args.co_located and args.num_speculators:
@@ -387,7 +416,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         raise UserError("--once needs --prompt")
     is_co_located = args.co_located or not args.num_speculators
     ports = StackConfig(llm=Path(), ssms=(), gateway_port=args.gateway_port, http_port=args.http_port,
-                        verifier_port=args.verifier_port, speculator_base_port=args.speculator_port,
+                        verifier_port=args.verifier_port, num_verifiers=args.num_verifiers,
+                        speculator_base_port=args.speculator_port,
                         num_speculators=max(1, args.num_speculators), is_co_located=is_co_located,
                         metrics_base_port=args.metrics_port)
     check_ports(ports)  # before the demo models are built (minutes) or any process starts
@@ -412,7 +442,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     cfg = StackConfig(
         llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free,
         is_co_located=args.co_located or not args.num_speculators or not paths.ssms, gateway_port=args.gateway_port,
-        http_port=args.http_port, verifier_port=args.verifier_port,
+        http_port=args.http_port, verifier_port=args.verifier_port, num_verifiers=args.num_verifiers,
         speculator_base_port=args.speculator_port, num_speculators=max(1, args.num_speculators),
         redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         cache_dir=cache_dir,

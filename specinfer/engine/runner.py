@@ -18,12 +18,12 @@ import torch
 from specinfer.engine.blocks import BlockAllocator, BlockHash, SequenceKV
 from specinfer.engine.config import ExecConfig, ModelConfig
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.engine.checkpoint import llama_weights, load_state_dict, parse_dtype
 from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.engine.tree import is_chain, visibility
 
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_BLOCK_SIZE = DEFAULT_KV_BLOCK_SIZE
 
 
 @dataclass
