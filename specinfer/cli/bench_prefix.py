@@ -120,3 +120,103 @@ def run_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     engine.verifier.runner.close()
     print_report(report, args.output)
     return 0 if first_tokens_agree and report["throughput"]["outputs_equal"] else 1
+
+
+def run_serving_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
+    """`--concurrency C --shared-prefix-tokens N [--num-verifiers V --prefix-groups G]`: G prefixes,
+    their requests interleaved, through the gateway to V verifiers with prefix caching on. Reports
+    how often a request found its prefix cached where the gateway sent it, the cached share of its
+    prompt, and time to first token (streamed) for hits against misses."""
+    import threading
+
+    from specinfer.cli.bench import machine_info, print_report
+    from specinfer.cli.client import GatewayClient
+    from specinfer.cli.commands import bench_prompts, resolve_paths
+    from specinfer.cli.launcher import Stack, StackConfig, check_ports
+    from specinfer.engine.load import check_models, load_tokenizer
+    from specinfer.errors import UserError
+
+    levels = [int(c) for c in str(args.concurrency).split(",")]
+    if len(levels) != 1 or levels[0] < 1 or args.num_verifiers < 1 or args.prefix_groups < 1:
+        raise UserError("with --shared-prefix-tokens: one --concurrency level, and --num-verifiers and "
+                        "--prefix-groups >= 1")
+    concurrency = levels[0]
+    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
+    questions = bench_prompts(args, demo_prompts)
+    tokenizer = load_tokenizer(paths, check_models(paths)[0])
+    groups = []  # (prefix tokens, prompts): each group's prefix is the questions in another order
+    for g in range(args.prefix_groups):
+        rotated = questions[g % len(questions):] + questions[: g % len(questions)]
+        prefix, _ = shared_prefix_prompts(tokenizer, rotated, args.shared_prefix_tokens)
+        groups.append((len(tokenizer.encode(prefix)), [prefix + f"# {g}.{i}\n" + q for i, q in enumerate(questions)]))
+    num_requests = max(args.requests_per_level, concurrency)
+    plan = [(i % len(groups), groups[i % len(groups)][1][(i // len(groups)) % len(questions)])
+            for i in range(num_requests)]
+    stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], model_free=paths.model_free, is_co_located=True,
+                              gateway_port=args.port, http_port=0, verifier_port=args.port + 1,
+                              speculator_base_port=args.port + 1 + args.num_verifiers,
+                              num_verifiers=args.num_verifiers, dtype=args.dtype, ssm_dtype=args.ssm_dtype,
+                              cache_dir=cache_dir, admission_latency_factor=0.0))
+    check_ports(stack.cfg, moved_by="--port (the first of the stack's ports)")
+    records, errors, lock, next_index = [], [], threading.Lock(), [0]
+
+    def worker(client) -> None:
+        while True:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= len(plan):
+                return
+            group, prompt = plan[i]
+            started, first, last = time.perf_counter(), None, None
+            try:
+                for delta in client.generate_stream(prompt, max_tokens=args.max_new_tokens, temperature=0.0,
+                                                    ignore_eos=True):
+                    if first is None and delta.token_ids:
+                        first = time.perf_counter() - started
+                    last = delta
+            except Exception as exc:  # noqa: BLE001 - reported: one failure must not hide the rest
+                with lock:
+                    errors.append(str(exc))
+                continue
+            stats = last.stats
+            with lock:
+                records.append((i, group, first, stats.cached_prompt_tokens, stats.prompt_tokens))
+
+    try:
+        stack.start()
+        stack.wait_healthy()
+        client = GatewayClient(f"127.0.0.1:{args.port}", timeout_s=600)
+        started = time.perf_counter()
+        threads = [threading.Thread(target=worker, args=(client,)) for _ in range(concurrency)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall_s = time.perf_counter() - started
+    finally:
+        stack.stop()
+    later = [r for r in records if r[0] >= len(groups) * args.num_verifiers]  # after each prefix could be everywhere
+    hits = [r for r in later if r[3] >= 0.5 * groups[r[1]][0]]
+    misses = [r for r in records if r[3] < 0.5 * groups[r[1]][0]]
+    median = lambda xs: round(1000 * statistics.median(xs), 1) if xs else None  # noqa: E731
+    report = {
+        "machine": machine_info(args.dtype),
+        "config": {"llm": str(paths.llm), "num_verifiers": args.num_verifiers, "prefix_groups": args.prefix_groups,
+                   "shared_prefix_tokens": [n for n, _ in groups], "concurrency": concurrency,
+                   "num_requests": len(plan), "max_new_tokens": args.max_new_tokens, "decoding": "greedy",
+                   "order": "the groups' requests interleaved"},
+        "hit_rate": round(len(hits) / max(1, len(later)), 3),
+        "hit_rate_note": "requests, after the first num_verifiers x prefix_groups, that found at least half of "
+                         "their prefix cached where the gateway sent them (round robin would give about "
+                         "1 / num_verifiers)",
+        "cached_share_of_prompt_median": round(statistics.median(r[3] / r[4] for r in records), 3) if records else None,
+        "time_to_first_token_ms": {"hits_median": median([r[2] for r in hits if r[2]]),
+                                   "misses_median": median([r[2] for r in misses if r[2]]),
+                                   "num_misses": len(misses)},
+        "output_tokens_per_s": round(len(records) * args.max_new_tokens / wall_s, 2),
+        "errors": errors[:3],
+        "num_errors": len(errors),
+    }
+    print_report(report, args.output)
+    return 0 if not errors else 1

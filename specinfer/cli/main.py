@@ -96,8 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output", type=Path, help="also write the JSON result here")
     b.add_argument("--shared-prefix-tokens", type=int, default=0,
                    help="benchmark prefix caching instead: every prompt starts with one shared prefix of about this "
-                        "many tokens; time to first token cold against cached, and throughput with caching on "
-                        "against off")
+                        "many tokens; in process, time to first token cold against cached, and throughput with "
+                        "caching on against off; with --concurrency, through the stack: how often the gateway "
+                        "sends a request where its prefix is cached")
+    b.add_argument("--num-verifiers", type=int, default=1,
+                   help="with --shared-prefix-tokens and --concurrency: verifier processes the gateway routes between")
+    b.add_argument("--prefix-groups", type=int, default=2,
+                   help="with --shared-prefix-tokens and --concurrency: distinct shared prefixes, their requests "
+                        "interleaved")
     b.add_argument("--concurrency-in-process", type=int, default=16,
                    help="with --shared-prefix-tokens: requests that arrive together in the throughput arms")
     b.add_argument("--rounds-in-process", type=int, default=3,
@@ -159,8 +165,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_generate(args, cache_dir)
         if args.command == "bench" and args.shared_prefix_tokens:
-            from specinfer.cli.bench_prefix import run_prefix_bench
+            from specinfer.cli.bench_prefix import run_prefix_bench, run_serving_prefix_bench
 
+            if args.concurrency:
+                return run_serving_prefix_bench(args, cache_dir)
             return run_prefix_bench(args, cache_dir)
         if args.command == "bench" and args.concurrency:
             from specinfer.cli.bench_serving import run_serving_bench
