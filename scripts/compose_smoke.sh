@@ -437,10 +437,10 @@ PY
   done
   trace_id=${found%% *}
   if [ "$ok" = 1 ]; then
-    row "trace in Phoenix: gateway, verifier, speculator" ok "trace $trace_id: ${found#* }"
+    row "Phoenix trace: gateway, verifier, speculator" ok "trace $trace_id: ${found#* }"
   else
     trace_id=""
-    row "trace in Phoenix: gateway, verifier, speculator" FAIL "request_id $request_id: ${found:-$(tail -1 "$out/phoenix.err")}"
+    row "Phoenix trace: gateway, verifier, speculator" FAIL "request_id $request_id: ${found:-$(tail -1 "$out/phoenix.err")}"
   fi
 }
 
@@ -455,9 +455,10 @@ check_trace_view() {  # headless Chromium renders Phoenix's page of that trace; 
   # Phoenix's own link to a trace: it finds the trace's project and opens the trace there.
   url="$phoenix_url/redirects/traces/$trace_id"
   browse() {
+    # Reduced motion: the trace's panel slides in, and a screenshot must not catch it halfway.
     timeout 120 chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run \
-      --user-data-dir="$out/chromium" --hide-scrollbars --window-size=1600,1000 \
-      --virtual-time-budget=30000 "$@" "$url" 2>>"$out/chromium.log"
+      --user-data-dir="$out/chromium" --hide-scrollbars --window-size=1600,1000 --force-prefers-reduced-motion \
+      --virtual-time-budget=60000 "$@" "$url" 2>>"$out/chromium.log"
   }
   local deadline=$((SECONDS + 120)) missing=""
   while :; do
