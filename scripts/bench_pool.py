@@ -197,9 +197,9 @@ def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: lis
     """
     import torch
 
-    from specinfer.engine.load import ModelPaths, check_models, encode_prompts, load_tokenizer
+    from specinfer.engine.runtime.load import ModelPaths, check_models, encode_prompts, load_tokenizer
     from specinfer.engine.llm_engine import Engine, mode_params
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.runtime.runner import ModelRunner
     from specinfer.params import TreeShape
 
     llm_cfg, _ = check_models(ModelPaths(llm_dir))
@@ -239,7 +239,7 @@ def measure(llm_dir: Path, arms: dict[str, tuple[list[Path], str]], prompts: lis
 def main(argv: list[str] | None = None) -> int:
     from specinfer.pool.boost_data import DataConfig
     from specinfer.pool.boost_tune import TrainConfig
-    from specinfer.engine.load import read_prompts
+    from specinfer.engine.runtime.load import read_prompts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=["demo", "reference"], required=True)
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def probe_base(pair: Pair, args, data, train, t0: float) -> int:
-    from specinfer.engine.load import read_prompts
+    from specinfer.engine.runtime.load import read_prompts
 
     summary = tune(pair.llm, (pair.base_ssm,), pair.corpus, args.work / "base-alone", data, train)
     tune_minutes = (time.perf_counter() - t0) / 60

@@ -50,7 +50,8 @@ if ARGS.tiny:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from specinfer.engine.config import ExecConfig, ModelConfig  # noqa: E402
+from specinfer.engine.models.config import ModelConfig  # noqa: E402
+from specinfer.engine.runtime.exec_config import ExecConfig  # noqa: E402
 from specinfer.engine.llm_engine import Engine, mode_params  # noqa: E402
 from specinfer.engine.kernels import enable_triton, is_interpreted  # noqa: E402
 from specinfer.engine.kernels.commit import fused_commit  # noqa: E402
@@ -62,12 +63,12 @@ from specinfer.engine.kernels.tree_attention import (  # noqa: E402
     metadata_from_seqs,
     tree_attention,
 )
-from specinfer.engine.checkpoint import llama_weights, load_state_dict  # noqa: E402
-from specinfer.engine.model import KVCache, LlamaModel, SeqAttention  # noqa: E402
-from specinfer.engine.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
-from specinfer.engine.runner import ModelRunner  # noqa: E402
+from specinfer.engine.models.checkpoint import llama_weights, load_state_dict  # noqa: E402
+from specinfer.engine.models.transformer import KVCache, LlamaModel, SeqAttention  # noqa: E402
+from specinfer.engine.runtime.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
+from specinfer.engine.runtime.runner import ModelRunner  # noqa: E402
 from specinfer.params import TreeShape  # noqa: E402
-from specinfer.engine.tree import ancestor_rows  # noqa: E402
+from specinfer.engine.drafting.tree import ancestor_rows  # noqa: E402
 from specinfer.limits import PAPER_TREE_WIDTH  # noqa: E402
 
 TINY = ARGS.tiny
@@ -435,7 +436,7 @@ def section_kernel():
 def section_engine():
     """One forward pass of a random-weight 7B-shaped Llama (bf16, weights made on the device) over
     a 64-node tree against one token, after a 1k-token prompt, per attention backend."""
-    from specinfer.engine.runner import Work, chain_work
+    from specinfer.engine.runtime.runner import Work, chain_work
 
     REPORT.add("## 2b. Engine step: random-weight 7B-shaped Llama, tree of 64 against one token")
     REPORT.add("")
@@ -701,7 +702,7 @@ def bf16_mismatch(name: str, engine: Engine, prompt: list[int], num_prompts: int
 
 def graph_check():
     """CUDA-graph replay vs eager logits for a batch of trees (captured bucket, padding rows)."""
-    from specinfer.engine.runner import Work
+    from specinfer.engine.runtime.runner import Work
 
     models = reference_models()
     spec = ("dir", models / "reference-llm") if models else ("random", "tiny", 1)

@@ -69,11 +69,11 @@ def main() -> int:
 
     import torch
 
-    from specinfer.engine.config import ModelConfig
+    from specinfer.engine.models.config import ModelConfig
     from specinfer.engine.llm_engine import Engine, mode_params
-    from specinfer.engine.load import load_runner
-    from specinfer.engine.parallel import ParallelConfig
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.runtime.load import load_runner
+    from specinfer.engine.runtime.parallel import ParallelConfig
+    from specinfer.engine.runtime.runner import ModelRunner
 
     lines = ["## 5. Tensor parallel: the LLM sharded over the machine's GPUs", ""]
     num_devices = 2 if args.tiny else torch.cuda.device_count()

@@ -23,14 +23,14 @@ MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
 MAX_TREE_NODES = 1024
 
-# ---- dynamic token trees (specinfer/engine/dynamic.py): the default for requests naming no widths
+# ---- dynamic token trees (specinfer/engine/drafting/dynamic.py): the default for requests naming no widths
 DYNAMIC_MAX_NODES = 32  # nodes beyond the root of one step's tree (each is a token in the LLM's pass)
 DYNAMIC_MAX_DEPTH = 8  # levels of one step's tree
 DYNAMIC_EXPAND_TOP_K = 4  # children an SSM proposes at each node it expands
 DYNAMIC_EXPAND_WIDTH = 4  # nodes of one level an SSM expands (the most valuable ones)
 DYNAMIC_MAX_ATTEMPTS = 2  # sampled drafts at one node of a sampled request's tree
 
-# ---- model-free pool members (specinfer/engine/lookup.py, suffix.py) --------------------------
+# ---- model-free pool members (specinfer/engine/drafting/lookup.py, suffix.py) --------------------------
 MODEL_FREE_NAMES = ("lookup", "suffix")  # pool names that need no checkpoint
 MODEL_FREE_MAX_DEPTH = 8  # draft depth of a model-free tree (within what the request has left)
 MODEL_FREE_MAX_NODES = 16  # nodes of one model-free tree (each is a token in the LLM's pass)
@@ -43,7 +43,7 @@ SUFFIX_MIN_PROB = 0.1  # a branch's empirical probability below this is not draf
 SUFFIX_DEPTH_PER_MATCH = 2.0  # draft depth per matched token (adaptive depth)
 SUFFIX_MAX_SOURCES = 32  # continuations counted per source (the context, the cache)
 
-# ---- model dtypes (specinfer/engine/dtype_choice.py) -------------------------------------------
+# ---- model dtypes (specinfer/engine/runtime/dtype_choice.py) -------------------------------------------
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_DTYPE = "float32"  # the LLM's (and a runner's) dtype when none is given
 AUTO_DTYPE = "auto"  # the SSMs' dtype: the fastest on this machine, measured once when they load

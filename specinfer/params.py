@@ -22,7 +22,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k filter
     seed: int | None = None
-    # Logits processors (`specinfer.engine.processors`), applied at every tree node to the logits
+    # Logits processors (`specinfer.engine.verification.processors`), applied at every tree node to the logits
     # of that node's own context, in greedy and sampled modes alike:
     frequency_penalty: float = 0.0  # OpenAI's: minus penalty x count of each token in the output
     presence_penalty: float = 0.0  # OpenAI's: minus penalty for each token the output holds

@@ -54,7 +54,7 @@ def tiny_pair(tmp_path_factory) -> TinyPair:
 @pytest.fixture(scope="module")
 def pair_runners(tiny_pair):
     """(LLM runner, [SSM runners]) over the tiny pair, one set per test module (they hold KV)."""
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.runtime.runner import ModelRunner
 
     llm = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=8192)
     ssms = [ModelRunner.from_dir(p, max_kv_tokens=8192) for p in tiny_pair.ssms]

@@ -21,12 +21,12 @@ if os.environ.get("TRITON_INTERPRET") != "0":
 import pytest
 import torch
 
-from specinfer.engine.backend import resolve_exec
-from specinfer.engine.config import ExecConfig
+from specinfer.engine.runtime.backend import resolve_exec
+from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.model import KVCache
-from specinfer.engine.runner import ModelRunner, Work
-from specinfer.engine.scheduler import SchedulerConfig
+from specinfer.engine.models.transformer import KVCache
+from specinfer.engine.runtime.runner import ModelRunner, Work
+from specinfer.engine.scheduling.scheduler import SchedulerConfig
 from specinfer.errors import UserError
 from specinfer.params import SamplingParams, TreeShape
 from util import perturbed_copy, save_tiny_llama
@@ -218,8 +218,8 @@ def test_service_flags_and_environment():
 def test_tensor_parallel_ranks_run_the_triton_backend(models):
     """Each rank of a two-rank group (gloo) runs Triton attention on its half of the heads; the
     greedy output equals the one-process SDPA model's."""
-    from specinfer.engine.load import load_runner
-    from specinfer.engine.parallel import ParallelConfig
+    from specinfer.engine.runtime.load import load_runner
+    from specinfer.engine.runtime.parallel import ParallelConfig
 
     if models[0].parent.name.startswith("mha"):
         pytest.skip("one head layout is enough: the group costs two processes")

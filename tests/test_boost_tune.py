@@ -24,8 +24,8 @@ from specinfer.pool.boost_tune import BoostConfig, TrainConfig, agreement, boost
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.errors import UserError
 from specinfer.pool.make_ssm import make_ssm
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import Speculator
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.drafting.speculator import Speculator
 from specinfer.params import TreeShape
 from specinfer.params import SamplingParams
 from util import add_tokenizer, perturbed_copy, save_tiny_llama

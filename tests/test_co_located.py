@@ -11,7 +11,7 @@ import pytest
 
 from services.verifier.config import parse_config
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.errors import UserError
 from specinfer.v1 import specinfer_pb2 as pb
 from util import start_stack

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import specinfer.pool.demo_models as dm
-from specinfer.engine.runner import ModelRunner, chain_work
+from specinfer.engine.runtime.runner import ModelRunner, chain_work
 from specinfer.util import CACHE_DIR_ENV, default_cache_dir
 
 BUDGET = dm.DemoBudget.tiny()

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specinfer.engine import dtype_choice as dc
-from specinfer.engine.config import ExecConfig, ModelConfig
+from specinfer.engine.runtime import dtype_choice as dc
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.load import ModelPaths, load_engine
-from specinfer.engine.checkpoint import llama_weights, load_state_dict
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.load import ModelPaths, load_engine
+from specinfer.engine.models.checkpoint import llama_weights, load_state_dict
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape
 
 NEW_TOKENS = 24

@@ -1,4 +1,4 @@
-"""The grammar engine (`specinfer.engine.grammar`): tree masks against brute force over a tiny
+"""The grammar engine (`specinfer.engine.verification.grammar`): tree masks against brute force over a tiny
 byte-level BPE vocabulary, forced tokens, JSON that parses, errors, bounded and cached compiles."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import regex
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from specinfer.engine.grammar import GrammarCompiler, unpack_bits
+from specinfer.engine.verification.grammar import GrammarCompiler, unpack_bits
 from specinfer.errors import UserError
 from specinfer.params import Constraint
 

@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.policy import PRIOR_WEIGHT, CostModel, LoadAwarePolicy
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import model_free_member
+from specinfer.engine.scheduling.policy import PRIOR_WEIGHT, CostModel, LoadAwarePolicy
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.params import TreeBudget, TreeShape
 
 NEW_TOKENS = 64

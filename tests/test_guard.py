@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from specinfer.engine.guard import PLAIN, POLICY, SpeculationGuard
+from specinfer.engine.scheduling.guard import PLAIN, POLICY, SpeculationGuard
 
 TREE = (2, 1, 1)
 choose_tree = lambda: TREE  # noqa: E731 - the policy's choice

@@ -26,7 +26,7 @@ from services.gateway.core import CallContext
 from services.gateway.server import serve
 from services.gateway.validation import NewRequest
 from services.verifier.config import parse_config
-from specinfer.engine.config import ModelConfig
+from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.limits import MAX_BYTES_PER_TOKEN, RequestLimits, max_prompt_chars
 from specinfer.params import GenerationParams

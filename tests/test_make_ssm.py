@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from specinfer.errors import UserError
 from specinfer.pool.make_ssm import make_ssm, parse_layers
-from specinfer.engine.runner import ModelRunner, chain_work
+from specinfer.engine.runtime.runner import ModelRunner, chain_work
 from util import save_tiny_llama
 
 TOKENS = [3, 17, 5, 60, 2, 9, 33, 41, 7, 7, 12, 50]

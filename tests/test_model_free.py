@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.lookup import PromptLookup
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import Proposal, Speculator, model_free_member
-from specinfer.engine.suffix import SuffixCache, SuffixSpeculator
-from specinfer.engine.tree import TokenTree, graft
-from specinfer.engine.workers import SpeculatorWorker
+from specinfer.engine.drafting.lookup import PromptLookup
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.drafting.speculator import Proposal, Speculator, model_free_member
+from specinfer.engine.drafting.suffix import SuffixCache, SuffixSpeculator
+from specinfer.engine.drafting.tree import TokenTree, graft
+from specinfer.engine.scheduling.workers import SpeculatorWorker
 from specinfer.errors import UserError
 from specinfer.params import SamplingParams, TreeShape
 

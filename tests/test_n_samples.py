@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from specinfer.engine.blocks import BlockAllocator, SequenceKV, cache_root
+from specinfer.engine.scheduling.blocks import BlockAllocator, SequenceKV, cache_root
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.scheduler import SchedulerConfig
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.scheduling.scheduler import SchedulerConfig
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, SamplingParams, TreeShape, sample_seed
 

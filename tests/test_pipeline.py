@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.pipeline import build_ahead, predicted_path, settle
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import SamplingNoise
-from specinfer.engine.speculator import Proposal, Speculator
+from specinfer.engine.drafting.pipeline import build_ahead, predicted_path, settle
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.verification.sampling import SamplingNoise
+from specinfer.engine.drafting.speculator import Proposal, Speculator
 from specinfer.params import SamplingParams, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from util import start_stack

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from specinfer.engine.dynamic import Calibration, SsmGain
+from specinfer.engine.drafting.dynamic import Calibration, SsmGain
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.policy import CostModel, LoadAwarePolicy, StepStats, batch_bucket
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy, StepStats, batch_bucket
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeBudget
 from specinfer.v1 import specinfer_pb2 as pb
 from util import start_stack
@@ -264,7 +264,7 @@ def test_the_guard_returns_to_speculation_within_seconds_after_a_noisy_phase(is_
     seconds, no wall clock). When speculation is faster again, a retry within `max_explore_s`
     is judged on fresh phases only and wins. Without forgetting (stale phases kept, retries
     backed off to one in 32 phases) it is still plain after 30 seconds."""
-    from specinfer.engine.guard import PLAIN, POLICY, SpeculationGuard
+    from specinfer.engine.scheduling.guard import PLAIN, POLICY, SpeculationGuard
 
     guard = SpeculationGuard() if is_forgetting else SpeculationGuard(max_explore_s=float("inf"),
                                                                       max_age_s=float("inf"))

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.processors import RequestLogits
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.verification.processors import RequestLogits
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.errors import UserError
 from specinfer.params import Constraint, SamplingParams, TreeShape
 
@@ -299,7 +299,7 @@ def test_constraint_without_a_grammar_engine_is_a_user_error(pair_runners):
 
 
 def test_min_p_drops_unlikely_tokens():
-    from specinfer.engine.sampling import warp_logits
+    from specinfer.engine.verification.sampling import warp_logits
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     kept = warp_logits(logits, replace(SamplingParams(1.0), min_p=0.4)).isfinite()[0].tolist()

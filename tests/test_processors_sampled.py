@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import model_free_member
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.params import Constraint, SamplingParams, TreeBudget, TreeShape
 from test_processors import CycleCompiler
 from test_stochastic_exact import BATCH, NUM_SAMPLES, NUM_TOKENS, PROMPT, VOCAB, FixedBudget, chi_square_pvalue
@@ -122,7 +122,7 @@ def test_processed_sampling_matches_the_processed_distribution(models, case):
 def test_penalties_that_ignore_the_path_fail_the_test(models, monkeypatch):
     """Teeth: a tree node penalised only for the committed output (not for its own path) samples
     the wrong distribution, and the test says so."""
-    from specinfer.engine import processors
+    from specinfer.engine.verification import processors
 
     monkeypatch.setattr(processors.TokenTree, "path_tokens", lambda self, node: [])
     counts = sample_counts(make_engine(models, False), "tree", SAMPLING, None)

@@ -16,10 +16,10 @@ import pytest
 from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.policy import CostModel, LoadAwarePolicy
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import Proposal
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.drafting.speculator import Proposal
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.limits import MODEL_FREE_MAX_NODES
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
+from specinfer.engine.drafting.tree import TokenTree
 from util import save_tiny_llama
 
 VARIANTS = {
@@ -156,7 +156,7 @@ def test_importing_the_kernels_leaves_the_environment_alone():
 def test_cost_model_calibrates_within_a_short_context(tmp_path):
     """A model whose context is shorter than the default calibration prefix plus its largest
     size still calibrates (the load-aware verifier starts on it) and frees what it used."""
-    from specinfer.engine.policy import CostModel
+    from specinfer.engine.scheduling.policy import CostModel
 
     path = save_tiny_llama(tmp_path / "m", seed=8, max_pos=64)
     runner = ModelRunner.from_dir(path, max_kv_tokens=1024, block_size=4)

@@ -10,10 +10,10 @@ from transformers.generation.logits_process import (
 )
 
 from specinfer.errors import UserError
-from specinfer.engine.sampling import SamplingNoise, sample, target_probs, warp_logits
+from specinfer.engine.verification.sampling import SamplingNoise, sample, target_probs, warp_logits
 from specinfer.params import SamplingParams
-from specinfer.engine.tree import TokenTree
-from specinfer.engine.acceptance import verify_tree
+from specinfer.engine.drafting.tree import TokenTree
+from specinfer.engine.verification.acceptance import verify_tree
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.5, 10, 0.8), (1.0, 3, 0.5)])

@@ -10,12 +10,12 @@ import pytest
 
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.loop import GenerationResult
-from specinfer.engine.verifier import Verifier
+from specinfer.engine.verification.verifier import Verifier
 from specinfer.errors import CapacityError
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import SamplingParams
-from specinfer.engine.scheduler import SchedulerConfig, Scheduler
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.scheduling.scheduler import SchedulerConfig, Scheduler
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.v1 import specinfer_pb2 as pb
 from util import start_stack, wait_until
 
@@ -132,8 +132,8 @@ def test_thousand_cancel_loops_leak_no_kv(tiny_pair):
 
 
 def test_kv_budget_parses_tokens_and_bytes():
-    from specinfer.engine.load import kv_budget_tokens, parse_kv_budget
-    from specinfer.engine.config import ModelConfig
+    from specinfer.engine.runtime.load import kv_budget_tokens, parse_kv_budget
+    from specinfer.engine.models.config import ModelConfig
     from specinfer.errors import UserError
 
     assert parse_kv_budget("65536") == (65536, 0)
@@ -191,7 +191,7 @@ def test_requests_joining_and_leaving_mid_flight_keep_greedy_outputs(tiny_pair, 
 
 def test_stopping_an_unthreaded_worker_ends_its_run_loop():
     """A service runs its worker loop on the main thread; SIGTERM stops it from another thread."""
-    from specinfer.engine.workers import BatchWorker
+    from specinfer.engine.scheduling.workers import BatchWorker
 
     worker = BatchWorker("test", lambda jobs: None, is_threaded=False)
     loop = threading.Thread(target=worker.run, daemon=True)
@@ -229,7 +229,7 @@ def test_model_passes_run_only_on_the_thread_that_runs_the_worker(tiny_pair, exe
 def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair):
     """One pass verifies three requests' trees; the middle one's verification is poisoned (sampling
     noise of the wrong vocabulary size). It fails alone; the others decode on, exactly."""
-    from specinfer.engine.sampling import SamplingNoise
+    from specinfer.engine.verification.sampling import SamplingNoise
 
     engine = Engine.from_runners(ModelRunner.from_dir(tiny_pair.llm))
     runner = ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=1024, block_size=8)

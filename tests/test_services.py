@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from util import LocalStack, start_stack, wait_for_every_tree, wait_until

@@ -461,7 +461,7 @@ def test_config_defaults_are_the_product_constants():
     assert v.max_kv_tokens == s.max_kv_tokens == limits.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
     assert v.max_batch == s.max_batch == limits.DEFAULT_MAX_BATCH
     assert v.host == s.host == settings.LOCAL_HOST
-    from specinfer.engine.scheduler import SchedulerConfig
+    from specinfer.engine.scheduling.scheduler import SchedulerConfig
 
     sc = SchedulerConfig()  # the verifier's scheduler flags default to the scheduler's own defaults
     assert (v.max_batch, v.token_budget, v.max_waiting, v.admission_timeout_s, v.max_sessions) == (
@@ -615,7 +615,7 @@ def test_config_paper_width_is_written_once():
 def test_config_serving_imports_neither_the_cli_nor_torch_for_the_cpu_runtime():
     for path in (ROOT / "specinfer" / "serving").glob("*.py"):
         assert "specinfer.cli" not in path.read_text(), path
-    code = ("import sys; import specinfer.engine.runtime, specinfer.serving.grpc_server, specinfer.serving.settings; "
+    code = ("import sys; import specinfer.engine.runtime.cpu, specinfer.serving.grpc_server, specinfer.serving.settings; "
             "assert 'torch' not in sys.modules and 'specinfer.cli' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
@@ -623,7 +623,7 @@ def test_config_serving_imports_neither_the_cli_nor_torch_for_the_cpu_runtime():
 def test_signal_stops_a_model_service_whose_worker_loop_runs_on_the_main_thread(monkeypatch):
     """`model_service_main`: the worker loop runs on the calling thread until SIGTERM has
     drained the server and stopped the loop; then `main` returns 0."""
-    from specinfer.engine import runtime
+    from specinfer.engine.runtime import cpu as runtime
     from specinfer.serving import logs
 
     monkeypatch.setattr(logs, "setup_logging", lambda service, level: None)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from services.verifier.speculators import SpeculationDriver, SpeculatorLink, SpeculatorPace
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.limits import SPECULATOR_DEADLINE_FLOOR_S, SPECULATOR_LATENCY_WINDOW
 from specinfer.params import TreeShape
 from specinfer.serving.trees import tree_to_proto

@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb

@@ -19,12 +19,12 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-import specinfer.engine.verifier
+import specinfer.engine.verification.verifier
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.policy import CostModel, LoadAwarePolicy
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import SamplingNoise, target_probs, warp_logits
-from specinfer.engine.speculator import model_free_member
+from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.verification.sampling import SamplingNoise, target_probs, warp_logits
+from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
 from util import perturbed_copy, save_tiny_llama
 
@@ -181,7 +181,7 @@ def test_one_noise_for_every_position_fails_the_test(models, monkeypatch):
 
 def test_a_tree_verified_against_the_warped_argmax_fails_the_test(models, monkeypatch):
     """Sampled trees must be verified against the LLM's sample, not its most likely token."""
-    monkeypatch.setattr(specinfer.engine.verifier, "sample",
+    monkeypatch.setattr(specinfer.engine.verification.verifier, "sample",
                         lambda logits, params, noise, positions: warp_logits(logits, params).argmax(-1).tolist())
     engine, params, shape = configured(models, "t0.7-p0.9-topk-tree")
     counts, _ = speculative_counts(engine, params, shape)
@@ -209,7 +209,7 @@ def test_sampled_speculation_outputs_exactly_what_sampling_alone_does(models, na
 def test_accepting_a_draft_the_llm_did_not_sample_breaks_the_equality(models, monkeypatch):
     """The equality has teeth: a verifier that also accepted the LLM's second most likely token
     would output something else."""
-    original = specinfer.engine.verifier.verify_tree
+    original = specinfer.engine.verification.verifier.verify_tree
 
     def lenient(tree, llm_tokens):
         llm_tokens = list(llm_tokens)
@@ -218,7 +218,7 @@ def test_accepting_a_draft_the_llm_did_not_sample_breaks_the_equality(models, mo
                 llm_tokens[node] = tree.tokens[tree.children[node][0]]
         return original(tree, llm_tokens)
 
-    monkeypatch.setattr(specinfer.engine.verifier, "verify_tree", lenient)
+    monkeypatch.setattr(specinfer.engine.verification.verifier, "verify_tree", lenient)
     with pytest.raises(AssertionError):
         test_sampled_speculation_outputs_exactly_what_sampling_alone_does(models, "t1-sampled-tree")
 

@@ -10,9 +10,9 @@ import re
 import pytest
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.load import load_grammars
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.speculator import model_free_member
+from specinfer.engine.runtime.load import load_grammars
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.errors import UserError
 from specinfer.params import Constraint, SamplingParams, TreeShape
 from specinfer.tokenizer import TextTokenizer

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.load import load_grammars
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.load import load_grammars
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import Constraint, SamplingParams
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb

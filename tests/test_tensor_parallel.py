@@ -19,11 +19,11 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.model import KVCache
-from specinfer.engine.parallel import GroupBroken, ParallelConfig, ShardSpec, build_shard, serve_worker
-from specinfer.engine.load import load_runner
-from specinfer.engine.runner import ModelRunner, Work
-from specinfer.engine.scheduler import SchedulerConfig
+from specinfer.engine.models.transformer import KVCache
+from specinfer.engine.runtime.parallel import GroupBroken, ParallelConfig, ShardSpec, build_shard, serve_worker
+from specinfer.engine.runtime.load import load_runner
+from specinfer.engine.runtime.runner import ModelRunner, Work
+from specinfer.engine.scheduling.scheduler import SchedulerConfig
 from specinfer.errors import UnavailableError, UserError
 from specinfer.params import SamplingParams, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
@@ -295,8 +295,8 @@ def test_torchrun_launches_the_verifier(models):
 def test_a_step_survives_its_trip_as_plain_tensors():
     """What ranks > 0 receive is the batch rank 0 ran: scattered context slots, index writes,
     and every kind of mask (none, causal, a tree under a visible prefix, a tree alone)."""
-    from specinfer.engine.model import ForwardBatch, SeqAttention
-    from specinfer.engine.parallel import decode_batch, encode_batch
+    from specinfer.engine.models.transformer import ForwardBatch, SeqAttention
+    from specinfer.engine.runtime.parallel import decode_batch, encode_batch
 
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     with_prefix = torch.cat([torch.ones(3, 5, dtype=torch.bool), tree], dim=1)

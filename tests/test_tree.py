@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from specinfer.engine.blocks import BlockAllocator, SequenceKV
+from specinfer.engine.scheduling.blocks import BlockAllocator, SequenceKV
 from specinfer.errors import CapacityError, UserError
-from specinfer.engine.tree import TokenTree, ancestor_rows, is_chain, merge_trees, visibility
+from specinfer.engine.drafting.tree import TokenTree, ancestor_rows, is_chain, merge_trees, visibility
 from specinfer.limits import parse_tree_width
-from specinfer.engine.acceptance import verify_tree
+from specinfer.engine.verification.acceptance import verify_tree
 
 
 def make_tree(edges: list[tuple[int, int]], root: int = 100) -> TokenTree:

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.model import KVCache, LlamaModel, SeqAttention
-from specinfer.engine.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
-from specinfer.engine.runner import ModelRunner, Work, chain_work
+from specinfer.engine.models.transformer import KVCache, LlamaModel, SeqAttention
+from specinfer.engine.runtime.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
+from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
 from specinfer.params import TreeShape
-from specinfer.engine.tree import ancestor_rows
+from specinfer.engine.drafting.tree import ancestor_rows
 
 triton = pytest.importorskip("triton")
 

@@ -8,7 +8,7 @@ import pytest
 
 from specinfer.client import GatewayClient
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runner import ModelRunner
+from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape
 from specinfer.tokenizer import TextTokenizer
 from specinfer.v1 import specinfer_pb2 as pb

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping
 
-from specinfer.engine.config import ExecConfig, parse_auto_switch
+from specinfer.engine.runtime.exec_config import ExecConfig, parse_auto_switch
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE,
@@ -84,7 +84,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     for flag in flags:
         add_flag(p, flag)
     a = read_flags(p, flags, argv, env)
-    from specinfer.engine.load import split_pool
+    from specinfer.engine.runtime.load import split_pool
 
     ssm_dirs, model_free = split_pool(a["ssm"], a["model_free"])
     if not ssm_dirs:

@@ -22,8 +22,8 @@ from specinfer.serving.trees import tree_to_proto
 from specinfer.serving.grpc_server import RunningServer, model_service_main, start_model_service
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.tracing import server_span
-from specinfer.engine.workers import SpeculatorWorker
-from specinfer.engine.speculator import Speculator, model_free_member
+from specinfer.engine.scheduling.workers import SpeculatorWorker
+from specinfer.engine.drafting.speculator import Speculator, model_free_member
 from specinfer.params import TreeShape
 from specinfer.limits import MAX_TREE_DEPTH, PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
@@ -122,8 +122,8 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, SpeculatorServicer]:
     """Loads the SSMs and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
-    from specinfer.engine.dtype_choice import load_ssm
-    from specinfer.engine.load import resolve_device
+    from specinfer.engine.runtime.dtype_choice import load_ssm
+    from specinfer.engine.runtime.load import resolve_device
 
     device = resolve_device(cfg.device)
     runners = [load_ssm(d, cfg.dtype, device, cfg.max_kv_tokens, cfg.execution, cache_dir=cfg.cache_dir)

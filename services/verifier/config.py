@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-from specinfer.engine.config import ExecConfig
+from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_IS_PREFIX_CACHING, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH,
@@ -75,7 +75,7 @@ class VerifierConfig:
 
 
 def _flags() -> list[Flag]:
-    from specinfer.engine.load import parse_kv_budget
+    from specinfer.engine.runtime.load import parse_kv_budget
 
     d = {f.name: f.default for f in fields(VerifierConfig)}
     dl = RequestLimits()
@@ -147,11 +147,11 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     kv_tokens, kv_bytes = a["kv_budget"]
     security = server_security(a, env)
     is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)
-    from specinfer.engine.parallel import ParallelConfig
+    from specinfer.engine.runtime.parallel import ParallelConfig
 
     parallel = ParallelConfig.from_env(a["tensor_parallel"], env)
     execution = ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"], offload=a["offload"])
-    from specinfer.engine.load import split_pool
+    from specinfer.engine.runtime.load import split_pool
 
     if a["ssm"] and a["speculator"]:
         raise UserError("--ssm (a pool in this process) and --speculator (speculator services): choose one")

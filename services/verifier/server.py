@@ -24,8 +24,8 @@ from services.verifier.config import VerifierConfig, parse_config
 from services.verifier.speculators import RemoteSpeculation, co_located_pool, pool_context
 from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.loop import DraftTree
-from specinfer.engine.scheduler import Scheduler, SchedulerConfig
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
 from specinfer.errors import UserError
@@ -153,10 +153,10 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
-    from specinfer.engine.config import ModelConfig
-    from specinfer.engine.load import kv_budget_tokens, load_runner, resolve_device
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.runtime.load import kv_budget_tokens, load_runner, resolve_device
 
-    from specinfer.engine.parallel import ParallelConfig, shard_config
+    from specinfer.engine.runtime.parallel import ParallelConfig, shard_config
 
     parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
     num_ranks = parallel.num_ranks if parallel else 1
@@ -184,8 +184,8 @@ def _take_down(server: RunningServer, reason: str) -> None:
 
 
 def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> tuple[RunningServer, VerifierServicer]:
-    from specinfer.engine.load import load_grammars, resolve_device
-    from specinfer.engine.verifier import Verifier
+    from specinfer.engine.runtime.load import load_grammars, resolve_device
+    from specinfer.engine.verification.verifier import Verifier
 
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
                                      cfg.max_message_bytes, cfg.speculator_security)
@@ -246,11 +246,11 @@ def _exit_after(seconds: float) -> None:
 
 
 def _serve_rank(argv: list[str] | None) -> int:
-    from specinfer.engine.load import kv_budget_tokens, resolve_device
-    from specinfer.engine.config import ModelConfig
-    from specinfer.engine.parallel import ShardSpec, serve_rank, shard_config
-    from specinfer.engine.runner import DEFAULT_BLOCK_SIZE
-    from specinfer.engine.runtime import configure_cpu_runtime
+    from specinfer.engine.runtime.load import kv_budget_tokens, resolve_device
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.runtime.parallel import ShardSpec, serve_rank, shard_config
+    from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
+    from specinfer.engine.runtime.cpu import configure_cpu_runtime
     from specinfer.errors import UserError
     from specinfer.serving.logs import setup_logging
 
@@ -261,7 +261,7 @@ def _serve_rank(argv: list[str] | None) -> int:
         shard = shard_config(ModelConfig.from_dir(cfg.model_dir), cfg.parallel.num_ranks)
         kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, shard, cfg.dtype)
         num_slots = -(-kv_tokens // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
-        from specinfer.engine.backend import resolve_exec
+        from specinfer.engine.runtime.backend import resolve_exec
 
         device = resolve_device(cfg.device)
         attention = resolve_exec(cfg.execution, device, is_parallel=True).attention  # as rank 0 resolves it

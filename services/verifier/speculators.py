@@ -25,8 +25,8 @@ import grpc
 
 from specinfer.engine.llm_engine import LocalSpeculation
 from specinfer.engine.loop import DraftTree
-from specinfer.engine.speculator import Speculator, model_free_member
-from specinfer.engine.tree import TokenTree, merge_trees
+from specinfer.engine.drafting.speculator import Speculator, model_free_member
+from specinfer.engine.drafting.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeBudget, TreeShape
 from specinfer.serving.convert import budget_to_proto, sampling_to_proto, shape_to_proto
@@ -459,8 +459,8 @@ def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, exec
     ("auto": the fastest here, `prefer` on ties, the measurement cached under `cache_dir`)."""
     from dataclasses import replace
 
-    from specinfer.engine.dtype_choice import load_ssm
-    from specinfer.engine.load import split_pool
+    from specinfer.engine.runtime.dtype_choice import load_ssm
+    from specinfer.engine.runtime.load import split_pool
 
     dirs, names = split_pool(entries, is_model_free=False)  # the configuration resolved the pool
     if not dirs and not names:

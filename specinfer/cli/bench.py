@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from specinfer.engine.load import ModelPaths
+from specinfer.engine.runtime.load import ModelPaths
 
 
 @dataclass
@@ -269,7 +269,7 @@ def summary(results: dict) -> dict:
 def resolved_ssm_dtypes(engine, paths: ModelPaths) -> tuple[list[str], dict | None]:
     """The dtype each SSM runs in, and, for those measured (`--ssm-dtype auto`), by SSM
     directory name: the choice and the milliseconds per pass of every candidate."""
-    from specinfer.engine.dtype_choice import dtype_name
+    from specinfer.engine.runtime.dtype_choice import dtype_name
 
     runners = engine.source.speculator.runners if engine.source is not None else []
     choices = {p.name: r.dtype_choice.to_json() for p, r in zip(paths.ssms, runners) if r.dtype_choice is not None}

@@ -36,7 +36,7 @@ def run_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.cli.bench import machine_info, print_report
     from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths
     from specinfer.engine.llm_engine import mode_params
-    from specinfer.engine.load import check_models, load_tokenizer
+    from specinfer.engine.runtime.load import check_models, load_tokenizer
     from specinfer.errors import UserError
 
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
@@ -133,7 +133,7 @@ def run_serving_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     from specinfer.cli.client import GatewayClient
     from specinfer.cli.commands import bench_prompts, resolve_paths
     from specinfer.cli.launcher import Stack, StackConfig, check_ports
-    from specinfer.engine.load import check_models, load_tokenizer
+    from specinfer.engine.runtime.load import check_models, load_tokenizer
     from specinfer.errors import UserError
 
     levels = [int(c) for c in str(args.concurrency).split(",")]

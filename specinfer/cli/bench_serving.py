@@ -128,8 +128,8 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
-    from specinfer.engine.dtype_choice import dtype_name
-    from specinfer.engine.load import load_engine, load_tokenizer, check_models
+    from specinfer.engine.runtime.dtype_choice import dtype_name
+    from specinfer.engine.runtime.load import load_engine, load_tokenizer, check_models
     from specinfer.engine.llm_engine import mode_params
     from specinfer.params import TreeShape
 
@@ -202,7 +202,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     from specinfer.cli.client import GatewayClient
     from specinfer.cli.commands import bench_prompts, resolve_paths
     from specinfer.cli.launcher import Stack, StackConfig, check_ports
-    from specinfer.engine.load import check_models
+    from specinfer.engine.runtime.load import check_models
     from specinfer.limits import parse_tree_width
 
     levels = _parse_levels(args.concurrency)

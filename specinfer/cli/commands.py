@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from specinfer.engine.load import (
+from specinfer.engine.runtime.load import (
     ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts, split_pool,
 )
 from specinfer.errors import UserError
@@ -55,7 +55,7 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     `auto` mode; the SSMs' measured dtype is cached under `cache_dir` and told on stderr.
     Returns (tokenizer, prompt ids, engine)."""
     from specinfer.engine.llm_engine import EngineConfig
-    from specinfer.engine.scheduler import SchedulerConfig
+    from specinfer.engine.scheduling.scheduler import SchedulerConfig
 
     llm_cfg, ssm_cfgs = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
@@ -75,7 +75,7 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
 
 def exec_config(args: argparse.Namespace):
     """`--attention`, `--cuda-graphs` and `--offload` as the engine's `ExecConfig`."""
-    from specinfer.engine.config import ExecConfig
+    from specinfer.engine.runtime.exec_config import ExecConfig
 
     return ExecConfig(attention=getattr(args, "attention", "auto"), cuda_graphs=getattr(args, "cuda_graphs", None),
                       offload=getattr(args, "offload", False))
@@ -83,7 +83,7 @@ def exec_config(args: argparse.Namespace):
 
 def tensor_parallel(args: argparse.Namespace):
     """`--tensor-parallel N`: a group of N ranks on this host whose rank 0 is this process."""
-    from specinfer.engine.parallel import ParallelConfig
+    from specinfer.engine.runtime.parallel import ParallelConfig
 
     num_ranks = getattr(args, "tensor_parallel", 1)
     if num_ranks < 1:

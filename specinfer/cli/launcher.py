@@ -428,14 +428,14 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
 
         ChatTemplate.from_file(chat_template, None, "--chat-template")
     from specinfer.cli.commands import exec_config
-    from specinfer.engine.backend import resolve_exec
-    from specinfer.engine.load import resolve_device
+    from specinfer.engine.runtime.backend import resolve_exec
+    from specinfer.engine.runtime.load import resolve_device
 
     resolve_exec(exec_config(args), resolve_device("auto"), args.tensor_parallel > 1)  # before any model is built or process starts
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
-    from specinfer.engine.load import check_models
+    from specinfer.engine.runtime.load import check_models
 
-    from specinfer.engine.parallel import check_divisible
+    from specinfer.engine.runtime.parallel import check_divisible
 
     llm_cfg, _ = check_models(paths)
     check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts

@@ -13,7 +13,7 @@ from pathlib import Path
 from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
 from specinfer.serving.shared_flags import resolve_declared
-from specinfer.engine.runtime import configure_cpu_runtime
+from specinfer.engine.runtime.cpu import configure_cpu_runtime
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_TREE_NODES, PAPER_TREE_WIDTH
 from specinfer.util import default_cache_dir

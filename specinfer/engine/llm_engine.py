@@ -19,18 +19,18 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 from specinfer import limits
-from specinfer.engine.guard import SpeculationGuard
+from specinfer.engine.scheduling.guard import SpeculationGuard
 from specinfer.engine.loop import (
     Drafts, DraftTree, Generation, GenerationResult, NoDrafts, StepObserver, WidthChoice, reserved_slots, run_step,
 )
-from specinfer.engine.policy import CostModel, LoadAwarePolicy
-from specinfer.engine.processors import RequestLogits
-from specinfer.engine.runner import ModelRunner
-from specinfer.engine.sampling import SamplingNoise, fresh_seed
-from specinfer.engine.scheduler import Scheduler, SchedulerConfig
-from specinfer.engine.speculator import Built, DraftSession, Proposal, Speculator
-from specinfer.engine.tree import TokenTree
-from specinfer.engine.verifier import Verifier
+from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
+from specinfer.engine.verification.processors import RequestLogits
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.verification.sampling import SamplingNoise, fresh_seed
+from specinfer.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from specinfer.engine.drafting.speculator import Built, DraftSession, Proposal, Speculator
+from specinfer.engine.drafting.tree import TokenTree
+from specinfer.engine.verification.verifier import Verifier
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, SamplingParams, TreeBudget, TreeShape
 

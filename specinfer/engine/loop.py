@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Protocol
 
-from specinfer.engine.guard import SpeculationGuard
-from specinfer.engine.policy import LoadAwarePolicy
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.scheduling.guard import SpeculationGuard
+from specinfer.engine.scheduling.policy import LoadAwarePolicy
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.params import GenerationParams, TreeBudget
 from specinfer.stats import GenerationStats
 

@@ -189,7 +189,7 @@ def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig
 def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress: bool,
                     batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One teacher-forced LLM pass per sequence: (top-1 ids, top-k ids, top-k probs) per position."""
-    from specinfer.engine.runner import chain_work
+    from specinfer.engine.runtime.runner import chain_work
 
     out = []
     with progress_bar(len(sequences), "LLM targets", progress) as bar:

@@ -141,8 +141,8 @@ def load_or_build_data(cfg: BoostConfig, state: Path, progress: bool) -> tuple[B
     if path.is_file():
         tensors = load_file(str(path))
         return BoostData.from_tensors(tensors, "train"), BoostData.from_tensors(tensors, "eval")
-    from specinfer.engine.config import ModelConfig
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.runtime.runner import ModelRunner
     from specinfer.tokenizer import TextTokenizer
 
     d = cfg.data
@@ -339,7 +339,7 @@ def load_model(model_dir: Path, device: str):
     """An SSM as a float32 transformers `LlamaForCausalLM` (safetensors only)."""
     from transformers import AutoModelForCausalLM
 
-    from specinfer.engine.checkpoint import safetensors_files
+    from specinfer.engine.models.checkpoint import safetensors_files
 
     safetensors_files(Path(model_dir))  # refuses pickle-only checkpoints with a UserError
     with quiet_transformers():
@@ -424,7 +424,7 @@ def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> BoostConfig:
-    from specinfer.engine.load import ModelPaths, check_models, resolve_device
+    from specinfer.engine.runtime.load import ModelPaths, check_models, resolve_device
 
     check_models(ModelPaths(args.llm, tuple(args.ssm)))  # dirs, architectures, same vocabulary
     data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,

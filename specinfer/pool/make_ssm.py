@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from specinfer.engine.config import ModelConfig
+from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
-from specinfer.engine.checkpoint import load_state_dict
+from specinfer.engine.models.checkpoint import load_state_dict
 from specinfer.util import staged_dir, write_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

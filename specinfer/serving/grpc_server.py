@@ -400,7 +400,7 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
     `build` returns (server, worker loop) with the worker not yet running. A UserError while
     loading (a missing checkpoint, no CUDA) is one log line and exit code 2; a port it cannot
     bind is one line naming the address and the setting that moves it, and EXIT_CANNOT_BIND."""
-    from specinfer.engine.runtime import configure_cpu_runtime
+    from specinfer.engine.runtime.cpu import configure_cpu_runtime
     from specinfer.serving.logs import setup_logging
 
     configure_cpu_runtime()  # before the first BLAS call, which is when MKL reads it

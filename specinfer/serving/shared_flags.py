@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import Mapping
 
-from specinfer.engine.config import ATTENTION_BACKENDS, parse_cuda_graphs
+from specinfer.engine.runtime.exec_config import ATTENTION_BACKENDS, parse_cuda_graphs
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, MODEL_DTYPES, SSM_DTYPES
 from specinfer.serving.settings import Flag, add_flag, one_of, parse_bool, resolve_flags
 

@@ -13,7 +13,7 @@ import math
 import torch
 
 from specinfer.errors import UserError
-from specinfer.engine.tree import Draft, TokenTree
+from specinfer.engine.drafting.tree import Draft, TokenTree
 from specinfer.limits import MAX_TREE_NODES
 from specinfer.v1 import specinfer_pb2 as pb
 

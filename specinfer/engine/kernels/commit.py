@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from specinfer.engine.kernels.tree_attention import HAS_TRITON, _next_pow2
-from specinfer.engine.model import KVCache
+from specinfer.engine.models.transformer import KVCache
 
 if HAS_TRITON:
     import triton

@@ -33,7 +33,7 @@ from specinfer.engine.kernels.tree_attention import (
     auto_num_splits,
     choose_block_m,
 )
-from specinfer.engine.model import ForwardBatch
+from specinfer.engine.models.transformer import ForwardBatch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_TREE_SIZES = (1, 16, 32, 64)

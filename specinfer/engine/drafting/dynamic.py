@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from specinfer.engine.sampling import SamplingNoise, perturbed, warp_logits
-from specinfer.engine.tree import ScoredTree, TokenTree
+from specinfer.engine.verification.sampling import SamplingNoise, perturbed, warp_logits
+from specinfer.engine.drafting.tree import ScoredTree, TokenTree
 from specinfer.limits import DYNAMIC_EXPAND_TOP_K, DYNAMIC_EXPAND_WIDTH
 from specinfer.params import SamplingParams, TreeBudget
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 
-from specinfer.engine.pipeline import build_ahead, settle
-from specinfer.engine.speculator import Built, DraftSession, Proposal, SSMTree, Speculator
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.drafting.pipeline import build_ahead, settle
+from specinfer.engine.drafting.speculator import Built, DraftSession, Proposal, SSMTree, Speculator
+from specinfer.engine.drafting.tree import TokenTree
 from specinfer.errors import UnavailableError
 from specinfer.limits import DEFAULT_MAX_BATCH
 from specinfer.params import SamplingParams, TreeBudget, TreeShape

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.engine.config import ModelConfig
+from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
@@ -85,11 +85,11 @@ def load_runner(model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str =
     this process is rank 0 of the group (its other ranks spawned here unless a launcher started
     them) and `runner.close()` stops them. `exec_cfg` (an `ExecConfig`) picks the attention
     backend, CUDA graphs and offloading."""
-    from specinfer.engine.backend import resolve_exec
-    from specinfer.engine.config import ExecConfig
-    from specinfer.engine.checkpoint import parse_dtype
-    from specinfer.engine.parallel import ShardSpec, check_divisible
-    from specinfer.engine.runner import DEFAULT_BLOCK_SIZE, ModelRunner
+    from specinfer.engine.runtime.backend import resolve_exec
+    from specinfer.engine.runtime.exec_config import ExecConfig
+    from specinfer.engine.models.checkpoint import parse_dtype
+    from specinfer.engine.runtime.parallel import ShardSpec, check_divisible
+    from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE, ModelRunner
 
     block_size = block_size or DEFAULT_BLOCK_SIZE
     if parallel is None or not parallel.is_parallel:
@@ -106,9 +106,9 @@ def load_runner(model_dir: str | Path, dtype: str = DEFAULT_DTYPE, device: str =
 def leader_runner(spec, pc, block_size: int):
     """Rank 0's `ModelRunner` (a `parallel.ShardSpec` and `ParallelConfig`): its model call and
     KV commits reach every rank first."""
-    from specinfer.engine.model import KVCache
-    from specinfer.engine.parallel import LeaderKV, LeaderModel, start_group
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.models.transformer import KVCache
+    from specinfer.engine.runtime.parallel import LeaderKV, LeaderModel, start_group
+    from specinfer.engine.runtime.runner import ModelRunner
 
     model, leader = start_group(spec, pc)
     kv = KVCache.allocate(model.cfg, spec.num_slots, model.dtype, model.device)
@@ -135,9 +135,9 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     stops them."""
     from dataclasses import replace
 
-    from specinfer.engine.backend import resolve_exec
-    from specinfer.engine.config import ExecConfig
-    from specinfer.engine.dtype_choice import load_ssm
+    from specinfer.engine.runtime.backend import resolve_exec
+    from specinfer.engine.runtime.exec_config import ExecConfig
+    from specinfer.engine.runtime.dtype_choice import load_ssm
     from specinfer.engine.llm_engine import Engine, EngineConfig
     device = resolve_device(device)
     exec_cfg = exec_cfg or ExecConfig()
@@ -145,7 +145,7 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     resolve_exec(exec_cfg, device, is_parallel)  # a flag that cannot apply fails before any weights load
     llm = load_runner(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens, parallel=parallel,
                       exec_cfg=exec_cfg)
-    from specinfer.engine.speculator import model_free_member
+    from specinfer.engine.drafting.speculator import model_free_member
 
     ssm_exec = replace(exec_cfg, offload=False)
     ssms = [load_ssm(p, ssm_dtype or dtype, device, max_kv_tokens, ssm_exec, prefer=dtype, cache_dir=cache_dir,
@@ -161,7 +161,7 @@ def load_grammars(model_dir: Path, llm_cfg: ModelConfig):
     checkpoint has no tokenizer.json or no EOS token (an output could not end where its grammar
     does), or where its tokenizer does not fit its vocabulary: then a request with a constraint
     is refused, and every other request runs as before."""
-    from specinfer.engine.grammar import GrammarCompiler
+    from specinfer.engine.verification.grammar import GrammarCompiler
 
     if not (Path(model_dir) / "tokenizer.json").is_file() or not llm_cfg.eos_token_ids:
         return None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.engine.model import LlamaModel
+from specinfer.engine.models.transformer import LlamaModel
 
 RESIDENT = ("embed", "norm", "lm_head")
 

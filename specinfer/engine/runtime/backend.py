@@ -1,6 +1,6 @@
 """Execution backends of a model runner: attention kernel, CUDA graphs, weight offloading.
 
-An `ExecConfig` (engine.config) is resolved once, when a model loads, into concrete choices
+An `ExecConfig` is resolved once, when a model loads, into concrete choices
 (`resolve_exec`), then installed on the loaded `ModelRunner` (`apply_exec`). The Triton backend
 verifies every request's token tree and prefill chunk of a step in one launch per layer, with
 the topology-aware mask as ancestor bits and K/V read in place from the paged cache, and
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specinfer.engine.config import ExecConfig
+from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 
 

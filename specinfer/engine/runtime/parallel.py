@@ -40,9 +40,9 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from specinfer.engine.config import ModelConfig
-from specinfer.engine.checkpoint import llama_weights, parse_dtype, safetensors_files
-from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.models.checkpoint import llama_weights, parse_dtype, safetensors_files
+from specinfer.engine.models.transformer import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.errors import UnavailableError, UserError
 
 log = logging.getLogger(__name__)

@@ -20,13 +20,13 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from specinfer.engine.blocks import SequenceKV
-from specinfer.engine.dynamic import BuiltTree, Calibration, DynamicBuild, SsmGain, learn
-from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import SamplingNoise, fresh_seed, perturbed, warp_logits
-from specinfer.engine.lookup import PromptLookup
-from specinfer.engine.suffix import SuffixCache, SuffixSpeculator
-from specinfer.engine.tree import ScoredTree, TokenTree, graft, merge_trees
+from specinfer.engine.scheduling.blocks import SequenceKV
+from specinfer.engine.drafting.dynamic import BuiltTree, Calibration, DynamicBuild, SsmGain, learn
+from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
+from specinfer.engine.verification.sampling import SamplingNoise, fresh_seed, perturbed, warp_logits
+from specinfer.engine.drafting.lookup import PromptLookup
+from specinfer.engine.drafting.suffix import SuffixCache, SuffixSpeculator
+from specinfer.engine.drafting.tree import ScoredTree, TokenTree, graft, merge_trees
 from specinfer.limits import MODEL_FREE_MAX_DEPTH, MODEL_FREE_MAX_NODES, MODEL_FREE_NAMES, SUFFIX_CACHE_TOKENS
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specinfer.engine.config import ModelConfig
+from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

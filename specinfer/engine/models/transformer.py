@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specinfer.engine.config import ModelConfig
-from specinfer.engine.rope import apply_rope, rope_tables
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.layers.rope import apply_rope, rope_tables
 
 
 @dataclass

@@ -40,7 +40,8 @@ from typing import Callable
 
 import torch
 
-from specinfer.engine.config import ExecConfig, ModelConfig
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.limits import AUTO_DTYPE, MODEL_DTYPES
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelCo
     fastest of at least `repeats` timed passes (more, up to `max_repeats`, until `min_seconds` of
     passes were timed; fewer, at least one, once `max_seconds` were). `make_runner(dtype)` builds
     a runner whose KV holds the trial context and the largest trial level."""
-    from specinfer.engine.runner import Work
+    from specinfer.engine.runtime.runner import Work
 
     sizes, context = trial_shapes(cfg)
     vocab = cfg.vocab_size
@@ -271,7 +272,7 @@ def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exe
                  prefer: str = "float32", cache_dir: Path | None = None, timer: TimePass = time_pass,
                  cpuinfo: str | None = None) -> DtypeChoice:
     """The cached choice for this machine and architecture, else one measured now (and cached)."""
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.runtime.runner import ModelRunner
 
     cands = candidates(device)
     key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo)
@@ -299,9 +300,9 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
     """An SSM's runner in `dtype`; with "auto", in the dtype `choose_dtype` picks (preferring
     `prefer`, the LLM's, on ties), reported on one line through `report` (default: logged) and
     kept as the runner's `dtype_choice`."""
-    from specinfer.engine.backend import resolve_exec
-    from specinfer.engine.checkpoint import llama_weights, load_state_dict
-    from specinfer.engine.runner import ModelRunner
+    from specinfer.engine.runtime.backend import resolve_exec
+    from specinfer.engine.models.checkpoint import llama_weights, load_state_dict
+    from specinfer.engine.runtime.runner import ModelRunner
 
     if dtype != AUTO_DTYPE:
         return ModelRunner.from_dir(model_dir, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specinfer.engine.tree import ScoredTree, TokenTree, add_paths, counted_tree
+from specinfer.engine.drafting.tree import ScoredTree, TokenTree, add_paths, counted_tree
 from specinfer.limits import LOOKUP_MAX_NGRAM, LOOKUP_MAX_PATHS, LOOKUP_MIN_NGRAM, SUFFIX_MAX_SOURCES
 
 

@@ -79,7 +79,7 @@ class CostModel:
         """Times one forward pass per size over a `context`-token prefix. The fastest of several
         repeats: start-up shares the CPU with other processes, and a slow outlier would inflate
         every larger size (costs are made monotone below)."""
-        from specinfer.engine.runner import Work
+        from specinfer.engine.runtime.runner import Work
 
         # Within the free KV slots and the model's own context (a small model may hold fewer
         # positions than the default prefix plus the largest size).

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specinfer.engine.blocks import BlockHash, SequenceKV
-from specinfer.engine.processors import RequestLogits
-from specinfer.engine.runner import ModelRunner, Work, chain_work
-from specinfer.engine.sampling import SamplingNoise, sample, token_logprobs
-from specinfer.engine.tree import TokenTree
-from specinfer.engine.acceptance import verify_tree
+from specinfer.engine.scheduling.blocks import BlockHash, SequenceKV
+from specinfer.engine.verification.processors import RequestLogits
+from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
+from specinfer.engine.verification.sampling import SamplingNoise, sample, token_logprobs
+from specinfer.engine.drafting.tree import TokenTree
+from specinfer.engine.verification.acceptance import verify_tree
 from specinfer.params import SamplingParams
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from specinfer import limits
-from specinfer.engine.tree import TokenTree, add_paths, subtree
+from specinfer.engine.drafting.tree import TokenTree, add_paths, subtree
 from specinfer.params import SamplingParams
 
 

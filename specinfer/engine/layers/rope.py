@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from specinfer.engine.config import ModelConfig, yarn_attention_factor
+from specinfer.engine.models.config import ModelConfig, yarn_attention_factor
 
 
 def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

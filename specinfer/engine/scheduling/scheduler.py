@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from specinfer import limits
-from specinfer.engine.blocks import BlockHash, block_hash, cache_root
-from specinfer.engine.sampling import SamplingNoise
-from specinfer.engine.tree import TokenTree
-from specinfer.engine.verifier import LLMState, Verifier
-from specinfer.engine.workers import BatchWorker, Job, WorkerMetrics
+from specinfer.engine.scheduling.blocks import BlockHash, block_hash, cache_root
+from specinfer.engine.verification.sampling import SamplingNoise
+from specinfer.engine.drafting.tree import TokenTree
+from specinfer.engine.verification.verifier import LLMState, Verifier
+from specinfer.engine.scheduling.workers import BatchWorker, Job, WorkerMetrics
 from specinfer.errors import CapacityError, UnavailableError
 from specinfer.params import SamplingParams
 

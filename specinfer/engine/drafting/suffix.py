@@ -20,8 +20,8 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from specinfer.engine.lookup import ContextIndex
-from specinfer.engine.tree import ScoredTree, TokenTree, counted_tree
+from specinfer.engine.drafting.lookup import ContextIndex
+from specinfer.engine.drafting.tree import ScoredTree, TokenTree, counted_tree
 from specinfer.limits import (
     SUFFIX_CACHE_TOKENS, SUFFIX_DEPTH_PER_MATCH, SUFFIX_MAX_PATTERN, SUFFIX_MAX_SOURCES, SUFFIX_MIN_PROB,
 )

@@ -17,7 +17,7 @@ rejection sampling; 0.78 and 0.77 for two) and makes the output independent of t
 
 from __future__ import annotations
 
-from specinfer.engine.tree import TokenTree
+from specinfer.engine.drafting.tree import TokenTree
 
 
 def verify_tree(tree: TokenTree, llm_tokens: list[int]) -> tuple[list[int], int]:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from specinfer.engine.runner import chain_work
-from specinfer.engine.speculator import Proposal, SSMState, SSMTree, Speculator
+from specinfer.engine.runtime.runner import chain_work
+from specinfer.engine.drafting.speculator import Proposal, SSMState, SSMTree, Speculator
 
 log = logging.getLogger(__name__)
 

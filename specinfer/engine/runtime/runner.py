@@ -15,13 +15,14 @@ from typing import Callable
 
 import torch
 
-from specinfer.engine.blocks import BlockAllocator, BlockHash, SequenceKV
-from specinfer.engine.config import ExecConfig, ModelConfig
+from specinfer.engine.scheduling.blocks import BlockAllocator, BlockHash, SequenceKV
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS
-from specinfer.engine.checkpoint import llama_weights, load_state_dict, parse_dtype
-from specinfer.engine.model import ForwardBatch, KVCache, LlamaModel, SeqAttention
-from specinfer.engine.tree import is_chain, visibility
+from specinfer.engine.models.checkpoint import llama_weights, load_state_dict, parse_dtype
+from specinfer.engine.models.transformer import ForwardBatch, KVCache, LlamaModel, SeqAttention
+from specinfer.engine.drafting.tree import is_chain, visibility
 
 DEFAULT_BLOCK_SIZE = DEFAULT_KV_BLOCK_SIZE
 
@@ -81,7 +82,7 @@ class ModelRunner:
         """Loads a checkpoint into one process (`load.load_runner` shards it over a tensor-parallel
         group). `exec_cfg` picks the attention backend, CUDA graphs and offloading (resolved for
         `device` here)."""
-        from specinfer.engine.backend import resolve_exec
+        from specinfer.engine.runtime.backend import resolve_exec
 
         cfg = ModelConfig.from_dir(model_dir)
         parse_dtype(dtype)  # an unknown dtype or flag fails before any weights are read
@@ -98,12 +99,12 @@ class ModelRunner:
         """A one-process runner over weights already read (`checkpoint.llama_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
         build runners in several dtypes."""
-        from specinfer.engine.backend import apply_exec, resolve_exec
+        from specinfer.engine.runtime.backend import apply_exec, resolve_exec
 
         torch_dtype = parse_dtype(dtype)
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
         if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
-            from specinfer.engine.offload import offload_model
+            from specinfer.engine.runtime.offload import offload_model
 
             model = offload_model(LlamaModel(cfg, weights, torch_dtype, "cpu"), device)
         else:

@@ -1,0 +1,1 @@
+"""Model definitions: configurations read from checkpoints, the decoder forward pass, weights."""
