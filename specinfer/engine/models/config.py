@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specinfer.errors import UserError
+from specinfer.model_source import ModelSource, resolve
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -110,17 +111,13 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise UserError(f"model directory not found: {path}")
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise UserError(f"no config.json in model directory {path}")
+    def from_dir(cls, model: str | Path | ModelSource) -> "ModelConfig":
+        """The config of a checkpoint directory or a GGUF file (`model_source.resolve`)."""
+        source = resolve(model)
         try:
-            raw = json.loads(cfg_path.read_text())
+            raw = json.loads(source.config_file.read_text())
         except json.JSONDecodeError as exc:
-            raise UserError(f"malformed config.json in {path}: {exc}") from exc
+            raise UserError(f"malformed config.json in {source.path}: {exc}") from exc
         return cls.from_dict(raw)
 
 
