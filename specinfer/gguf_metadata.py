@@ -209,7 +209,8 @@ def hf_config(arch: str, values: dict, gguf_tensors: dict, tensors: tuple[Tensor
     config = {
         "architectures": [hf_arch],
         "model_type": model_type,
-        "vocab_size": int(key("vocab_size") or len(tokens) or _rows(tensors, "model.embed_tokens.weight")),
+        # the embedding's rows where the file does not say: a tokenizer may name fewer tokens
+        "vocab_size": int(key("vocab_size") or _rows(tensors, "model.embed_tokens.weight") or len(tokens)),
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
@@ -225,6 +226,8 @@ def hf_config(arch: str, values: dict, gguf_tensors: dict, tensors: tuple[Tensor
     }
     rope = {"rope_theta": float(key("rope.freq_base", 10000.0)), "rope_type": "default", **_rope_scaling(key)}
     extra = _FAMILY_CONFIG[arch](key, config, rope, gguf_tensors, names)
+    if arch in ("qwen2", "phi3"):  # their configs have no head_dim: it is hidden_size / heads
+        config.pop("head_dim")
     return {**config, **extra}
 
 
@@ -278,8 +281,12 @@ def _llama_config(key, config, rope, gguf_tensors, names) -> dict:
             "mlp_bias": "model.layers.0.mlp.gate_proj.bias" in names}
 
 
-def _qwen_config(key, config, rope, gguf_tensors, names) -> dict:
-    return {"hidden_act": "silu", "rope_parameters": rope, "use_sliding_window": False,
+def _qwen2_config(key, config, rope, gguf_tensors, names) -> dict:
+    return {"hidden_act": "silu", "rope_parameters": rope, "use_sliding_window": False}
+
+
+def _qwen3_config(key, config, rope, gguf_tensors, names) -> dict:
+    return {**_qwen2_config(key, config, rope, gguf_tensors, names),
             "attention_bias": "model.layers.0.self_attn.q_proj.bias" in names}
 
 
@@ -319,7 +326,7 @@ def _phi3_config(key, config, rope, gguf_tensors, names) -> dict:
     out = {"hidden_act": "silu", "rope_parameters": rope}
     rotary = key("rope.dimension_count")
     if rotary and int(rotary) != config["head_dim"]:
-        rope["partial_rotary_factor"] = int(rotary) / config["head_dim"]
+        out["partial_rotary_factor"] = rope["partial_rotary_factor"] = int(rotary) / config["head_dim"]
     if key("attention.sliding_window"):
         out["sliding_window"] = int(key("attention.sliding_window"))
     if "rope_factors_long.weight" in gguf_tensors:
@@ -334,7 +341,7 @@ def _phi3_config(key, config, rope, gguf_tensors, names) -> dict:
     return out
 
 
-_FAMILY_CONFIG = {"llama": _llama_config, "qwen2": _qwen_config, "qwen3": _qwen_config,
+_FAMILY_CONFIG = {"llama": _llama_config, "qwen2": _qwen2_config, "qwen3": _qwen3_config,
                   "gemma3": _gemma3_config, "phi3": _phi3_config}
 
 

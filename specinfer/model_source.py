@@ -81,7 +81,8 @@ def resolve(path: str | Path | ModelSource, cache_dir: Path | None = None) -> Mo
     """The `ModelSource` of a checkpoint directory or a GGUF file; UserError, saying what is
     supported, for anything else. A GGUF's metadata files are made on first use, under
     `cache_dir` (default: `specinfer.util.default_cache_dir()`), else, where that cannot be
-    written, under the temporary directory."""
+    written, under the temporary directory; a process resolves a file once, so the commands and
+    services that have a cache directory flag resolve their models with it first."""
     if isinstance(path, ModelSource):
         return path
     path = Path(path)
@@ -91,7 +92,7 @@ def resolve(path: str | Path | ModelSource, cache_dir: Path | None = None) -> Mo
         raise UserError(f"model not found: {path} (give a checkpoint directory with config.json, or a .gguf file)")
     _check_model_file(path)
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, str(cache_dir))
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)  # the first resolution's cache_dir holds
     with _lock:  # one thread makes a file's metadata; the others wait and reuse it
         if key not in _resolved:
             _resolved[key] = ModelSource(path, _gguf_meta_dir(path, cache_dir), path)
