@@ -66,6 +66,18 @@ class ModelSource:
         path = self.meta_dir / "tokenizer.json"
         return path if path.is_file() else None
 
+    def read_config(self) -> dict:
+        """config.json as a dict; UserError, saying what a model is, when there is none or it is malformed."""
+        if not self.config_file.is_file():
+            ggufs = sorted(p.name for p in self.path.glob("*.gguf"))
+            hint = f"; it holds {', '.join(ggufs[:3])}: give the .gguf file itself" if ggufs else ""
+            raise UserError(f"no config.json in model directory {self.path} (a model is a checkpoint directory with "
+                            f"config.json, or a .gguf file){hint}")
+        try:
+            return json.loads(self.config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"malformed config.json in {self.path}: {exc}") from exc
+
     def no_tokenizer(self) -> UserError:
         if self.is_gguf:
             return UserError(f"{self.path} has no tokenizer this loader can build (no tokenizer.ggml.* metadata, "
@@ -86,26 +98,17 @@ def resolve(path: str | Path | ModelSource, cache_dir: Path | None = None) -> Mo
     if isinstance(path, ModelSource):
         return path
     path = Path(path)
-    if path.is_dir():
-        return _checkpoint_dir(path)
+    if path.is_dir():  # its config.json is checked where a config is needed (a tokenizer alone serves a gateway)
+        return ModelSource(path, path)
     if not path.exists():
         raise UserError(f"model not found: {path} (give a checkpoint directory with config.json, or a .gguf file)")
     _check_model_file(path)
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)  # the first resolution's cache_dir holds
     with _lock:  # one thread makes a file's metadata; the others wait and reuse it
-        if key not in _resolved:
+        if key not in _resolved or not _is_complete(_resolved[key].meta_dir):  # made, and not deleted since
             _resolved[key] = ModelSource(path, _gguf_meta_dir(path, cache_dir), path)
         return _resolved[key]
-
-
-def _checkpoint_dir(path: Path) -> ModelSource:
-    if not (path / "config.json").is_file():
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        hint = f"; it holds {', '.join(ggufs[:3])}: give the .gguf file itself" if ggufs else ""
-        raise UserError(f"no config.json in model directory {path} (a model is a checkpoint directory with "
-                        f"config.json, or a .gguf file){hint}")
-    return ModelSource(path, path)
 
 
 def _check_model_file(path: Path) -> None:

@@ -117,7 +117,7 @@ def quantized(hf: dict[str, torch.Tensor], qtype: str, cfg: dict) -> tuple[dict,
         w = t.float().numpy()
         kind = Q.F32 if w.ndim == 1 else Q[qtype]  # norms stay F32, as llama.cpp keeps them
         ref[name] = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(encode(w, kind), kind)))
-        heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"] if "k_proj" in name else 0
+        heads = {"q_proj": cfg["num_attention_heads"], "k_proj": cfg["num_key_value_heads"]}.get(name.split(".")[-2], 0)
         out[gguf_name(name)] = (np.ascontiguousarray(encode(permute(w, heads) if heads else w, kind)), kind)
     return out, ref
 
@@ -145,7 +145,8 @@ def models(tmp_path_factory):
     out = {"root": root, "hf": hf_dir, "cfg": cfg, "tok": tok}
     for qtype in TYPES:
         tensors, ref = quantized(load_file(str(hf_dir / "model.safetensors")), qtype, cfg)
-        out[qtype] = (write_gguf(root / f"tiny-{qtype}.gguf", cfg, tensors, tok), save_reference(hf_dir, ref, root / f"ref-{qtype}"))
+        out[qtype] = (write_gguf(root / f"tiny-{qtype}.gguf", cfg, tensors, tok),
+                      save_reference(hf_dir, ref, root / f"ref-{qtype}"))
     tensors, ref = quantized(load_file(str(ssm_dir / "model.safetensors")), "Q8_0", cfg)
     out["ssm"] = (write_gguf(root / "ssm-Q8_0.gguf", cfg, tensors, tok), save_reference(hf_dir, ref, root / "ssm-ref"))
     return out
@@ -219,6 +220,25 @@ def test_speculative_with_gguf_llm_and_ssm_decodes_what_the_directories_do(model
     assert generate(capsys, llm, "--ssm", ssm) == expected  # dynamic trees with the model-free members
     assert generate(capsys, llm, "--ssm", ssm, "--mode", "tree", "--tree-width", "2,2,1") == expected
     assert generate(capsys, llm_ref, "--ssm", ssm_ref, "--mode", "tree", "--tree-width", "2,2,1") == expected
+
+
+def test_services_serve_gguf_files(models):
+    """Gateway (tokenizer and chat template from the GGUF, no torch), verifier and speculator,
+    each given a .gguf: the text the in-process engine decodes from the reference directories."""
+    from specinfer.engine.llm_engine import Engine, mode_params
+    from specinfer.engine.runtime.runner import ModelRunner
+    from specinfer.tokenizer import TextTokenizer
+    from specinfer.v1 import specinfer_pb2 as pb
+    from util import start_stack
+
+    (llm, llm_ref), (ssm, ssm_ref) = models["Q4_1"], models["ssm"]
+    engine = Engine.from_runners(ModelRunner.from_dir(llm_ref), [ModelRunner.from_dir(ssm_ref)])
+    tokenizer = TextTokenizer.from_dir(llm_ref)
+    with start_stack(llm, [ssm], gateway={}, is_load_aware=False) as stack:
+        for prompt in ("def add(a, b", "class Foo"):
+            resp = stack.gateway_stub.Generate(pb.GenerateRequest(prompt=prompt, max_tokens=24), timeout=60)
+            expected = engine.generate(tokenizer.encode(prompt), mode_params("incremental", 24)).output_ids
+            assert list(resp.token_ids) == expected and resp.text == tokenizer.decode(expected)
 
 
 def test_tensor_parallel_shards_equal_the_directory_s(models):
@@ -433,14 +453,14 @@ def test_unsupported_architecture_is_a_clear_error(models, capsys, tmp_path):
 
 
 def test_unsupported_tensor_type_is_a_clear_error(models, capsys, tmp_path):
+    from specinfer.engine.models.config import ModelConfig
+
     tensors, _ = quantized(load_file(str(models["hf"] / "model.safetensors")), "F32", models["cfg"])
     name = "blk.0.ffn_up.weight"
     tensors[name] = (tensors[name][0].astype(np.int32), Q.I32)
     err = run_error(capsys, write_gguf(tmp_path / "i32.gguf", models["cfg"], tensors, models["tok"]))
     assert name in err and "I32" in err and "Q4_K" in err
-    with pytest.raises(UserError, match="I32"):
-        from specinfer.engine.models.config import ModelConfig
-
+    with pytest.raises(UserError, match="I32"):  # before any weights load
         ModelConfig.from_dir(tmp_path / "i32.gguf")
 
 

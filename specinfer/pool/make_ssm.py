@@ -161,7 +161,7 @@ def make_ssm(llm_dir: str | Path, out_dir: str | Path, layers: str, mlp_keep: fl
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
         raise UserError(f"output directory {out_dir} is not empty (pass --overwrite to replace it)")
     source = resolve(llm_dir)  # a GGUF's metadata files are its config and tokenizer; its weights dequantized
-    raw = json.loads(source.config_file.read_text())
+    raw = source.read_config()
     tensors = cut_state_dict(load_state_dict(source), cfg, spec)
     with staged_dir(out_dir) as tmp:
         write_checkpoint(tmp, tensors, cut_config(raw, cfg, spec), source.meta_dir)

@@ -7,7 +7,6 @@ dataclass so that model code never touches raw JSON.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,12 +112,7 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model: str | Path | ModelSource) -> "ModelConfig":
         """The config of a checkpoint directory or a GGUF file (`model_source.resolve`)."""
-        source = resolve(model)
-        try:
-            raw = json.loads(source.config_file.read_text())
-        except json.JSONDecodeError as exc:
-            raise UserError(f"malformed config.json in {source.path}: {exc}") from exc
-        return cls.from_dict(raw)
+        return cls.from_dict(resolve(model).read_config())
 
 
 def _parse_rope(raw: dict) -> RopeConfig:

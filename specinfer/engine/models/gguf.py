@@ -64,7 +64,8 @@ class GGUFTensors:
         entry = self.entries[name]
         raw = self.data[entry.offset:entry.offset + entry.num_bytes]
         if len(raw) != entry.num_bytes:
-            raise UserError(f"{self.source.path} is truncated: tensor {entry.gguf_name!r} ends past the end of the file")
+            raise UserError(f"{self.source.path} is truncated: tensor {entry.gguf_name!r} ends past the end of the "
+                            "file")
         tensor = fix_tensor(self.arch, name, dequantize(raw, entry), self.config)
         self.bar.update(1)
         return tensor if self.dtype is None else tensor.to(self.dtype)
