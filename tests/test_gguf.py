@@ -264,6 +264,26 @@ def test_make_ssm_from_a_gguf_cuts_what_the_directory_gives(models, tmp_path):
     assert TextTokenizer.from_dir(ours).encode(CORPUS[0]) == TextTokenizer.from_dir(theirs).encode(CORPUS[0])
 
 
+def test_boost_tune_of_a_gguf_pool_trains_what_the_directories_train(models, tmp_path):
+    from specinfer.pool.boost_data import DataConfig
+    from specinfer.pool.boost_tune import BoostConfig, TrainConfig, boost_tune
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("".join(CORPUS) * 4)
+    data = DataConfig(num_prompts=6, eval_prompts=2, prompt_tokens=16, continuation_tokens=8, kl_top_k=0)
+    train = TrainConfig(steps=3, batch_size=2, lr=3e-3, warmup_steps=1, checkpoint_every=2)
+    runs = {}
+    for kind, (llm, ssm) in {"gguf": (models["Q8_0"][0], models["ssm"][0]),
+                             "dir": (models["Q8_0"][1], models["ssm"][1])}.items():
+        cfg = BoostConfig(llm=llm, ssms=(ssm,), corpus=(corpus,), out=tmp_path / kind, data=data, train=train)
+        runs[kind] = boost_tune(cfg, progress=False)["ssms"][0]
+    tuned = {k: load_file(str(Path(r["checkpoint"]) / "model.safetensors")) for k, r in runs.items()}
+    assert Path(runs["gguf"]["checkpoint"]).name == "ssm-0-ssm-Q8_0"  # a checkpoint directory named after the file
+    assert set(tuned["gguf"]) == set(tuned["dir"])
+    assert all(torch.equal(tuned["gguf"][k], tuned["dir"][k]) for k in tuned["dir"])
+    assert runs["gguf"]["eval_agreement_after"] == runs["dir"]["eval_agreement_after"]
+
+
 def test_transformers_model_of_a_gguf_has_the_directory_s_weights(models):
     from specinfer.pool.hf_model import load_hf_model
 

@@ -91,8 +91,9 @@ class BoostConfig:
                 "corpus": [str(c) for c in self.corpus], "data": asdict(self.data), "train": asdict(self.train)}
 
     def ssm_names(self) -> list[str]:
-        return [f"ssm-{i}-{p.resolve().stem if p.suffix == '.gguf' else p.resolve().name}"
-                for i, p in enumerate(self.ssms)]
+        from specinfer.model_source import resolve
+
+        return [f"ssm-{i}-{resolve(p.resolve()).name}" for i, p in enumerate(self.ssms)]
 
 
 StepHook = Callable[[int, int], None]  # (ssm index, steps done) after every optimizer step
