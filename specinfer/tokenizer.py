@@ -1,5 +1,5 @@
-"""Tokenizer loading (HF `tokenizer.json`); the gateway's streaming detokenizer is in
-services/gateway/stops.py.
+"""Tokenizer loading (HF `tokenizer.json`, or a GGUF's, made from its metadata); the gateway's
+streaming detokenizer is in services/gateway/stops.py.
 
 SSMs must share the LLM's vocabulary (SpecInfer Section 3: the SSM proposes token ids that the
 LLM verifies), so `check_same_vocab` compares the two tokenizers' vocabularies.
@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from specinfer.errors import UserError
+from specinfer.model_source import ModelSource, resolve
 
 
 class TextTokenizer:
@@ -22,13 +23,14 @@ class TextTokenizer:
         self.bos_token_id = bos_token_id
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, eos_token_ids: tuple[int, ...] = ()) -> "TextTokenizer":
-        path = Path(model_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise UserError(f"no tokenizer.json in {model_dir}")
-        tok = Tokenizer.from_file(str(path))
+    def from_dir(cls, model: str | Path | ModelSource, eos_token_ids: tuple[int, ...] = ()) -> "TextTokenizer":
+        """The tokenizer of a checkpoint directory or a GGUF file (`model_source.resolve`)."""
+        source = resolve(model)
+        if source.tokenizer_file is None:
+            raise source.no_tokenizer()
+        tok = Tokenizer.from_file(str(source.tokenizer_file))
         bos = None
-        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        cfg_path = source.meta_dir / "tokenizer_config.json"
         if cfg_path.is_file():
             cfg = json.loads(cfg_path.read_text())
             if cfg.get("add_bos_token") and cfg.get("bos_token"):
@@ -53,9 +55,9 @@ class TextTokenizer:
 
 
 def check_same_vocab(llm_dir: str | Path, ssm_dir: str | Path) -> None:
-    """Raises UserError if both directories ship tokenizers with different vocabularies."""
-    a, b = Path(llm_dir) / "tokenizer.json", Path(ssm_dir) / "tokenizer.json"
-    if not (a.is_file() and b.is_file()):
+    """Raises UserError if both models ship tokenizers with different vocabularies."""
+    a, b = resolve(llm_dir).tokenizer_file, resolve(ssm_dir).tokenizer_file
+    if a is None or b is None:
         return
     if Tokenizer.from_file(str(a)).get_vocab() != Tokenizer.from_file(str(b)).get_vocab():
         raise UserError(f"SSM {ssm_dir} has a different vocabulary from the LLM {llm_dir}")

@@ -2,7 +2,8 @@
 
 The template comes from the checkpoint's `tokenizer_config.json` (`chat_template`: a string, or
 a list of named templates of which "default" is used) or a `chat_template.jinja` file beside
-it, the way Hugging Face tokenizers ship them; or from a file the gateway is given
+it, the way Hugging Face tokenizers ship them (a GGUF's `tokenizer.chat_template`, through the
+files `specinfer.model_source` makes of its metadata); or from a file the gateway is given
 (`--chat-template`, as vLLM takes it), which overrides the checkpoint's, so a base model that
 ships none can serve chat. Its `bos_token` and `eos_token` are still the checkpoint's. It is
 checked when the gateway starts: a missing, unreadable or invalid file stops it there. It is
@@ -22,6 +23,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from specinfer.errors import UserError
+from specinfer.model_source import resolve
 
 TEMPLATE_FILE = "chat_template.jinja"
 
@@ -43,8 +45,9 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ChatTemplate | None":
-        """The checkpoint's template, or None when it has none; UserError if it is unreadable."""
-        model_dir = Path(model_dir)
+        """The model's template (a checkpoint directory's, or a GGUF's `tokenizer.chat_template`),
+        or None when it has none; UserError if it is unreadable."""
+        model_dir = resolve(model_dir).meta_dir
         cfg = _tokenizer_config(model_dir)
         source = cfg.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": "default", "template": "..."}]
@@ -67,7 +70,7 @@ class ChatTemplate:
             raise UserError(f"{flag}: cannot read the chat template {path}: {reason}") from None
         if not source.strip():
             raise UserError(f"{flag}: the chat template {path} is empty")
-        cfg = _tokenizer_config(Path(model_dir)) if model_dir is not None else {}
+        cfg = _tokenizer_config(resolve(model_dir).meta_dir) if model_dir is not None else {}
         template = cls(source, _special_token(cfg, "bos_token"), _special_token(cfg, "eos_token"))
         try:
             _compile(source)

@@ -40,7 +40,7 @@ class GatewayConfig:
     pool: PoolConfig = field(default_factory=PoolConfig)  # finding the verifiers and following their health
     http_port: int = 0  # the OpenAI-compatible HTTP API; 0 = off (the stacks we ship set HTTP_PORT)
     redis_url: str | None = None  # None = embedded in-memory store
-    model_dir: Path | None = None  # LLM checkpoint directory; only its tokenizer is loaded
+    model_dir: Path | None = None  # the LLM's checkpoint directory or GGUF file; only its tokenizer is loaded
     chat_template: Path | None = None  # a Jinja file overriding the checkpoint's chat template
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked before anything goes downstream
     default_deadline_s: float = DEFAULT_DEADLINE_S  # when the client sets no deadline
@@ -95,7 +95,8 @@ def _flags() -> list[Flag]:
         Flag("--redis-url", "SPECINFER_REDIS_URL", str, d["redis_url"], "redis://host:port/db; unset = in-memory store"),
         port_flag("--http-port", "SPECINFER_HTTP_PORT", d["http_port"],
                   f"OpenAI-compatible HTTP API port; 0 = off (specinfer up, compose and Kubernetes use {HTTP_PORT})"),
-        Flag("--model-dir", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (for its tokenizer)"),
+        Flag("--model-dir", "SPECINFER_MODEL_DIR", Path, None,
+             "the LLM's checkpoint directory or .gguf file (for its tokenizer and chat template)"),
         Flag("--chat-template", "SPECINFER_CHAT_TEMPLATE", Path, None,
              "a Jinja chat template file for /v1/chat/completions, overriding the checkpoint's (a base model "
              "without one can then serve chat)"),
@@ -148,7 +149,8 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
     flags = _flags()
     a = read_flags(build_parser(flags), flags, argv, env)
     if a["model_dir"] is None:
-        raise UserError("the gateway needs the LLM's directory for its tokenizer: --model-dir or SPECINFER_MODEL_DIR")
+        raise UserError("the gateway needs the LLM (its directory or .gguf file) for its tokenizer: --model-dir or "
+                        "SPECINFER_MODEL_DIR")
     if a["chat_template"] is not None:  # checked now: a bad file stops the gateway before it serves
         ChatTemplate.from_file(a["chat_template"], a["model_dir"], "--chat-template (SPECINFER_CHAT_TEMPLATE)")
     VerifierTargets.parse(a["verifier_addr"], "--verifier-addr (SPECINFER_VERIFIER_ADDR)")  # now, not per request

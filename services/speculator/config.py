@@ -53,8 +53,8 @@ class SpeculatorConfig:
 def _flags() -> list[Flag]:
     d = {f.name: f.default for f in fields(SpeculatorConfig)}
     return [
-        Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory, or a model-free speculator "
-             "(lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated; lookup and "
+        Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory or .gguf file, or a model-free "
+             "speculator (lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated; lookup and "
              "suffix join the pool unless one is named", is_list=True),
         model_free_flag("the pool this speculator hosts"),
         Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
@@ -88,7 +88,8 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
 
     ssm_dirs, model_free = split_pool(a["ssm"], a["model_free"])
     if not ssm_dirs:
-        raise UserError("the speculator needs at least one SSM directory: --ssm or SPECINFER_SSM_DIRS")
+        raise UserError("the speculator needs at least one SSM (a directory or .gguf file): --ssm or "
+                        "SPECINFER_SSM_DIRS")
     return SpeculatorConfig(
         ssm_dirs=ssm_dirs, model_free=model_free, suffix_cache_tokens=a["suffix_cache_tokens"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
         cache_dir=default_cache_dir(a["cache_dir"], env),

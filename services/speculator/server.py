@@ -17,6 +17,7 @@ import grpc
 
 from services.speculator.config import SpeculatorConfig, parse_config
 from specinfer.errors import UserError
+from specinfer.model_source import resolve
 from specinfer.serving.convert import budget_from_proto, sampling_from_proto, shape_from_proto
 from specinfer.serving.trees import tree_to_proto
 from specinfer.serving.grpc_server import RunningServer, model_service_main, start_model_service
@@ -126,6 +127,8 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
     from specinfer.engine.runtime.load import resolve_device
 
     device = resolve_device(cfg.device)
+    for ssm in cfg.ssm_dirs:  # a GGUF's metadata files under this service's cache directory
+        resolve(ssm, cfg.cache_dir)
     runners = [load_ssm(d, cfg.dtype, device, cfg.max_kv_tokens, cfg.execution, cache_dir=cfg.cache_dir)
                for d in cfg.ssm_dirs]
     if len({r.cfg.vocab_size for r in runners}) != 1:

@@ -80,12 +80,13 @@ def _flags() -> list[Flag]:
     d = {f.name: f.default for f in fields(VerifierConfig)}
     dl = RequestLimits()
     return [
-        Flag("--model", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory (required)"),
+        Flag("--model", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory or .gguf file (required)"),
         Flag("--speculator", "SPECINFER_SPECULATORS", str, d["speculators"],
              "speculator gRPC target, repeatable; the variable is comma-separated", is_list=True),
         Flag("--ssm", "SPECINFER_VERIFIER_SSMS", str, (), "speculate in this process (no speculator): an SSM "
-             "directory, lookup or suffix; repeatable, comma-separated in the variable; lookup and suffix join "
-             "the pool unless one is named (default without --speculator: them alone); none: no speculation",
+             "directory or .gguf file, lookup or suffix; repeatable, comma-separated in the variable; lookup and "
+             "suffix join the pool unless one is named (default without --speculator: them alone); none: no "
+             "speculation",
              is_list=True),
         model_free_flag("the pool this process hosts"),
         Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
@@ -143,7 +144,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
                    help="always use the default tree shape instead of load-aware shapes (env SPECINFER_LOAD_AWARE=0)")
     a = read_flags(p, flags, argv, env)
     if a["model"] is None:
-        raise UserError("the verifier needs the LLM's directory: --model or SPECINFER_MODEL_DIR")
+        raise UserError("the verifier needs the LLM (a directory or .gguf file): --model or SPECINFER_MODEL_DIR")
     kv_tokens, kv_bytes = a["kv_budget"]
     security = server_security(a, env)
     is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)

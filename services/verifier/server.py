@@ -30,6 +30,7 @@ from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
 from specinfer.errors import UserError
 from specinfer.logprobs import space_for
+from specinfer.model_source import resolve
 from specinfer.serving.convert import (
     finish_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto, stats_to_proto,
 )
@@ -158,6 +159,7 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
 
     from specinfer.engine.runtime.parallel import ParallelConfig, shard_config
 
+    resolve(cfg.model_dir, cfg.cache_dir)  # a GGUF's metadata files under this service's cache directory
     parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
     num_ranks = parallel.num_ranks if parallel else 1
     # A byte budget is per device: each rank holds 1/N of the KV heads.

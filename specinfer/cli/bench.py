@@ -78,13 +78,14 @@ class _TransformersArms:
 
     def __init__(self, paths: ModelPaths, dtype: str, ssm_dtype: str, device: str):
         import torch
-        from transformers import AutoModelForCausalLM
+
+        from specinfer.pool.hf_model import load_hf_model
 
         self.torch = torch
         self.device = device
-        self.llm = AutoModelForCausalLM.from_pretrained(paths.llm, dtype=getattr(torch, dtype)).to(device).eval()
+        self.llm = load_hf_model(paths.llm, getattr(torch, dtype), device)
         # The assistant runs in the same dtype as our SSMs, so both sides get the same help.
-        self.ssm = AutoModelForCausalLM.from_pretrained(paths.ssms[0], dtype=getattr(torch, ssm_dtype)).to(device).eval()
+        self.ssm = load_hf_model(paths.ssms[0], getattr(torch, ssm_dtype), device)
         self.num_calls = 0
         self.llm.register_forward_hook(self._count)
 

@@ -13,12 +13,14 @@ from specinfer.engine.runtime.load import (
 )
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_IS_PREFIX_CACHING, parse_tree_width
+from specinfer.model_source import resolve
 
 
 def resolve_paths(
     args: argparse.Namespace, cache_dir: Path, ssm_needed_by: str = "",
 ) -> tuple[ModelPaths, Path | None]:
-    """The model directories from the flags, or the demo models (built on first use).
+    """The models from the flags (checkpoint directories or GGUF files), or the demo models
+    (built on first use).
 
     Returns the paths and, for the demo models, their held-out prompts file. With
     `ssm_needed_by` (what needs them, e.g. "the stack"), no SSM at all is a `UserError`.
@@ -37,6 +39,8 @@ def resolve_paths(
         paths, demo_prompts = ModelPaths(args.llm, ssm_dirs, model_free), None
     if ssm_needed_by and not paths.ssms and not paths.model_free:
         raise UserError(f"{ssm_needed_by} needs at least one --ssm")
+    for model in (paths.llm, *paths.ssms):  # a GGUF's metadata files under --cache-dir; a bad path fails here
+        resolve(model, cache_dir)
     return paths, demo_prompts
 
 

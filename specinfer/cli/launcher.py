@@ -362,10 +362,11 @@ def _exec_args(cfg: StackConfig) -> list[str]:
 
 def add_up_parser(sub) -> None:
     up = sub.add_parser("up", help="start speculator(s), verifier and gateway on localhost")
-    up.add_argument("--llm", type=Path, help="LLM directory (default: demo models)")
+    up.add_argument("--llm", type=Path, help="LLM checkpoint directory or .gguf file (default: demo models)")
     up.add_argument("--ssm", type=Path, action="append", default=[],
-                    help="SSM directory, or lookup / suffix (model-free speculators); repeatable; both model-free "
-                         "members join the pool unless one is named or --no-model-free is given; none: no pool")
+                    help="SSM directory or .gguf file, or lookup / suffix (model-free speculators); repeatable; both "
+                         "model-free members join the pool unless one is named or --no-model-free is given; none: no "
+                         "pool")
     add_model_free_flag(up)
     up.add_argument("--co-located", action="store_true",
                     help="the verifier hosts the SSMs itself (the default: --num-speculators 0)")

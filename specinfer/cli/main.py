@@ -29,11 +29,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--llm", type=Path, help="LLM checkpoint directory (default: the built-in demo models)")
+    p.add_argument("--llm", type=Path,
+                   help="LLM checkpoint directory or .gguf file (default: the built-in demo models)")
     p.add_argument("--ssm", type=Path, action="append", default=[],
-                   help="SSM checkpoint directory, or a model-free speculator: lookup (n-grams of the request's "
-                        "own context) or suffix (its context and recent outputs); repeatable. Both model-free "
-                        "members join the pool unless one is named or --no-model-free is given; none: no pool")
+                   help="SSM checkpoint directory or .gguf file, or a model-free speculator: lookup (n-grams of the "
+                        "request's own context) or suffix (its context and recent outputs); repeatable. Both "
+                        "model-free members join the pool unless one is named or --no-model-free is given; none: "
+                        "no pool")
     add_model_free_flag(p)
     add_dtype_flags(p)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")

@@ -91,7 +91,9 @@ class BoostConfig:
                 "corpus": [str(c) for c in self.corpus], "data": asdict(self.data), "train": asdict(self.train)}
 
     def ssm_names(self) -> list[str]:
-        return [f"ssm-{i}-{p.resolve().name}" for i, p in enumerate(self.ssms)]
+        from specinfer.model_source import resolve
+
+        return [f"ssm-{i}-{resolve(p.resolve()).name}" for i, p in enumerate(self.ssms)]
 
 
 StepHook = Callable[[int, int], None]  # (ssm index, steps done) after every optimizer step
@@ -336,25 +338,23 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
 
 
 def load_model(model_dir: Path, device: str):
-    """An SSM as a float32 transformers `LlamaForCausalLM` (safetensors only)."""
-    from transformers import AutoModelForCausalLM
+    """An SSM (a checkpoint directory, safetensors only, or a GGUF file) as a float32
+    transformers model."""
+    from specinfer.pool.hf_model import load_hf_model
 
-    from specinfer.engine.models.checkpoint import safetensors_files
-
-    safetensors_files(Path(model_dir))  # refuses pickle-only checkpoints with a UserError
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
-    return model.to(device).eval()
+    return load_hf_model(model_dir, torch.float32, device)
 
 
 def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
-    """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer; `boost.json` last."""
+    """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer (a GGUF's, as
+    built from its metadata); `boost.json` last."""
+    from specinfer.model_source import resolve
     from specinfer.pool.make_ssm import copy_tokenizer_files
 
     with staged_dir(out_dir) as tmp:
         with quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
-        copy_tokenizer_files(Path(source), tmp)
+        copy_tokenizer_files(resolve(source).meta_dir, tmp)
     write_json(out_dir / DONE_NAME, entry)
 
 
@@ -396,9 +396,10 @@ def _rate(hits: torch.Tensor, mask: torch.Tensor) -> float:
 def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
     d, t = DataConfig(), TrainConfig()
     p = subparsers.add_parser("boost-tune", help="collective boost-tuning of an SSM pool on the LLM's own outputs")
-    p.add_argument("--llm", type=Path, required=True, help="LLM checkpoint directory")
+    p.add_argument("--llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
     p.add_argument("--ssm", type=Path, action="append", required=True,
-                   help="SSM checkpoint directory (repeatable; pool order: SSM 1 first)")
+                   help="SSM checkpoint directory or .gguf file (repeatable; pool order: SSM 1 first); the tuned "
+                        "SSMs are written as checkpoint directories")
     p.add_argument("--corpus", type=Path, nargs="+", required=True, help="text files, or directories (their *.py)")
     p.add_argument("--exclude", type=Path, nargs="*", default=[], help="corpus files to leave out")
     p.add_argument("--out", type=Path, required=True, help="output directory")

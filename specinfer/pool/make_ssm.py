@@ -15,7 +15,9 @@ The result is an ordinary Hugging Face checkpoint (``config.json`` with the new
 ``num_hidden_layers``/``intermediate_size``, ``model.safetensors``, ``generation_config.json`` and
 the LLM's tokenizer files), plus ``make_ssm.json`` recording where it came from. Such a model is
 usually a poor speculator as cut; collective boost-tuning (``specinfer boost-tune``,
-`specinfer.pool.boost_tune`) is what makes it agree with the LLM. Safetensors only.
+`specinfer.pool.boost_tune`) is what makes it agree with the LLM. The LLM may be a checkpoint
+directory (safetensors only) or a GGUF file, whose weights are cut dequantized (float32, or the
+file's F16/BF16) and whose tokenizer is the one built from its metadata.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.engine.models.checkpoint import load_state_dict
+from specinfer.model_source import resolve
 from specinfer.util import staged_dir, write_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -157,10 +160,11 @@ def make_ssm(llm_dir: str | Path, out_dir: str | Path, layers: str, mlp_keep: fl
         raise UserError("--out must differ from --from-llm")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
         raise UserError(f"output directory {out_dir} is not empty (pass --overwrite to replace it)")
-    raw = json.loads((llm_dir / "config.json").read_text())
-    tensors = cut_state_dict(load_state_dict(llm_dir), cfg, spec)
+    source = resolve(llm_dir)  # a GGUF's metadata files are its config and tokenizer; its weights dequantized
+    raw = source.read_config()
+    tensors = cut_state_dict(load_state_dict(source), cfg, spec)
     with staged_dir(out_dir) as tmp:
-        write_checkpoint(tmp, tensors, cut_config(raw, cfg, spec), llm_dir)
+        write_checkpoint(tmp, tensors, cut_config(raw, cfg, spec), source.meta_dir)
         write_json(tmp / PROVENANCE_NAME, {
             "from_llm": str(llm_dir.resolve()), "layers": list(spec.layers), "mlp_keep": spec.mlp_keep,
             "llm_num_layers": cfg.num_layers, "llm_intermediate_size": cfg.intermediate_size,
@@ -194,7 +198,7 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 
 def add_make_ssm_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("make-ssm", help="cut an SSM from the LLM's own layers (optionally pruned)")
-    p.add_argument("--from-llm", type=Path, required=True, help="LLM checkpoint directory")
+    p.add_argument("--from-llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
     p.add_argument("--layers", required=True,
                    help="N = the first N layers, or indices like 0,1,7 or 0-2,7 (kept in ascending order)")
     p.add_argument("--mlp-keep", type=float, default=1.0,

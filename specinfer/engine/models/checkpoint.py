@@ -1,19 +1,24 @@
-"""Loads Llama-family weights from a local Hugging Face checkpoint directory (safetensors only).
+"""Loads Llama-family weights from a local Hugging Face checkpoint directory (safetensors only)
+or a GGUF file (`specinfer.model_source` says which a path is).
 
 Both a single `model.safetensors` and a sharded `model.safetensors.index.json` are read. Pickled
-`.bin` checkpoints are refused: loading them would execute arbitrary code.
+`.bin` checkpoints are refused: loading them would execute arbitrary code. A GGUF's tensors are
+dequantized from the file as they are read (`gguf.py`).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import safe_open
 
 from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.models.gguf import GGUFTensors
 from specinfer.errors import UserError
+from specinfer.model_source import ModelSource, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,13 +52,28 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise UserError(f"no *.safetensors weights in {model_dir}")
 
 
-def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint, on CPU, in their stored dtype."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(Path(model_dir)):
+def open_checkpoint(model: str | Path | ModelSource, dtype: torch.dtype | None = None) -> Iterator:
+    """The checkpoint's tensor files, each open while it is iterated: handles with `keys()`,
+    `get_tensor(name)` and `get_slice(name)` (safetensors' `safe_open`, or `GGUFTensors`, which
+    dequantizes a GGUF's tensors to `dtype` as they are read)."""
+    source = resolve(model)
+    if source.is_gguf:
+        with GGUFTensors(source, dtype) as f:
+            yield f
+        return
+    for path in safetensors_files(source.path):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
+            yield f
+
+
+def load_state_dict(model: str | Path | ModelSource, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint, on CPU, under their Hugging Face names: a checkpoint
+    directory's in their stored dtype; a GGUF's dequantized to `dtype` (None: block types to
+    float32, float types as stored)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for f in open_checkpoint(model, dtype):
+        for name in f.keys():
+            tensors[name] = f.get_tensor(name)
     return tensors
 
 

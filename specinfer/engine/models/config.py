@@ -7,12 +7,12 @@ dataclass so that model code never touches raw JSON.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specinfer.errors import UserError
+from specinfer.model_source import ModelSource, resolve
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
@@ -110,18 +110,9 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise UserError(f"model directory not found: {path}")
-        cfg_path = path / "config.json"
-        if not cfg_path.is_file():
-            raise UserError(f"no config.json in model directory {path}")
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise UserError(f"malformed config.json in {path}: {exc}") from exc
-        return cls.from_dict(raw)
+    def from_dir(cls, model: str | Path | ModelSource) -> "ModelConfig":
+        """The config of a checkpoint directory or a GGUF file (`model_source.resolve`)."""
+        return cls.from_dict(resolve(model).read_config())
 
 
 def _parse_rope(raw: dict) -> RopeConfig:

@@ -1,4 +1,5 @@
-"""Wiring shared by the CLI and the services: model directories in, a ready engine out.
+"""Wiring shared by the CLI and the services: model paths (checkpoint directories or GGUF files)
+in, a ready engine out.
 
 Everything here validates input before loading weights, so bad flags fail fast with a
 `UserError` (CLI exit code 2, gRPC INVALID_ARGUMENT).
@@ -14,6 +15,7 @@ from pathlib import Path
 from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
+from specinfer.model_source import resolve
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
 
 log = logging.getLogger(__name__)
@@ -158,12 +160,12 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
 
 def load_grammars(model_dir: Path, llm_cfg: ModelConfig):
     """Structured output over the LLM's tokenizer (a `grammar.GrammarCompiler`); None where the
-    checkpoint has no tokenizer.json or no EOS token (an output could not end where its grammar
-    does), or where its tokenizer does not fit its vocabulary: then a request with a constraint
-    is refused, and every other request runs as before."""
+    model has no tokenizer or no EOS token (an output could not end where its grammar does), or
+    where its tokenizer does not fit its vocabulary: then a request with a constraint is
+    refused, and every other request runs as before."""
     from specinfer.engine.verification.grammar import GrammarCompiler
 
-    if not (Path(model_dir) / "tokenizer.json").is_file() or not llm_cfg.eos_token_ids:
+    if resolve(model_dir).tokenizer_file is None or not llm_cfg.eos_token_ids:
         return None
     try:
         return GrammarCompiler(model_dir, llm_cfg.vocab_size, llm_cfg.eos_token_ids)

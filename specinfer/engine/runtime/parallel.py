@@ -38,10 +38,9 @@ from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from specinfer.engine.models.config import ModelConfig
-from specinfer.engine.models.checkpoint import llama_weights, parse_dtype, safetensors_files
+from specinfer.engine.models.checkpoint import llama_weights, open_checkpoint, parse_dtype
 from specinfer.engine.models.transformer import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.errors import UnavailableError, UserError
 
@@ -130,23 +129,24 @@ def _slicer(name: str, cfg: ModelConfig, rank: int, num_ranks: int) -> tuple[int
     return None
 
 
-def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, num_ranks: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s weights in the runner's fused layout, reading only its slices of each tensor."""
+def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, num_ranks: int,
+               dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s weights in the runner's fused layout, reading only its slices of each tensor
+    (a GGUF's tensors are dequantized whole, to `dtype`, and sliced)."""
     check_divisible(cfg, num_ranks)
     state: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                how = _slicer(name, cfg, rank, num_ranks)
-                if how == "skip":
-                    continue
-                if how is None:
-                    state[name] = f.get_tensor(name)
-                    continue
-                dim, size = how
-                part = f.get_slice(name)
-                lo, hi = rank * size, (rank + 1) * size
-                state[name] = part[lo:hi] if dim == 0 else part[:, lo:hi]
+    for f in open_checkpoint(model_dir, dtype):
+        for name in f.keys():
+            how = _slicer(name, cfg, rank, num_ranks)
+            if how == "skip":
+                continue
+            if how is None:
+                state[name] = f.get_tensor(name)
+                continue
+            dim, size = how
+            part = f.get_slice(name)
+            lo, hi = rank * size, (rank + 1) * size
+            state[name] = part[lo:hi] if dim == 0 else part[:, lo:hi]
     return llama_weights(shard_config(cfg, num_ranks), state)
 
 
@@ -400,8 +400,9 @@ def build_shard(spec: ShardSpec, pc: ParallelConfig) -> tuple[LlamaModel, ShardG
     check_divisible(cfg, pc.num_ranks)
     device = rank_device(spec.device, pc.local_rank)
     group = ShardGroup(pc, device)
-    model = LlamaModel(shard_config(cfg, pc.num_ranks), load_shard(spec.model_dir, cfg, pc.rank, pc.num_ranks),
-                       parse_dtype(spec.dtype), device)
+    dtype = parse_dtype(spec.dtype)
+    model = LlamaModel(shard_config(cfg, pc.num_ranks), load_shard(spec.model_dir, cfg, pc.rank, pc.num_ranks, dtype),
+                       dtype, device)
     model.group = group
     if spec.attention == "triton":  # metadata from each step's masks, built on every rank
         from specinfer.engine.kernels.tree_attention import TritonAttention

@@ -79,16 +79,18 @@ class ModelRunner:
         max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
-        """Loads a checkpoint into one process (`load.load_runner` shards it over a tensor-parallel
-        group). `exec_cfg` picks the attention backend, CUDA graphs and offloading (resolved for
-        `device` here)."""
+        """Loads a checkpoint directory or a GGUF file into one process (`load.load_runner`
+        shards it over a tensor-parallel group). `exec_cfg` picks the attention backend, CUDA
+        graphs and offloading (resolved for `device` here)."""
         from specinfer.engine.runtime.backend import resolve_exec
 
         cfg = ModelConfig.from_dir(model_dir)
-        parse_dtype(dtype)  # an unknown dtype or flag fails before any weights are read
+        torch_dtype = parse_dtype(dtype)  # an unknown dtype or flag fails before any weights are read
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
-        return cls.from_weights(cfg, llama_weights(cfg, load_state_dict(model_dir)), dtype, device, max_kv_tokens,
-                                block_size, ex)
+        # a GGUF's tensors are dequantized straight to the compute dtype (a whole float32 copy of
+        # a large quantized model would not fit where the model does)
+        return cls.from_weights(cfg, llama_weights(cfg, load_state_dict(model_dir, torch_dtype)), dtype, device,
+                                max_kv_tokens, block_size, ex)
 
     @classmethod
     def from_weights(

@@ -54,6 +54,7 @@ from tokenizers import Tokenizer
 
 from specinfer import limits
 from specinfer.errors import UserError
+from specinfer.model_source import ModelSource, resolve
 from specinfer.params import Constraint
 
 NUM_COMPILE_WORKERS = 2  # threads that compile; a compile past its timeout holds one until it ends
@@ -247,13 +248,15 @@ class GrammarCompiler:
     bounded by `timeout_s`, and caches them (LRU by `Constraint.key`). Thread-safe: a key
     compiled by several threads at once compiles once."""
 
-    def __init__(self, tokenizer_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+    def __init__(self, model: str | Path | ModelSource, vocab_size: int, eos_token_ids: tuple[int, ...],
                  timeout_s: float = limits.DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S,
                  cache_size: int = limits.DEFAULT_GRAMMAR_CACHE_SIZE, num_workers: int = NUM_COMPILE_WORKERS):
-        path = Path(tokenizer_dir) / "tokenizer.json"
-        if not path.is_file():
-            raise UserError(f"no tokenizer.json in {tokenizer_dir}")
-        self._setup(Tokenizer.from_file(str(path)), vocab_size, eos_token_ids, timeout_s, cache_size, num_workers)
+        """Over the tokenizer of a checkpoint directory or a GGUF file (`model_source.resolve`)."""
+        source = resolve(model)
+        if source.tokenizer_file is None:
+            raise source.no_tokenizer()
+        self._setup(Tokenizer.from_file(str(source.tokenizer_file)), vocab_size, eos_token_ids, timeout_s,
+                    cache_size, num_workers)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
