@@ -127,17 +127,17 @@ def _slicer(name: str, cfg: ModelConfig, rank: int, num_ranks: int) -> tuple[int
     def share(size: int, offset: int = 0) -> tuple[int, int]:
         return offset + rank * size, offset + (rank + 1) * size
 
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # fused names first: they end like the parts
+        q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+        return 0, [share(q_part), share(kv_part, q_rows), share(kv_part, q_rows + kv_rows)]
+    if name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+        return 0, [share(mlp_part), share(mlp_part, cfg.intermediate_size)]
     if name.endswith(("q_proj.weight", "q_proj.bias")):
         return 0, [share(q_part)]
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
         return 0, [share(kv_part)]
-    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-        q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
-        return 0, [share(q_part), share(kv_part, q_rows), share(kv_part, q_rows + kv_rows)]
     if name.endswith(("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias")):
         return 0, [share(mlp_part)]
-    if name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-        return 0, [share(mlp_part), share(mlp_part, cfg.intermediate_size)]
     if name.endswith("o_proj.weight"):
         return 1, [share(q_part)]
     if name.endswith("down_proj.weight"):
