@@ -365,6 +365,28 @@ def test_make_ssm_prunes_fused_gate_up_channels(fams):
     torch.testing.assert_close(r.run([chain_work(r.new_sequence(), prompt, "all")])[0], ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_boost_tune_trains_every_family(fams, tmp_path, name):
+    """boost-tune trains the cut SSM with transformers; the tuned checkpoint it saves is read by
+    the engine exactly as transformers reads it."""
+    from specinfer.pool.boost_data import DataConfig
+    from specinfer.pool.boost_tune import BoostConfig, TrainConfig, boost_tune
+
+    fam = fams[name]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(CORPUS))
+    data = DataConfig(num_prompts=4, eval_prompts=2, prompt_tokens=16, continuation_tokens=8, gen_batch_size=4)
+    train = TrainConfig(steps=2, batch_size=2, lr=1e-2, warmup_steps=1, checkpoint_every=2)
+    summary = boost_tune(BoostConfig(fam.llm, (fam.ssm,), (corpus,), tmp_path / "out", data, train), progress=False)
+    tuned = tmp_path / "out" / summary["ssms"][0]["name"]
+    assert ModelConfig.from_dir(tuned).layer_types == ModelConfig.from_dir(fam.ssm).layer_types
+    prompt = PROMPTS[2]
+    r = runner(tuned)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tuned, dtype=torch.float32).eval()(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(r.run([chain_work(r.new_sequence(), prompt, "all")])[0], ref, rtol=1e-5, atol=1e-5)
+
+
 # ---- Triton kernel (interpreter on CPU) -------------------------------------------------------------
 
 

@@ -141,8 +141,13 @@ def cache_key(cfg: ModelConfig, device, attention: str, prefer: str, cands: list
         "attention": attention,
         "prefer": prefer,
         "candidates": list(cands),
-        "model": {name: getattr(cfg, name) for name in ARCHITECTURE_FIELDS},
+        "model": {name: _plain(getattr(cfg, name)) for name in ARCHITECTURE_FIELDS},
     }
+
+
+def _plain(value):
+    """A config value as JSON reads it back (tuples are lists there), so a cached key compares equal."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def key_id(key: dict) -> str:

@@ -187,7 +187,7 @@ class ModelRunner:
         )
         batch.window_seqs, batch.window_starts = windows.finish(seqs)
         if tree is not None:
-            tree.prepare(batch.seqs, requests, device, batch.window_seqs)
+            tree.prepare(batch.seqs, requests, device, window_seqs=batch.window_seqs)
         return batch, spans
 
     @staticmethod
