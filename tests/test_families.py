@@ -321,6 +321,35 @@ def test_longrope_refuses_what_it_cannot_run_exactly(fams):
         r.prefill(r.new_sequence(), list(range(5, 70)))
 
 
+def test_bfloat16_gemma3_computes_as_transformers_does_in_bfloat16(fams):
+    """Gemma's norms in float32 with (1 + w), the embedding scale rounded to the model's dtype."""
+    fam = fams["gemma3"]
+    r = runner(fam.llm, dtype="bfloat16")
+    ours = r.run([chain_work(r.new_sequence(), PROMPTS[2], "all")])[0]
+    hf = AutoModelForCausalLM.from_pretrained(fam.llm, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPTS[2]])).logits[0].float()
+    torch.testing.assert_close(ours, ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_offloaded_and_auto_dtype_paths_take_the_families(fams, tmp_path):
+    """Offloading (its CPU bookkeeping mode) streams Gemma's per-type RoPE and embedding scale
+    along; the SSM's dtype is measured and cached per family."""
+    from specinfer.engine.runtime import dtype_choice as dc
+    from specinfer.engine.runtime.offload import StreamedWeights, offload_model
+
+    fam = fams["gemma3"]
+    resident, streamed = runner(fam.llm), runner(fam.llm)
+    assert isinstance(offload_model(streamed.model, "cpu").w, StreamedWeights)
+    outs = [r.run([chain_work(r.new_sequence(), PROMPTS[0], "all")])[0] for r in (resident, streamed)]
+    assert torch.equal(outs[0], outs[1])
+    ssm = dc.load_ssm(fams["phi3"].ssm, "auto", "cpu", 512, cache_dir=tmp_path)
+    (entry,) = json.loads((tmp_path / dc.CACHE_FILE).read_text()).values()
+    assert entry["key"]["model"]["family"] == "phi3" and ssm.dtype_choice.dtype == entry["dtype"]
+    assert dc.load_ssm(fams["phi3"].ssm, "auto", "cpu", 512, cache_dir=tmp_path).dtype_choice.is_cached
+
+
 # ---- make-ssm -----------------------------------------------------------------------------------------
 
 

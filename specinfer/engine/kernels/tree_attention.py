@@ -13,6 +13,9 @@ whole batch of requests with different prefix lengths and tree sizes:
   queries, and only the S = L - C scratch keys (the tree) need a mask, stored as one bit per
   (query, scratch key) in int64 words, ceil(S / 64) words per query. A 64-node tree costs 64
   words per request instead of a 64 x L bool matrix.
+* Sliding-window layers (Gemma 3's local layers, Mistral, Qwen2/Qwen3, Phi-3) reuse the step's
+  metadata: launched with `window`, each query row also skips keys before its own first visible
+  one (`lows`, from the runner), and every tile's key loop starts at its rows' earliest such key.
 * Metadata (slot lists, bit words, the tile schedule) is built once per forward step by
   `build_metadata` / `metadata_from_seqs` and reused by every layer (`TritonAttention` caches it).
 * Online softmax (flash attention) with fp32 accumulation; grouped-query attention packs the G

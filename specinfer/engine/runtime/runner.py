@@ -4,7 +4,9 @@ This is the one place where bookkeeping becomes tensors (`prepare`). A work item
 tokens to a sequence after its committed prefix and any scratch tokens already written this step.
 Each new token may attend to the whole committed prefix plus its ancestors among the scratch
 tokens: SpecInfer's topology-aware causal mask (Section 4.2). A plain chain (prefill, decode) is
-the degenerate tree whose every node has the previous one as parent.
+the degenerate tree whose every node has the previous one as parent. A model with sliding-window
+layers also gets, once per step, the view those layers attend through (`ForwardBatch.window_seqs`
+and `window_starts`): each token sees only the keys at most window - 1 positions before it.
 """
 
 from __future__ import annotations
@@ -293,7 +295,7 @@ class _Windows:
             self.is_hiding = True
             self.seqs.append(seq if self.is_tree else windowed(seq, starts, self.device))
 
-    def finish(self, seqs: list[SeqAttention]) -> tuple[list[SeqAttention] | None, list[int] | None]:
+    def finish(self, seqs: list[SeqAttention]) -> tuple[list[SeqAttention], list[int] | None]:
         if not self.is_hiding:
             return seqs, None
         return self.seqs, self.all_starts
