@@ -63,8 +63,8 @@ from specinfer.engine.kernels.tree_attention import (  # noqa: E402
     metadata_from_seqs,
     tree_attention,
 )
-from specinfer.engine.models.checkpoint import llama_weights, load_state_dict  # noqa: E402
-from specinfer.engine.models.transformer import KVCache, LlamaModel, SeqAttention  # noqa: E402
+from specinfer.engine.models.checkpoint import engine_weights, load_state_dict  # noqa: E402
+from specinfer.engine.models.transformer import DecoderModel, KVCache, SeqAttention  # noqa: E402
 from specinfer.engine.runtime.offload import OffloadConfig, offload_model, should_offload, weight_bytes  # noqa: E402
 from specinfer.engine.runtime.runner import ModelRunner  # noqa: E402
 from specinfer.params import TreeShape  # noqa: E402
@@ -209,11 +209,12 @@ def make_attention_batch(batch: int, prefix: int, n: int, heads: int, kv_heads: 
 
 
 def sdpa_reference(q, k, v, seqs, heads, kv_heads):
-    """`LlamaModel.attention` (the engine's SDPA path with dense masks), bound to a stand-in."""
+    """`DecoderModel.attention` (the engine's SDPA path with dense masks), bound to a stand-in."""
     from types import SimpleNamespace
 
-    fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads), q_size=heads * q.shape[-1])
-    return LlamaModel.attention(fake, q, k, v, seqs)
+    fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads), q_size=heads * q.shape[-1],
+                           sm_scale=None)
+    return DecoderModel.attention(fake, q, k, v, seqs)
 
 
 def sdpa_batched_contiguous(q, k, v, seqs, heads, kv_heads):
@@ -511,21 +512,21 @@ def random_weights(cfg: ModelConfig, device, seed: int) -> dict[str, torch.Tenso
         w[f"{i}.gate_up"] = rnd(2 * cfg.intermediate_size, hd)
         w[f"{i}.down"] = rnd(hd, cfg.intermediate_size)
         w[f"{i}.in_norm"] = torch.ones(hd, dtype=DT, device=device)
-        w[f"{i}.post_norm"] = torch.ones(hd, dtype=DT, device=device)
+        w[f"{i}.mlp_norm"] = torch.ones(hd, dtype=DT, device=device)
     return w
 
 
-def build_model(spec, device) -> LlamaModel:
+def build_model(spec, device) -> DecoderModel:
     """spec: ("dir", path) or ("random", kind, seed)."""
     dtype = torch.float32 if TINY else DT
     if spec[0] == "dir":
         cfg = ModelConfig.from_dir(spec[1])
-        return LlamaModel(cfg, llama_weights(cfg, load_state_dict(spec[1])), dtype, device)
+        return DecoderModel(cfg, engine_weights(cfg, load_state_dict(spec[1])), dtype, device)
     cfg = random_config(spec[1])
-    return LlamaModel(cfg, random_weights(cfg, device, spec[2]), dtype, device)
+    return DecoderModel(cfg, random_weights(cfg, device, spec[2]), dtype, device)
 
 
-def make_runner(model: LlamaModel, max_kv_tokens: int = 4096) -> ModelRunner:
+def make_runner(model: DecoderModel, max_kv_tokens: int = 4096) -> ModelRunner:
     return ModelRunner(model, num_blocks=-(-max_kv_tokens // 16), block_size=16)
 
 

@@ -67,9 +67,9 @@ def spy_steps(runner: ModelRunner) -> list[list[tuple[int, int, bool]]]:
     steps: list = []
     prepare = runner.tree_backend.prepare
 
-    def recording(seqs, requests, device):
+    def recording(seqs, requests, device, window_seqs=None):
         steps.append([(r.n, r.num_committed, r.parents == list(range(-1, len(r.parents) - 1))) for r in requests])
-        return prepare(seqs, requests, device)
+        return prepare(seqs, requests, device, window_seqs)
 
     runner.tree_backend.prepare = recording
     return steps

@@ -18,7 +18,7 @@ from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.runtime.load import ModelPaths, load_engine
-from specinfer.engine.models.checkpoint import llama_weights, load_state_dict
+from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape
 
@@ -44,7 +44,7 @@ def failing_timer(runner, work) -> float:
 @pytest.fixture(scope="module")
 def ssm_weights(tiny_pair):
     cfg = ModelConfig.from_dir(tiny_pair.ssms[0])
-    return cfg, llama_weights(cfg, load_state_dict(tiny_pair.ssms[0]))
+    return cfg, engine_weights(cfg, load_state_dict(tiny_pair.ssms[0]))
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_trial_shapes_stay_within_a_small_models_context(tmp_path):
     small = ModelConfig.from_dir(save_tiny_llama(tmp_path / "m", max_pos=10))
     sizes, context = dc.trial_shapes(small)
     assert sizes == [1, 4, 8] and context + max(sizes) <= 10
-    weights = llama_weights(small, load_state_dict(tmp_path / "m"))
+    weights = engine_weights(small, load_state_dict(tmp_path / "m"))
     choice = dc.choose_dtype(small, weights, "cpu", ExecConfig(attention="sdpa"))
     assert choice.dtype in dc.candidates("cpu")
 

@@ -3,7 +3,7 @@
 Runs on CPU: Triton kernels execute in Triton's interpreter (`use_interpreter()`, called before
 the kernel modules are imported; TRITON_INTERPRET=0 runs the compiled kernels on a GPU instead),
 so shapes are kept small. Every kernel result is compared with the
-reference path (`LlamaModel.attention`, torch SDPA with dense masks; `KVCache.move`).
+reference path (`DecoderModel.attention`, torch SDPA with dense masks; `KVCache.move`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.models.transformer import KVCache, LlamaModel, SeqAttention
+from specinfer.engine.models.transformer import DecoderModel, KVCache, SeqAttention
 from specinfer.engine.runtime.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
 from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
 from specinfer.params import TreeShape
@@ -49,11 +49,11 @@ DEVICE = "cpu" if is_interpreted() else "cuda"
 
 
 def reference_attention(q, k_cache, v_cache, seqs, num_heads, num_kv_heads):
-    """`LlamaModel.attention` itself, bound to a stand-in holding only what it reads."""
+    """`DecoderModel.attention` itself, bound to a stand-in holding only what it reads."""
     head_dim = q.shape[-1]
     fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads),
-                           q_size=num_heads * head_dim)
-    return LlamaModel.attention(fake, q, k_cache, v_cache, seqs)
+                           q_size=num_heads * head_dim, sm_scale=None)
+    return DecoderModel.attention(fake, q, k_cache, v_cache, seqs)
 
 
 def chain(n):

@@ -311,9 +311,14 @@ def boost_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tenso
 
 
 def logits_at(model, tokens: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """(P, V) float32 logits of a causal LM at the positions `picked` = (rows, columns) of `tokens`."""
+    """(P, V) float32 logits of a causal LM at the positions `picked` = (rows, columns) of `tokens`
+    (only those rows go through the LM head; soft-capped where the family caps its logits)."""
     hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state
-    return model.lm_head(hidden[picked[0].to(hidden.device), picked[1].to(hidden.device)]).float()
+    logits = model.lm_head(hidden[picked[0].to(hidden.device), picked[1].to(hidden.device)])
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
 
 
 @torch.no_grad()
@@ -339,7 +344,7 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
 
 def load_model(model_dir: Path, device: str):
     """An SSM (a checkpoint directory, safetensors only, or a GGUF file) as a float32
-    transformers model."""
+    transformers causal LM of its family."""
     from specinfer.pool.hf_model import load_hf_model
 
     return load_hf_model(model_dir, torch.float32, device)

@@ -8,8 +8,14 @@ models of its family. This module builds the cheapest such variant without any t
   LLM's vocabulary and reads its hidden states with the LLM's own head);
 * only the chosen transformer layers are kept (``--layers N`` = the first N layers, or an explicit
   list such as ``0,1,7`` or ``0-2,7``), renumbered consecutively in ascending order;
-* optionally, every kept layer's SwiGLU MLP keeps only a fraction of its channels, the ones with
-  the largest weight magnitude: channel c scores ``sqrt(|gate[c,:]|^2 + |up[c,:]|^2 + |down[:,c]|^2)``.
+* optionally, every kept layer's gated MLP keeps only a fraction of its channels, the ones with
+  the largest weight magnitude: channel c scores ``sqrt(|gate[c,:]|^2 + |up[c,:]|^2 + |down[:,c]|^2)``
+  (gate and up as separate tensors, or fused in one ``gate_up_proj`` as Phi-3 stores them).
+
+Every supported family can be cut (`specinfer.engine.models.config.FAMILIES`): a family whose
+layers differ (sliding-window and global layers of Gemma 3, Qwen2/Qwen3 windows) gets the kept
+layers' ``layer_types`` written out explicitly, so the cut model windows exactly the layers the
+LLM windows.
 
 The result is an ordinary Hugging Face checkpoint (``config.json`` with the new
 ``num_hidden_layers``/``intermediate_size``, ``model.safetensors``, ``generation_config.json`` and
@@ -31,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.models.config import ModelConfig, family_of
 from specinfer.errors import UserError
 from specinfer.engine.models.checkpoint import load_state_dict
 from specinfer.model_source import resolve
@@ -42,6 +48,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 PROVENANCE_NAME = "make_ssm.json"
 _LAYER_KEY = re.compile(r"^(.*?layers\.)(\d+)(\..+)$")
 _MLP_ROWS = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.gate_proj.bias", "mlp.up_proj.bias")
+_FUSED_MLP_ROWS = ("mlp.gate_up_proj.weight", "mlp.gate_up_proj.bias")  # gate rows, then up rows
 
 
 @dataclass(frozen=True)
@@ -95,9 +102,12 @@ def check_fraction(value: float) -> float:
 
 def channel_scores(state: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """L2 norm of each MLP channel across gate (row), up (row) and down (column)."""
-    gate = state[prefix + "mlp.gate_proj.weight"].float()
-    up = state[prefix + "mlp.up_proj.weight"].float()
     down = state[prefix + "mlp.down_proj.weight"].float()
+    if prefix + "mlp.gate_up_proj.weight" in state:
+        gate, up = state[prefix + "mlp.gate_up_proj.weight"].float().split(down.shape[1])
+    else:
+        gate = state[prefix + "mlp.gate_proj.weight"].float()
+        up = state[prefix + "mlp.up_proj.weight"].float()
     return (gate.pow(2).sum(1) + up.pow(2).sum(1) + down.pow(2).sum(0)).sqrt()
 
 
@@ -136,6 +146,9 @@ def cut_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, spec: CutSp
 def _prune(tensor: torch.Tensor, rest: str, idx: torch.Tensor) -> torch.Tensor:
     if rest in _MLP_ROWS:
         return tensor.index_select(0, idx)
+    if rest in _FUSED_MLP_ROWS:  # the kept channels of gate, then the same channels of up
+        half = tensor.shape[0] // 2
+        return tensor.index_select(0, torch.cat([idx, idx + half]))
     if rest == "mlp.down_proj.weight":
         return tensor.index_select(1, idx)
     return tensor  # down_proj.bias lives in the hidden dimension
@@ -145,7 +158,9 @@ def cut_config(raw: dict, cfg: ModelConfig, spec: CutSpec) -> dict:
     out = dict(raw)
     out["num_hidden_layers"] = len(spec.layers)
     out["intermediate_size"] = spec.kept_channels(cfg.intermediate_size)
-    if isinstance(raw.get("layer_types"), list) and len(raw["layer_types"]) == cfg.num_layers:
+    if family_of(cfg).has_layer_types:  # explicit: a pattern or first-windowed-layer rule would shift
+        out["layer_types"] = [cfg.layer_types[i] for i in spec.layers]
+    elif isinstance(raw.get("layer_types"), list) and len(raw["layer_types"]) == cfg.num_layers:
         out["layer_types"] = [raw["layer_types"][i] for i in spec.layers]
     return out
 

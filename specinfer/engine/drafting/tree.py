@@ -210,6 +210,34 @@ def is_chain(parents: list[int]) -> bool:
     return all(p == i - 1 for i, p in enumerate(parents))
 
 
+def window_starts(parents: list[int], num_new: int, num_committed: int, positions: list[int],
+                  window: int) -> list[int]:
+    """For the last `num_new` nodes of a scratch region (`parents` as in `ancestor_rows`) at
+    `positions`: the first key index (committed prefix, then scratch region) a sliding-window
+    layer lets each see, keys at positions p - window < position <= p (transformers' sliding
+    window). Committed key j sits at position j, a scratch node at num_committed + its depth, so
+    a window starting inside the scratch region starts at the node's ancestor window - 1 levels up.
+    """
+    starts = []
+    first = len(parents) - num_new
+    is_chain_region = is_chain(parents)
+    for r, p in enumerate(positions):
+        low = p - window + 1
+        if low < num_committed:
+            starts.append(max(0, low))
+            continue
+        node = first + r
+        if is_chain_region:
+            node -= window - 1
+        else:
+            for _ in range(window - 1):
+                if parents[node] < 0:
+                    break
+                node = parents[node]
+        starts.append(num_committed + max(0, node))
+    return starts
+
+
 def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
     """Union of trees with the same root, deduplicated by whole root-to-node path.
 

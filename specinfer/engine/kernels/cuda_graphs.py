@@ -2,7 +2,7 @@
 
 An LLM step of SpecInfer is one forward pass over a batch of token trees; for a small model or
 a small batch its time is dominated by kernel launches and Python, not by arithmetic. This
-module captures `LlamaModel.forward` once per *bucket* (padded number of requests B, padded
+module captures `DecoderModel.forward` once per *bucket* (padded number of requests B, padded
 tree size N: decode is N = 1) and replays it, after copying the step's inputs into the bucket's
 static buffers:
 
@@ -10,9 +10,9 @@ static buffers:
   rows repeat its last node (same token, position, cache slot and mask row, so they write the
   same K/V to the same slot and change nothing). Padding requests repeat request 0.
 * attention: a `TritonAttention` backend with static `TreeAttentionMetadata` (slot lists sized
-  for `max_context` keys per request, ancestor bit words, a fixed tile schedule); every per-step
-  quantity, including the key-loop bounds, is read from device memory, so one graph serves
-  every prefix length.
+  for `max_context` keys per request, ancestor bit words, a fixed tile schedule, and for a model
+  with sliding-window layers each row's first visible key); every per-step quantity, including
+  the key-loop bounds, is read from device memory, so one graph serves every prefix length.
 
 Without CUDA nothing is captured: `GraphRunner(capture=False)` runs the same static-buffer path
 eagerly (on CPU through Triton's interpreter), which is how the padding logic is tested.
@@ -33,6 +33,7 @@ from specinfer.engine.kernels.tree_attention import (
     auto_num_splits,
     choose_block_m,
 )
+from specinfer.engine.drafting.tree import window_starts
 from specinfer.engine.models.transformer import ForwardBatch
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
@@ -48,6 +49,7 @@ class _Bucket:
     batch: int  # padded number of requests B
     tokens: int  # padded tokens per request N
     key: list  # the sentinel `seqs` object the backend maps to `meta`
+    window_key: list | None  # the sentinel `window_seqs` object (sliding-window layers), if any
     token_ids: torch.Tensor  # (B N,)
     positions: torch.Tensor  # (B N,)
     write: torch.Tensor  # (B N,)
@@ -88,6 +90,7 @@ class GraphRunner:
         self.tree_sizes = tuple(sorted(tree_sizes))
         self.max_context = min(max_context or runner.max_context, runner.max_context)
         self.num_splits = num_splits
+        self.window = model.cfg.attention_window  # None when no layer is windowed
         # One cache slot that padding and capture-time dummy steps may scribble on.
         self._trash_block = runner.allocator.allocate(1)
         self.trash_slot = self._trash_block[0] * runner.allocator.block_size
@@ -152,14 +155,17 @@ class GraphRunner:
             block_m=block_m,
             tokens_per_tile=tokens_per_tile,
             num_splits=splits,
+            lows=None if self.window is None else torch.zeros(num_rows, dtype=torch.int64, device=dev),
         )
         key: list = []  # identity only: the backend maps this object to `meta`
+        window_key: list | None = None if self.window is None else []
         token_ids = torch.zeros(num_rows, dtype=torch.int64, device=dev)
         positions = torch.zeros(num_rows, dtype=torch.int64, device=dev)
         write = torch.full((num_rows,), self.trash_slot, dtype=torch.int64, device=dev)
         bucket = _Bucket(
-            batch, tokens, key, token_ids, positions, write, meta,
-            ForwardBatch(token_ids=token_ids, positions=positions, write=write, seqs=key, logit_rows=None),
+            batch, tokens, key, window_key, token_ids, positions, write, meta,
+            ForwardBatch(token_ids=token_ids, positions=positions, write=write, seqs=key, logit_rows=None,
+                         window_seqs=window_key),
         )
         self._fill_dummy(bucket)
         if self.capture:
@@ -177,9 +183,11 @@ class GraphRunner:
         bucket.meta.tiles.copy_(torch.tensor(tiles, dtype=torch.int64))
         bucket.meta.slots.fill_(self.trash_slot)
         bucket.write.fill_(self.trash_slot)
+        if bucket.meta.lows is not None:
+            bucket.meta.lows.zero_()
 
     def _capture(self, bucket: _Bucket) -> None:
-        self.backend.set_metadata(bucket.key, bucket.meta)
+        self.backend.set_metadata(bucket.key, bucket.meta, bucket.window_key)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up: compiles kernels, allocates split buffers
@@ -205,6 +213,7 @@ class GraphRunner:
         tiles: list[list[int]] = []
         bits: list[list[int]] = []
         slot_rows: list[list[int]] = []
+        lows: list[int] = []
         for b in range(b_pad):
             w = works[b] if b < len(works) else works[0]
             seq = w.seq
@@ -221,9 +230,12 @@ class GraphRunner:
             rows = [r + [0] * (words - num_words) for r in rows]
             bits += rows + [rows[-1]] * pad
             last_vis = [committed + i for i in range(n)] + [kv_len - 1] * pad
+            starts = self._window_starts(w)
+            starts += [starts[-1]] * pad
+            lows += starts
             req.append([b * n_pad, n_pad, kv_len, committed, b * self.max_context, b * n_pad * words, words, 0])
             for t0 in range(0, n_pad, tpt):
-                tiles.append([b, t0, max(last_vis[t0 : t0 + tpt]) + 1, 0])
+                tiles.append([b, t0, max(last_vis[t0 : t0 + tpt]) + 1, min(starts[t0 : t0 + tpt])])
             slot_rows.append(slots)
         nb = bucket.token_ids.device.type == "cuda"
         bucket.token_ids.copy_(torch.tensor(token_ids, dtype=torch.int64), non_blocking=nb)
@@ -232,9 +244,17 @@ class GraphRunner:
         meta.req.copy_(torch.tensor(req, dtype=torch.int64), non_blocking=nb)
         meta.tiles.copy_(torch.tensor(tiles, dtype=torch.int64), non_blocking=nb)
         meta.bits.copy_(torch.tensor(bits, dtype=torch.int64).view(-1), non_blocking=nb)  # (B N W,)
+        if meta.lows is not None:
+            meta.lows.copy_(torch.tensor(lows, dtype=torch.int64), non_blocking=nb)
         for b, slots in enumerate(slot_rows):
             start = b * self.max_context
             meta.slots[start : start + len(slots)].copy_(torch.tensor(slots, dtype=torch.int64), non_blocking=nb)
+
+    def _window_starts(self, work) -> list[int]:
+        """Each new token's first key under the sliding window (0s when none hides keys)."""
+        if self.window is None or max(work.positions) < self.window:
+            return [0] * len(work.token_ids)
+        return window_starts(work.parents, len(work.token_ids), work.seq.num_committed, work.positions, self.window)
 
     def run(self, works) -> list[torch.Tensor]:
         shape = self.bucket_shape(works)
@@ -247,7 +267,7 @@ class GraphRunner:
             bucket.graph.replay()
             logits = bucket.logits
         else:
-            self.backend.set_metadata(bucket.key, bucket.meta)
+            self.backend.set_metadata(bucket.key, bucket.meta, bucket.window_key)
             logits = self.model.forward(bucket.batch_obj, self.runner.kv)
         self.num_replays += 1
         if self.runner.on_forward is not None:  # as `ModelRunner.run` reports it: the real tokens, not padding

@@ -2,7 +2,7 @@
 
 SpecInfer verifies a whole token tree in one LLM pass: every tree node attends to the request's
 committed prefix plus its own ancestors (and itself), the *topology-aware causal mask*. The
-reference path (`LlamaModel.attention`) materialises that mask densely, (n, L) per request, and
+reference path (`DecoderModel.attention`) materialises that mask densely, (n, L) per request, and
 runs one SDPA call per request. This module does the same computation in one kernel launch for a
 whole batch of requests with different prefix lengths and tree sizes:
 
@@ -13,6 +13,9 @@ whole batch of requests with different prefix lengths and tree sizes:
   queries, and only the S = L - C scratch keys (the tree) need a mask, stored as one bit per
   (query, scratch key) in int64 words, ceil(S / 64) words per query. A 64-node tree costs 64
   words per request instead of a 64 x L bool matrix.
+* Sliding-window layers (Gemma 3's local layers, Mistral, Qwen2/Qwen3, Phi-3) reuse the step's
+  metadata: launched with `window`, each query row also skips keys before its own first visible
+  one (`lows`, from the runner), and every tile's key loop starts at its rows' earliest such key.
 * Metadata (slot lists, bit words, the tile schedule) is built once per forward step by
   `build_metadata` / `metadata_from_seqs` and reused by every layer (`TritonAttention` caches it).
 * Online softmax (flash attention) with fp32 accumulation; grouped-query attention packs the G
@@ -46,7 +49,7 @@ except ImportError:  # the kernels are optional: the SDPA path needs none of thi
 
 WORD_BITS = 64
 REQ_FIELDS = 8  # q_start, n, kv_len, prefix_len, slot_off, bits_off, num_words, unused
-TILE_FIELDS = 4  # req, tok0, kv_end, unused
+TILE_FIELDS = 4  # req, tok0, kv_end, kv_start (a sliding window's first key any of the tile's queries sees)
 
 
 def is_interpreted() -> bool:
@@ -80,6 +83,7 @@ class TreeRequest:
     parents: list[int]
     slots: torch.Tensor | list[int] | slice
     num_new: int | None = None  # the last `num_new` scratch tokens are the queries; None = all
+    window_starts: list[int] | None = None  # per query, the first key a sliding-window layer sees
 
     @property
     def n(self) -> int:
@@ -91,10 +95,13 @@ class TreeAttentionMetadata:
     """Everything the kernel needs about a batch, as device tensors (see module docstring).
 
     req:   (B, 8) int64 rows: q_start, n, kv_len L, prefix_len C, slot_off, bits_off, num_words W, 0
-    tiles: (num_tiles, 4) int64 rows: request, first query token, key-loop end, 0
+    tiles: (num_tiles, 4) int64 rows: request, first query token, key-loop end, key-loop start under
+           the window (the least of the tile's `lows`)
     slots: (sum L,) int64 physical slot of each key, requests back to back
     bits:  (sum n*W,) int64 ancestor bit words; query r of request b, scratch key s is bit s % 64
            of word bits[bits_off + r * W + s // 64]
+    lows:  (T,) int64 per query row, the first key (index into its request's keys) that a
+           sliding-window layer lets it see; the kernel applies it when launched with `window`
     """
 
     req: torch.Tensor
@@ -107,6 +114,7 @@ class TreeAttentionMetadata:
     tokens_per_tile: int
     num_splits: int = 1
     scratch: dict = field(default_factory=dict)  # split-KV partial buffers, reused across layers
+    lows: torch.Tensor | None = None  # None: no window this step (sliding layers see what full ones do)
 
     @property
     def num_tiles(self) -> int:
@@ -167,7 +175,8 @@ def _assemble(
     parts: list[dict], num_tokens: int, group: int, device, block_m: int | None, num_splits: int
 ) -> TreeAttentionMetadata:
     """parts: per request q_start, n, L, C, slots (device tensor), bits ((n, W) tensor or None),
-    last_vis (per query row, the last key it may see; None = the last key)."""
+    last_vis (per query row, the last key it may see; None = the last key), starts (per query
+    row, the first key a sliding window lets it see; None = none hidden)."""
     max_new = max((p["n"] for p in parts), default=1)
     block_m = block_m or choose_block_m(max_new, group)
     if block_m < group or block_m & (block_m - 1):
@@ -178,18 +187,21 @@ def _assemble(
     slot_parts: list[torch.Tensor] = []
     bit_parts: list[torch.Tensor] = []
     slot_off = bits_off = 0
+    lows = [0] * num_tokens if any(p.get("starts") for p in parts) else None
     for b, p in enumerate(parts):
         n, kv_len, prefix = p["n"], p["L"], p["C"]
         bits = p["bits"]
         words = 0 if bits is None else bits.shape[1]
         req_rows += [p["q_start"], n, kv_len, prefix, slot_off, bits_off, words, 0]
-        last_vis = p["last_vis"]
+        last_vis, starts = p["last_vis"], p.get("starts")
+        if starts:
+            lows[p["q_start"] : p["q_start"] + n] = starts
         for tok0 in range(0, n, tokens_per_tile):
             if last_vis is None:
                 kv_end = kv_len
             else:
                 kv_end = min(kv_len, max(last_vis[tok0 : tok0 + tokens_per_tile]) + 1)
-            tile_rows += [b, tok0, kv_end, 0]
+            tile_rows += [b, tok0, kv_end, min(starts[tok0 : tok0 + tokens_per_tile]) if starts else 0]
         slot_parts.append(p["slots"])
         slot_off += kv_len
         if bits is not None:
@@ -210,6 +222,7 @@ def _assemble(
         block_m=block_m,
         tokens_per_tile=tokens_per_tile,
         num_splits=max(1, int(num_splits)),
+        lows=None if lows is None else torch.tensor(lows, dtype=torch.int64).to(device, non_blocking=non_blocking),
     )
 
 
@@ -242,9 +255,8 @@ def build_metadata(
             rows, scratch_idx, _ = _ancestor_words(r.parents, n)
             bits = torch.tensor(rows, dtype=torch.int64).view(n, -1)  # (n, W)
         last_vis = [r.num_committed + i for i in scratch_idx]  # topological order: self is the last ancestor
-        parts.append(
-            dict(q_start=r.q_start, n=n, L=kv_len, C=r.num_committed, slots=slots, bits=bits, last_vis=last_vis)
-        )
+        parts.append(dict(q_start=r.q_start, n=n, L=kv_len, C=r.num_committed, slots=slots, bits=bits,
+                          last_vis=last_vis, starts=r.window_starts))
         q_next = max(q_next, r.q_start + n)
     return _assemble(parts, q_next, group, device, block_m, num_splits)
 
@@ -319,9 +331,10 @@ if HAS_TRITON:
     def _attend_block(
         q, m_i, l_i, acc, start, end,
         K, V, Slots, slot_off, Bits, bits_off, num_words, prefix_len,
-        tok, row_ok, kvh, offs_d, d_ok,
+        tok, row_ok, low, kvh, offs_d, d_ok,
         stride_ks, stride_kh, stride_vs, stride_vh, qk_scale,
         BLOCK_N: tl.constexpr, IS_TREE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        WINDOW: tl.constexpr,
     ):
         """One (BLOCK_M, BLOCK_N) step of the online softmax over keys [start, min(start+BLOCK_N, end))."""
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -343,6 +356,8 @@ if HAS_TRITON:
         else:
             s = tl.dot(q, k) * qk_scale
         vis = row_ok[:, None] & n_ok[None, :]
+        if WINDOW:  # a sliding-window layer: each query row sees keys from its own `low` on
+            vis = vis & (offs_n[None, :] >= low[:, None])
         if IS_TREE:
             rel = offs_n - prefix_len  # scratch index of each key
             word = tl.load(
@@ -364,7 +379,7 @@ if HAS_TRITON:
     @triton.jit
     def _tree_attn_kernel(
         Q, K, V, Out, PartO, PartML,
-        Req, Tiles, Slots, Bits,
+        Req, Tiles, Slots, Bits, Lows,
         qk_scale,
         stride_qt, stride_qh,
         stride_ks, stride_kh, stride_vs, stride_vh,
@@ -373,7 +388,7 @@ if HAS_TRITON:
         stride_ms, stride_mt, stride_mh,
         GROUP: tl.constexpr, TOK_PER_TILE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr, WINDOW: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -403,11 +418,17 @@ if HAS_TRITON:
         )  # (BLOCK_M, BLOCK_D)
         if UPCAST:
             q = q.to(tl.float32)
+        if WINDOW:  # keys before the tile's first visible one are skipped, not just masked
+            kv_start = tl.load(Tiles + tile * 4 + 3)
+            low = tl.load(Lows + row, mask=row_ok, other=0)
+        else:
+            kv_start = 0
+            low = row  # unused
 
         # This program's share of the keys (flash-decoding split), BLOCK_N aligned.
-        per_split = (kv_end + NUM_SPLITS - 1) // NUM_SPLITS
+        per_split = (kv_end - kv_start + NUM_SPLITS - 1) // NUM_SPLITS
         chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        lo = split * chunk
+        lo = kv_start + split * chunk
         hi = tl.minimum(lo + chunk, kv_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -417,15 +438,15 @@ if HAS_TRITON:
         for start in range(lo, prefix_hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, start, prefix_hi, K, V, Slots, slot_off, Bits, bits_off, num_words,
-                prefix_len, tok, row_ok, kvh, offs_d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh,
-                qk_scale, BLOCK_N, False, UPCAST, IEEE,
+                prefix_len, tok, row_ok, low, kvh, offs_d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh,
+                qk_scale, BLOCK_N, False, UPCAST, IEEE, WINDOW,
             )
         # Scratch region (the tree): ancestor bits decide.
         for start in range(tl.maximum(lo, prefix_len), hi, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, start, hi, K, V, Slots, slot_off, Bits, bits_off, num_words,
-                prefix_len, tok, row_ok, kvh, offs_d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh,
-                qk_scale, BLOCK_N, True, UPCAST, IEEE,
+                prefix_len, tok, row_ok, low, kvh, offs_d, d_ok, stride_ks, stride_kh, stride_vs, stride_vh,
+                qk_scale, BLOCK_N, True, UPCAST, IEEE, WINDOW,
             )
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_mask = row_ok[:, None] & d_ok[None, :]
@@ -481,8 +502,10 @@ def tree_attention(
     out: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    window: bool = False,
 ) -> torch.Tensor:
-    """q: (T, H, D); k_cache/v_cache: (num_slots, Hkv, D) of one layer. Returns (T, H * D) in q's dtype."""
+    """q: (T, H, D); k_cache/v_cache: (num_slots, Hkv, D) of one layer. Returns (T, H * D) in q's dtype.
+    `window`: a sliding-window layer, which sees only keys from each query's `meta.lows` on."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     num_tokens, num_heads, head_dim = q.shape
@@ -517,10 +540,12 @@ def tree_attention(
         part_o, part_ml = part
     else:
         part_o = part_ml = out3  # unused
+    if window and meta.lows is None:
+        raise ValueError("a windowed launch needs metadata with per-query window starts (lows)")
     grid = (meta.num_tiles, num_kv_heads, splits)
     _tree_attn_kernel[grid](
         q, k_cache, v_cache, out3, part_o, part_ml,
-        meta.req, meta.tiles, meta.slots, meta.bits,
+        meta.req, meta.tiles, meta.slots, meta.bits, meta.lows if window else meta.tiles,
         sm_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -529,7 +554,7 @@ def tree_attention(
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
         GROUP=meta.group, TOK_PER_TILE=meta.tokens_per_tile,
         BLOCK_M=meta.block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, UPCAST=interpret, IEEE=interpret or q.dtype == torch.float32, **launch,
+        NUM_SPLITS=splits, UPCAST=interpret, IEEE=interpret or q.dtype == torch.float32, WINDOW=window, **launch,
     )
     if splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
@@ -553,16 +578,20 @@ def auto_num_splits(num_tiles: int, num_kv_heads: int, max_kv_len: int, device, 
 
 
 class TritonAttention:
-    """Drop-in attention backend: `backend(q, k_cache, v_cache, seqs)` like `LlamaModel.attention`.
+    """Drop-in attention backend: `backend(q, k_cache, v_cache, seqs)` like `DecoderModel.attention`.
 
     Metadata is built on the first layer of a forward pass and reused by the others: the model
-    passes the same `seqs` list object to every layer, which is the cache key. `set_metadata`
-    lets a caller (e.g. the CUDA-graph runner) install prebuilt metadata for a given key.
+    passes the same `seqs` list object to every layer, which is the cache key. A model with
+    sliding-window layers passes those layers the step's `window_seqs` list: registered by
+    `prepare` (or `set_metadata`) as the windowed view of the same metadata, it launches the
+    kernel with the per-query window starts; any other list gets metadata from its own dense
+    masks. `set_metadata` lets a caller (e.g. the CUDA-graph runner) install prebuilt metadata
+    for a given key.
     """
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, block_m: int | None = None, block_n: int | None = None,
-        num_splits: int | None = None, num_warps: int | None = None,
+        num_splits: int | None = None, num_warps: int | None = None, sm_scale: float | None = None,
     ):
         if not HAS_TRITON:
             raise RuntimeError("TritonAttention needs triton (pip install triton)")
@@ -575,28 +604,42 @@ class TritonAttention:
         self.block_n = block_n
         self.num_warps = num_warps
         self.num_splits = num_splits  # None = auto (1 on CPU)
-        self._key = None
-        self._meta: TreeAttentionMetadata | None = None
+        self.sm_scale = sm_scale  # None: head_dim ** -0.5
+        self._entries: list[tuple[object, TreeAttentionMetadata, bool]] = []  # (key, meta, is_window), newest last
         self.num_builds = 0  # metadata builds, for tests: one per forward step
 
     @classmethod
     def for_config(cls, cfg, **kwargs) -> "TritonAttention":
-        return cls(cfg.num_heads, cfg.num_kv_heads, **kwargs)
+        return cls(cfg.num_heads, cfg.num_kv_heads, sm_scale=cfg.attention_scale, **kwargs)
 
-    def set_metadata(self, key, meta: TreeAttentionMetadata) -> None:
-        self._key, self._meta = key, meta
+    def set_metadata(self, key, meta: TreeAttentionMetadata, window_key=None) -> None:
+        """Installs `meta` for the `key` list, and its windowed view for `window_key` (if given)."""
+        self._entries = [(key, meta, False)] + ([(window_key, meta, True)] if window_key is not None else [])
 
-    def metadata(self, seqs, device) -> TreeAttentionMetadata:
-        if self._key is seqs and self._meta is not None:
-            return self._meta
-        return self._install(seqs, metadata_from_seqs(seqs, self.group, device, block_m=self.block_m), device)
+    def _lookup(self, seqs) -> tuple[TreeAttentionMetadata, bool] | None:
+        for key, meta, is_window in self._entries:
+            if key is seqs:
+                return meta, is_window
+        return None
 
-    def prepare(self, seqs, requests: list[TreeRequest], device) -> TreeAttentionMetadata:
+    def metadata(self, seqs, device) -> tuple[TreeAttentionMetadata, bool]:
+        """(metadata, whether to apply its window starts) for a layer's `seqs` list."""
+        found = self._lookup(seqs)
+        if found is not None:
+            return found
+        meta = self._finish(seqs, metadata_from_seqs(seqs, self.group, device, block_m=self.block_m), device)
+        self._entries = self._entries[-1:] + [(seqs, meta, False)]  # a step's full and windowed lists
+        return meta, False
+
+    def prepare(self, seqs, requests: list[TreeRequest], device, window_seqs=None) -> TreeAttentionMetadata:
         """Builds a step's metadata from the runner's bookkeeping (committed lengths, parents,
-        slots: no dense mask) and installs it for the step's `seqs` list."""
-        return self._install(seqs, build_metadata(requests, self.group, device, block_m=self.block_m), device)
+        slots: no dense mask) and installs it for the step's `seqs` list, and for its
+        `window_seqs` list (when the window hides keys this step) as the windowed view."""
+        meta = self._finish(seqs, build_metadata(requests, self.group, device, block_m=self.block_m), device)
+        self.set_metadata(seqs, meta, window_seqs if window_seqs is not None and window_seqs is not seqs else None)
+        return meta
 
-    def _install(self, seqs, meta: TreeAttentionMetadata, device) -> TreeAttentionMetadata:
+    def _finish(self, seqs, meta: TreeAttentionMetadata, device) -> TreeAttentionMetadata:
         if self.num_splits is not None:
             meta.num_splits = self.num_splits
         else:  # key counts are known on the host: no device sync
@@ -605,9 +648,9 @@ class TritonAttention:
             )
             meta.num_splits = auto_num_splits(meta.num_tiles, self.num_kv_heads, max_kv, device)
         self.num_builds += 1
-        self._key, self._meta = seqs, meta
         return meta
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs) -> torch.Tensor:
-        meta = self.metadata(seqs, q.device)
-        return tree_attention(q, k_cache, v_cache, meta, block_n=self.block_n, num_warps=self.num_warps)
+        meta, is_window = self.metadata(seqs, q.device)
+        return tree_attention(q, k_cache, v_cache, meta, sm_scale=self.sm_scale, block_n=self.block_n,
+                              num_warps=self.num_warps, window=is_window)

@@ -1,8 +1,10 @@
-"""Rotary position embeddings with the Llama-family `rope_scaling` variants.
+"""Rotary position embeddings with the `rope_scaling` variants of the supported families.
 
 Positions are passed in explicitly: a token-tree node sits at (prefix length + depth), which is
 how SpecInfer's tree-based parallel decoding (Section 4.2) gives every path the positions it
-would have had in plain decoding.
+would have had in plain decoding. A model may rotate only the leading `rotary_dim` dimensions
+of each head (Phi-3's partial rotary), and its layers may use different RoPEs (Gemma 3's local
+and global layers): `rope_tables` is per RoPE config, `apply_rope` rotates what its table covers.
 """
 
 from __future__ import annotations
@@ -11,13 +13,11 @@ import math
 
 import torch
 
-from specinfer.engine.models.config import ModelConfig, yarn_attention_factor
+from specinfer.engine.models.hf import RopeConfig, longrope_attention_factor, yarn_attention_factor
 
 
-def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq of shape (head_dim/2,), attention scaling applied to cos/sin)."""
-    rope = cfg.rope
-    dim = cfg.head_dim
+def inverse_frequencies(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq of shape (dim/2,), attention scaling applied to cos/sin)."""
     base = rope.theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
     inv_freq = 1.0 / (base**exponents)
@@ -30,15 +30,19 @@ def inverse_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         # which the engine never allows; within the context it is the default RoPE.
         return inv_freq, 1.0
     if rope.rope_type == "llama3":
-        return _llama3(inv_freq, cfg), 1.0
+        return _llama3(inv_freq, rope, max_position_embeddings), 1.0
     if rope.rope_type == "yarn":
-        return _yarn(cfg)
-    raise AssertionError(rope.rope_type)  # ModelConfig validated the type
+        return _yarn(rope, dim, max_position_embeddings)
+    if rope.rope_type == "longrope":
+        # Within the original context (the engine's limit for it, ModelConfig.max_context) the
+        # short factors apply.
+        short = torch.tensor(rope.short_factor, dtype=torch.float32)
+        return 1.0 / (short * base**exponents), longrope_attention_factor(rope, max_position_embeddings)
+    raise AssertionError(rope.rope_type)  # the family's config parser validated the type
 
 
-def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    rope = cfg.rope
-    old_len = rope.original_max_position_embeddings or cfg.max_position_embeddings
+def _llama3(inv_freq: torch.Tensor, rope: RopeConfig, max_position_embeddings: int) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings or max_position_embeddings
     low_wavelen = old_len / rope.low_freq_factor
     high_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -49,11 +53,9 @@ def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    rope = cfg.rope
-    dim = cfg.head_dim
+def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     base = rope.theta
-    original = rope.original_max_position_embeddings or cfg.max_position_embeddings
+    original = rope.original_max_position_embeddings or max_position_embeddings
     factor = rope.factor
     pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float32) / dim)
     extrapolation = 1.0 / pos_freqs
@@ -74,20 +76,25 @@ def _yarn(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, yarn_attention_factor(rope)
 
 
-def rope_tables(cfg: ModelConfig, num_positions: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (num_positions, head_dim), computed in fp32 then cast."""
-    inv_freq, scale = inverse_frequencies(cfg)
+def rope_tables(rope: RopeConfig, dim: int, max_position_embeddings: int, num_positions: int, dtype: torch.dtype,
+                device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (num_positions, dim), computed in fp32 then cast."""
+    inv_freq, scale = inverse_frequencies(rope, dim, max_position_embeddings)
     pos = torch.arange(num_positions, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)  # (P, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+    freqs = torch.outer(pos, inv_freq)  # (P, dim/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (P, dim)
     cos = (emb.cos() * scale).to(dtype=dtype, device=device)
     sin = (emb.sin() * scale).to(dtype=dtype, device=device)
     return cos, sin
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, D); cos/sin: (T, 1, D). Rotates the two halves of the head dimension."""
-    half = x.shape[-1] // 2
+    """x: (T, H, D); cos/sin: (T, 1, R), R <= D. Rotates the two halves of the leading R
+    dimensions; the rest pass through (partial rotary)."""
+    rotary = cos.shape[-1]
+    if rotary != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rotary], cos, sin), x[..., rotary:]), dim=-1)
+    half = rotary // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos + rotated * sin

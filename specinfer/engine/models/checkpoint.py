@@ -1,5 +1,5 @@
-"""Loads Llama-family weights from a local Hugging Face checkpoint directory (safetensors only)
-or a GGUF file (`specinfer.model_source` says which a path is).
+"""Loads model weights from a local Hugging Face checkpoint directory (safetensors only) or a
+GGUF file (`specinfer.model_source` says which a path is).
 
 Both a single `model.safetensors` and a sharded `model.safetensors.index.json` are read. Pickled
 `.bin` checkpoints are refused: loading them would execute arbitrary code. A GGUF's tensors are
@@ -15,8 +15,9 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.models.config import ModelConfig, family_of
 from specinfer.engine.models.gguf import GGUFTensors
+from specinfer.engine.models.hf import decoder_weights
 from specinfer.errors import UserError
 from specinfer.model_source import ModelSource, resolve
 
@@ -77,42 +78,13 @@ def load_state_dict(model: str | Path | ModelSource, dtype: torch.dtype | None =
     return tensors
 
 
-def llama_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Renames HF tensors to the runner's fused layout and checks that nothing is missing."""
+def engine_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Renames HF tensors to the runner's fused layout (`hf.py`), by the checkpoint's family,
+    and checks that nothing is missing."""
     # Some exports drop the `model.` prefix.
     if "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state:
         state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
+    return decoder_weights(cfg, state, family_of(cfg).tensors)
 
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
-            raise UserError(f"checkpoint is missing tensor {name!r}")
-        return state[name]
 
-    out: dict[str, torch.Tensor] = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        out["lm_head"] = out["embed"]
-    else:
-        out["lm_head"] = state["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        out[f"{i}.qkv"] = torch.cat(
-            [take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"), take(p + "self_attn.v_proj.weight")]
-        )
-        if cfg.attention_bias:
-            out[f"{i}.qkv_bias"] = torch.cat(
-                [take(p + "self_attn.q_proj.bias"), take(p + "self_attn.k_proj.bias"), take(p + "self_attn.v_proj.bias")]
-            )
-            if p + "self_attn.o_proj.bias" in state:
-                out[f"{i}.o_bias"] = state[p + "self_attn.o_proj.bias"]
-        out[f"{i}.o"] = take(p + "self_attn.o_proj.weight")
-        out[f"{i}.gate_up"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        out[f"{i}.down"] = take(p + "mlp.down_proj.weight")
-        if cfg.mlp_bias:
-            out[f"{i}.gate_up_bias"] = torch.cat([take(p + "mlp.gate_proj.bias"), take(p + "mlp.up_proj.bias")])
-            out[f"{i}.down_bias"] = take(p + "mlp.down_proj.bias")
-        out[f"{i}.in_norm"] = take(p + "input_layernorm.weight")
-        out[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")
-    expected = (cfg.vocab_size, cfg.hidden_size)
-    if tuple(out["embed"].shape) != expected:
-        raise UserError(f"embedding shape {tuple(out['embed'].shape)} does not match config {expected}")
-    return out
+llama_weights = engine_weights  # the name it had while the engine ran the Llama family only

@@ -1,37 +1,27 @@
-"""Model configuration for the Llama family, read from a Hugging Face ``config.json``.
+"""Model configuration read from a Hugging Face ``config.json``, and the registry of model families.
 
-SpecInfer (arXiv 2305.09781) evaluates LLaMA-family LLMs and SSMs (Section 6); this module
-normalises the config formats of Llama 1/2/3, Mistral, TinyLlama and SmolLM into one frozen
-dataclass so that model code never touches raw JSON.
+SpecInfer (arXiv 2305.09781) evaluates LLaMA-family LLMs and SSMs (Section 6); the engine serves
+the decoder families users run: one module per family (`llama.py`, `qwen2.py`, `qwen3.py`,
+`gemma3.py`, `phi3.py`) turns its config format into this one frozen dataclass, which the one
+generic forward (`transformer.DecoderModel`) is parameterised by, so model code never touches
+raw JSON. A config picks its family by `architectures`, else by `model_type`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specinfer.engine.models import gemma3, llama, phi3, qwen2, qwen3
+from specinfer.engine.models.hf import SLIDING_ATTENTION, Family, RopeConfig, yarn_attention_factor
 from specinfer.errors import UserError
 from specinfer.model_source import ModelSource, resolve
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY, phi3.FAMILY)
+SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    attention_factor: float | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
+__all__ = ["FAMILIES", "SUPPORTED_ARCHITECTURES", "ModelConfig", "RopeConfig", "family_of", "supported_text",
+           "yarn_attention_factor"]
 
 
 @dataclass(frozen=True)
@@ -46,18 +36,52 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float
-    rope: RopeConfig = field(default_factory=RopeConfig)
+    rope: RopeConfig = field(default_factory=RopeConfig)  # of the full-attention layers
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases (and o's, where the checkpoint has one)
     mlp_bias: bool = False
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # keys a sliding-attention layer sees: q - k < window
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     stored_dtype: str = "float32"
+    family: str = "llama"
+    hidden_act: str = "silu"  # the gate's activation of the gated MLP
+    layer_types: tuple[str, ...] = ()  # per layer full_attention | sliding_attention; () = all full
+    local_rope: RopeConfig | None = None  # of the sliding-attention layers; None = `rope`
+    rotary_dim: int | None = None  # leading dimensions of a head that RoPE rotates; None = all
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w), in fp32 when nonzero (Gemma)
+    is_qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    is_sandwich_norm: bool = False  # attention and MLP outputs are normed before the residual add
+    embed_scale: float | None = None  # embeddings times this (in the model's dtype)
+    query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5; None: head_dim's
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def attention_window(self) -> int | None:
+        """The sliding layers' window, None when no layer is windowed."""
+        return self.sliding_window if SLIDING_ATTENTION in self.layer_types else None
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING_ATTENTION
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        return self.local_rope if self.local_rope is not None and self.is_sliding(layer) else self.rope
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the engine runs exactly: the position table's length, or, for
+        LongRoPE, the original context whose frequencies the table holds (see `phi3.py`)."""
+        if self.rope.rope_type == "longrope" and self.rope.original_max_position_embeddings:
+            return min(self.max_position_embeddings, self.rope.original_max_position_embeddings)
+        return self.max_position_embeddings
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes one token's K and V take across all layers."""
@@ -69,45 +93,13 @@ class ModelConfig:
             classes = raw["auto_map"]
             named = ", ".join(sorted(map(str, classes.values()))) if isinstance(classes, dict) else str(classes)
             raise UserError(f"config.json has auto_map ({named}): the checkpoint needs its own (remote) model code, "
-                            "which is never run here; only standard Llama and Mistral checkpoints are supported")
-        architectures = raw.get("architectures") or []
-        arch = architectures[0] if architectures else None
-        if arch is None and raw.get("model_type") in ("llama", "mistral"):
-            arch = "MistralForCausalLM" if raw["model_type"] == "mistral" else "LlamaForCausalLM"
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UserError(
-                f"unsupported architecture {arch!r}: supported are {', '.join(SUPPORTED_ARCHITECTURES)} "
-                "(Llama 1/2/3, Mistral, TinyLlama, SmolLM)"
-            )
-        act = raw.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UserError(f"unsupported hidden_act {act!r}: only SwiGLU (silu) Llama-family models are supported")
-        hidden = int(raw["hidden_size"])
-        num_heads = int(raw["num_attention_heads"])
-        head_dim = raw.get("head_dim") or hidden // num_heads
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-        return cls(
-            architecture=arch,
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            mlp_bias=bool(raw.get("mlp_bias", False)),
-            sliding_window=int(sliding) if sliding else None,
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            stored_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        )
+                            f"which is never run here; supported are standard {supported_text()} checkpoints")
+        fam, arch = find_family(raw)
+        fields = fam.config_fields(raw, arch)
+        if fields["num_heads"] % fields["num_kv_heads"]:
+            raise UserError(f"config.json: {fields['num_heads']} attention heads are not a multiple of "
+                            f"{fields['num_kv_heads']} KV heads")
+        return cls(architecture=arch, family=fam.name, **fields)
 
     @classmethod
     def from_dir(cls, model: str | Path | ModelSource) -> "ModelConfig":
@@ -115,41 +107,24 @@ class ModelConfig:
         return cls.from_dict(resolve(model).read_config())
 
 
-def _parse_rope(raw: dict) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters`; older checkpoints write `rope_theta` + `rope_scaling`.
-    params = dict(raw.get("rope_parameters") or {})
-    scaling = raw.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UserError(
-            f"unsupported rope_scaling type {rope_type!r}: supported are {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    factor = params.get("factor")
-    return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
-        factor=float(factor) if factor is not None else 1.0,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-        attention_factor=params.get("attention_factor"),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        truncate=bool(params.get("truncate", True)),
-    )
+def supported_text() -> str:
+    """The supported architectures and what they serve, for error messages."""
+    return "; ".join(f"{'/'.join(f.architectures)} ({f.covers})" for f in FAMILIES)
 
 
-def yarn_attention_factor(rope: RopeConfig) -> float:
-    if rope.attention_factor is not None:
-        return float(rope.attention_factor)
+def find_family(raw: dict) -> tuple[Family, str]:
+    """The family of a raw config and its architecture: `architectures[0]`, else the one its
+    `model_type` names."""
+    architectures = raw.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    for fam in FAMILIES:
+        if arch is None and raw.get("model_type") in fam.model_types:
+            arch = fam.architectures[fam.model_types.index(raw["model_type"])]
+        if arch in fam.architectures:
+            return fam, arch
+    named = arch or f"model_type {raw.get('model_type')!r}"
+    raise UserError(f"unsupported architecture {named!r}: supported are {supported_text()}")
 
-    def get_mscale(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
-    if rope.mscale and rope.mscale_all_dim:
-        return get_mscale(rope.factor, rope.mscale) / get_mscale(rope.factor, rope.mscale_all_dim)
-    return get_mscale(rope.factor)
+def family_of(cfg: ModelConfig) -> Family:
+    return next(f for f in FAMILIES if f.name == cfg.family)

@@ -1,8 +1,15 @@
-"""A lean Llama-family transformer for inference: RMSNorm, RoPE, GQA attention, SwiGLU.
+"""A lean decoder-only transformer for inference, one forward for every supported family.
 
 One `forward` serves prefill, one-token decode and token-tree verification (SpecInfer Section
 4.2): the caller passes token ids, their positions, the cache slots to write, and per sequence the
 cache slots to read plus a topology-aware mask. The KV cache is explicit and preallocated.
+
+The forward is parameterised by the `ModelConfig` (built by the family modules, `config.py`):
+Llama-style or Gemma-style RMSNorm (`layers/norms.py`), optional per-head q/k norms, norms on the
+attention and MLP outputs, the MLP's activation (`layers/activations.py`), each layer's RoPE
+(`layers/rope.py`, partial rotary included), the attention scale, an embedding scale and final
+logit soft-capping. Sliding-window layers attend through `ForwardBatch.window_seqs`, the same
+sequences with the window's mask (built once per step by the runner, shared by those layers).
 """
 
 from __future__ import annotations
@@ -12,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.layers.activations import ACTIVATIONS
+from specinfer.engine.layers.norms import offset_rms_norm, offset_weight, rms_norm
 from specinfer.engine.layers.rope import apply_rope, rope_tables
+from specinfer.engine.models.config import ModelConfig
 
 
 @dataclass
@@ -53,6 +62,32 @@ class SeqAttention:
     mask: torch.Tensor | None = None
     is_causal: bool = False
 
+    @property
+    def num_keys(self) -> int:
+        c = self.context
+        return c.stop - c.start if isinstance(c, slice) else int(c.shape[0])
+
+
+def windowed(seq: SeqAttention, starts: list[int], device) -> SeqAttention:
+    """`seq` as a sliding-window layer sees it: query row r only keys from index `starts[r]` of
+    its context on (on top of `seq`'s own mask). Keys no row sees leave the context."""
+    lo, num_keys, n = min(starts), seq.num_keys, seq.q_end - seq.q_start
+    if max(starts) == 0:
+        return seq
+    ctx = seq.context
+    context = slice(ctx.start + lo, ctx.stop) if isinstance(ctx, slice) else ctx[lo:]
+    if seq.mask is not None:
+        base = seq.mask[:, lo:]
+    elif seq.is_causal:
+        base = torch.ones(n, num_keys, dtype=torch.bool, device=device).tril()[:, lo:]
+    else:
+        base = None
+    if max(starts) == lo:  # one cut for every row
+        return SeqAttention(seq.q_start, seq.q_end, context, base)
+    cols = torch.arange(lo, num_keys, device=device)
+    keep = cols.unsqueeze(0) >= torch.tensor(starts, device=device).unsqueeze(1)  # (n, L - lo)
+    return SeqAttention(seq.q_start, seq.q_end, context, keep if base is None else keep & base)
+
 
 @dataclass
 class ForwardBatch:
@@ -61,69 +96,104 @@ class ForwardBatch:
     write: slice | torch.Tensor  # where the T new keys/values go in the cache
     seqs: list[SeqAttention]
     logit_rows: torch.Tensor | None = None  # rows of T that need logits; None = all
+    # Sliding-window layers: the same sequences under the window (the very `seqs` list when the
+    # window hides nothing this step), and per row of T the first key index (into its sequence's
+    # full context) the window lets it see; None when the window hides nothing.
+    window_seqs: list[SeqAttention] | None = None
+    window_starts: list[int] | None = None
 
 
-class LlamaModel:
-    """Inference-only weights and forward pass. Weights are fused: qkv and gate_up."""
+class DecoderModel:
+    """Inference-only weights and forward pass. Weights are fused: qkv and gate_up (`hf.py`)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        self.w = {name: t.to(device=self.device, dtype=dtype).contiguous() for name, t in weights.items()}
+        is_offset = cfg.norm_offset != 0.0
+        self.w = {name: (offset_weight(t, cfg.norm_offset, dtype).to(self.device) if is_offset and "norm" in name
+                         else t.to(device=self.device, dtype=dtype)).contiguous() for name, t in weights.items()}
         if weights["lm_head"] is weights["embed"]:
             self.w["lm_head"] = self.w["embed"]
-        self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, dtype, self.device)
+        self.norm = offset_rms_norm if is_offset else rms_norm
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
+        rotary = cfg.rotary_dim or cfg.head_dim
+        # One (cos, sin) table per distinct RoPE; each layer indexes its own.
+        self.rope = [rope_tables(r, rotary, cfg.max_position_embeddings, cfg.max_position_embeddings, dtype,
+                                 self.device) for r in ropes]
+        # Per layer: (is a sliding-window layer, index of its RoPE table).
+        self.layer_kinds = [(cfg.is_sliding(i), ropes.index(cfg.layer_rope(i))) for i in range(cfg.num_layers)]
+        self.embed_scale = None if cfg.embed_scale is None else torch.tensor(cfg.embed_scale, dtype=dtype,
+                                                                             device=self.device)
+        self.sm_scale = cfg.attention_scale
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.attention_backend = None  # callable like self.attention, e.g. kernels.TritonAttention
         self.group = None  # a parallel.ShardGroup when these are one rank's shard of the weights
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
-        # Matches HF: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return weight * xf.to(x.dtype)
-
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
-        """Returns fp32 logits of shape (R, vocab) for the requested rows."""
+    def forward(self, batch: ForwardBatch, kv: KVCache, return_hidden: bool = False):
+        """fp32 logits of shape (R, vocab) for the requested rows; with `return_hidden`, also
+        the final hidden states of those rows (after the final norm, before the LM head)."""
         cfg, w = self.cfg, self.w
-        num_tokens = batch.token_ids.shape[0]
         h = F.embedding(batch.token_ids, w["embed"])  # (T, hidden)
-        cos = self.cos[batch.positions].unsqueeze(1)  # (T, 1, D)
-        sin = self.sin[batch.positions].unsqueeze(1)
-        for i in range(cfg.num_layers):
-            x = self.rms_norm(h, w[f"{i}.in_norm"])
-            qkv = F.linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))  # (T, (H + 2 Hkv) D)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(num_tokens, cfg.num_heads, cfg.head_dim), cos, sin)  # (T, H, D)
-            k = apply_rope(k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # (T, Hkv, D)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            k_cache, v_cache = kv.k[i], kv.v[i]  # (S, Hkv, D)
-            if isinstance(batch.write, slice):
-                k_cache[batch.write] = k
-                v_cache[batch.write] = v
-            else:
-                k_cache.index_copy_(0, batch.write, k)
-                v_cache.index_copy_(0, batch.write, v)
-            attn = (self.attention_backend or self.attention)(q, k_cache, v_cache, batch.seqs)  # (T, H * D)
-            out = F.linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
-            if self.group is not None:  # row-parallel o: each rank's product is a partial sum
-                self.group.all_reduce(out)
-            h = h + out
-            x = self.rms_norm(h, w[f"{i}.post_norm"])
-            gate, up = F.linear(x, w[f"{i}.gate_up"], w.get(f"{i}.gate_up_bias")).chunk(2, dim=-1)
-            out = F.linear(F.silu(gate) * up, w[f"{i}.down"], w.get(f"{i}.down_bias"))
-            if self.group is not None:  # row-parallel down
-                self.group.all_reduce(out)
-            h = h + out
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        rope = [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)) for cos, sin in self.rope]
+        window_seqs = batch.window_seqs if batch.window_seqs is not None else batch.seqs
+        for i, (is_sliding, rope_index) in enumerate(self.layer_kinds):
+            h = h + self.attention_block(i, h, rope[rope_index], batch, window_seqs if is_sliding else batch.seqs, kv)
+            h = h + self.mlp_block(i, h)
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
-        h = self.rms_norm(h, w["norm"])
-        return F.linear(h, w["lm_head"]).float()  # (R, V)
+        h = self.norm(h, w["norm"], cfg.rms_norm_eps)
+        logits = F.linear(h, w["lm_head"])
+        if cfg.final_logit_softcapping is not None:
+            cap = cfg.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return (logits.float(), h) if return_hidden else logits.float()  # (R, V)
+
+    def attention_block(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                        seqs: list[SeqAttention], kv: KVCache) -> torch.Tensor:
+        """Layer i's attention output (to add to the residual stream)."""
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        num_tokens = h.shape[0]
+        x = self.norm(h, w[f"{i}.in_norm"], eps)
+        qkv = F.linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))  # (T, (H + 2 Hkv) D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
+        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.is_qk_norm:
+            q, k = self.norm(q, w[f"{i}.q_norm"], eps), self.norm(k, w[f"{i}.k_norm"], eps)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        k_cache, v_cache = kv.k[i], kv.v[i]  # (S, Hkv, D)
+        if isinstance(batch.write, slice):
+            k_cache[batch.write] = k
+            v_cache[batch.write] = v
+        else:
+            k_cache.index_copy_(0, batch.write, k)
+            v_cache.index_copy_(0, batch.write, v)
+        attn = (self.attention_backend or self.attention)(q, k_cache, v_cache, seqs)  # (T, H * D)
+        out = F.linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
+        if self.group is not None:  # row-parallel o: each rank's product is a partial sum
+            self.group.all_reduce(out)
+        if cfg.is_sandwich_norm:
+            out = self.norm(out, w[f"{i}.attn_out_norm"], eps)
+        return out
+
+    def mlp_block(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's gated MLP output (to add to the residual stream)."""
+        w, eps = self.w, self.cfg.rms_norm_eps
+        x = self.norm(h, w[f"{i}.mlp_norm"], eps)
+        gate, up = F.linear(x, w[f"{i}.gate_up"], w.get(f"{i}.gate_up_bias")).chunk(2, dim=-1)
+        out = F.linear(self.act(gate) * up, w[f"{i}.down"], w.get(f"{i}.down_bias"))
+        if self.group is not None:  # row-parallel down
+            self.group.all_reduce(out)
+        if self.cfg.is_sandwich_norm:
+            out = self.norm(out, w[f"{i}.mlp_out_norm"], eps)
+        return out
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: list[SeqAttention]):
         """q: (T, H, D). Each sequence attends over its own cached context."""
@@ -137,7 +207,11 @@ class LlamaModel:
                 values.transpose(0, 1).unsqueeze(0),
                 attn_mask=s.mask,
                 is_causal=s.is_causal,
+                scale=self.sm_scale,
                 enable_gqa=self.cfg.num_kv_heads != self.cfg.num_heads,
             )  # (1, H, n, D)
             outs.append(o[0].transpose(0, 1).reshape(s.q_end - s.q_start, self.q_size))  # (n, H * D)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+LlamaModel = DecoderModel  # the name it had while the engine ran the Llama family only

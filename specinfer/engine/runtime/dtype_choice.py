@@ -21,8 +21,9 @@ is dropped. The runner returned is built in the chosen dtype, its KV cache too.
 The choice is cached in `CACHE_FILE` under a cache directory, keyed by what decides it: the
 device (the CPU's model and instruction flags, or the CUDA device's name), torch's version and
 thread count, the attention backend, the candidates, the preferred dtype and the SSM's
-architecture (layers, sizes, heads, vocabulary), so a later load measures nothing. Without a
-cache directory, or with one that cannot be written, every load measures again.
+architecture (family, layers, sizes, heads, attention windows, vocabulary), so a later load
+measures nothing. Without a cache directory, or with one that cannot be written, every load
+measures again.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ TRIAL_MAX_S = 1.0  # and no further round once they took this long (at least one
 TIE_TOLERANCE = 0.05  # the preferred dtype wins when within this fraction of the fastest
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHITECTURE_FIELDS = ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-                       "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias")
+                       "head_dim", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias", "family",
+                       "hidden_act", "layer_types", "sliding_window", "rotary_dim", "is_qk_norm", "is_sandwich_norm")
 
 TimePass = Callable[..., float]  # (runner, work) -> seconds of one forward pass
 
@@ -139,8 +141,13 @@ def cache_key(cfg: ModelConfig, device, attention: str, prefer: str, cands: list
         "attention": attention,
         "prefer": prefer,
         "candidates": list(cands),
-        "model": {name: getattr(cfg, name) for name in ARCHITECTURE_FIELDS},
+        "model": {name: _plain(getattr(cfg, name)) for name in ARCHITECTURE_FIELDS},
     }
+
+
+def _plain(value):
+    """A config value as JSON reads it back (tuples are lists there), so a cached key compares equal."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def key_id(key: dict) -> str:
@@ -214,7 +221,7 @@ def time_pass(runner, work) -> float:
 
 def trial_shapes(cfg: ModelConfig) -> tuple[list[int], int]:
     """(new tokens per timed pass, committed context), within the model's context."""
-    max_context = min(cfg.max_position_embeddings, cfg.sliding_window or 1 << 62)
+    max_context = cfg.max_context
     sizes = [n for n in TRIAL_SIZES if n < max_context] or [1]
     return sizes, max(0, min(TRIAL_CONTEXT, max_context - max(sizes)))
 
@@ -301,7 +308,7 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
     `prefer`, the LLM's, on ties), reported on one line through `report` (default: logged) and
     kept as the runner's `dtype_choice`."""
     from specinfer.engine.runtime.backend import resolve_exec
-    from specinfer.engine.models.checkpoint import llama_weights, load_state_dict
+    from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
     from specinfer.engine.runtime.runner import ModelRunner
 
     if dtype != AUTO_DTYPE:
@@ -309,7 +316,7 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
                                     exec_cfg=exec_cfg)
     cfg = ModelConfig.from_dir(model_dir)
     ex = resolve_exec(exec_cfg or ExecConfig(), device)
-    weights = llama_weights(cfg, load_state_dict(model_dir))
+    weights = engine_weights(cfg, load_state_dict(model_dir))
     choice = choose_dtype(cfg, weights, device, ex, prefer, cache_dir, timer)
     runner = ModelRunner.from_weights(cfg, weights, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
     runner.dtype_choice = choice

@@ -211,9 +211,7 @@ def check_context(llm_cfg: ModelConfig, ssm_cfgs: list[ModelConfig], prompt_ids:
     """Raises if any prompt plus max_new_tokens exceeds the smallest model context."""
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    limits = [llm_cfg.max_position_embeddings] + [c.max_position_embeddings for c in ssm_cfgs]
-    limits += [c.sliding_window for c in [llm_cfg, *ssm_cfgs] if c.sliding_window]
-    context = min(limits)
+    context = min(c.max_context for c in [llm_cfg, *ssm_cfgs])  # sliding windows really window: no cap
     longest = max(len(p) for p in prompt_ids)
     if longest + max_new_tokens > context:
         raise UserError(

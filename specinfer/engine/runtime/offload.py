@@ -6,12 +6,12 @@ so the step's cost is dominated by that transfer and hardly depends on how many 
 verifies. Tree-based parallel decoding (Section 4.2) then pays off most: one step verifies a
 whole token tree for the price of one weight transfer. This module provides the offloaded LLM:
 
-* `StreamedWeights` replaces `LlamaModel.w`. Layer weights stay in (pinned) CPU memory; two
+* `StreamedWeights` replaces `DecoderModel.w`. Layer weights stay in (pinned) CPU memory; two
   device buffers take turns. When the forward pass first touches layer i, the compute stream
   waits for layer i's copy, and a side stream starts copying layer i + 1 (wrapping to layer 0
   for the next step) into the other buffer, after waiting until the compute stream has finished
   with the layer that buffer held. Embeddings, the final norm and the LM head stay resident.
-* `offload_model` turns a CPU-built `LlamaModel` into an offloaded one on `device`;
+* `offload_model` turns a CPU-built `DecoderModel` into an offloaded one on `device`;
   `should_offload` decides from a GPU memory cap (`OffloadConfig.gpu_memory_cap`), or the mode
   is forced on/off explicitly.
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.engine.models.transformer import LlamaModel
+from specinfer.engine.models.transformer import DecoderModel
 
 RESIDENT = ("embed", "norm", "lm_head")
 
@@ -88,7 +88,7 @@ class StreamedWeights:
             self.buffers = [{}, {}]
         self.holds: list[int | None] = [None, None]  # layer each buffer holds (or is receiving)
 
-    # dict-like surface used by LlamaModel.forward
+    # dict-like surface used by DecoderModel.forward
     def __getitem__(self, key: str) -> torch.Tensor:
         layer = _layer_of(key)
         if layer is None:
@@ -141,7 +141,7 @@ class StreamedWeights:
             self._fetch(nxt, 1 - buf)
 
 
-def offload_model(model: LlamaModel, device, pin: bool = True) -> LlamaModel:
+def offload_model(model: DecoderModel, device, pin: bool = True) -> DecoderModel:
     """Makes a CPU-built model compute on `device` with its layer weights streamed from CPU memory.
 
     Build the model with device="cpu" (so the full weights never touch the GPU), then call this.
@@ -163,5 +163,7 @@ def offload_model(model: LlamaModel, device, pin: bool = True) -> LlamaModel:
             layers[layer][name.partition(".")[2]] = t
     model.w = StreamedWeights(resident, layers, dev, pin=pin)
     model.device = dev
-    model.cos, model.sin = model.cos.to(dev), model.sin.to(dev)
+    model.rope = [(cos.to(dev), sin.to(dev)) for cos, sin in model.rope]
+    if model.embed_scale is not None:
+        model.embed_scale = model.embed_scale.to(dev)
     return model

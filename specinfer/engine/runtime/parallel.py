@@ -7,12 +7,15 @@ across GPUs. This is Megatron-style tensor parallelism:
   heads they read, and 1/N of the MLP's intermediate units); o and down are split by input rows,
   so each rank's product is a partial sum, and one all-reduce per projection (two per layer)
   makes every rank's residual stream whole again. Their biases live on rank 0 only, so the sum
-  adds them once. Embedding, norms and lm_head are replicated; only rank 0 computes logits.
+  adds them once. Embedding, norms (per-head q/k norms too) and lm_head are replicated; only
+  rank 0 computes logits. A checkpoint's fused projections (Phi-3's qkv_proj and gate_up_proj)
+  are read as the rank's share of each of their parts.
 * Each rank holds its KV heads' share of the paged KV cache: the same slots, fewer heads.
   Block tables, trees and every other piece of bookkeeping exist on rank 0 only.
 * Rank 0 runs the one decode loop (scheduler, trees, sampling, verification). Its model call goes
   through `LeaderModel`, which first broadcasts the step as plain tensors (token ids, positions,
-  write slots, each sequence's query rows, context slots and tree mask), and its KV commit
+  write slots, each sequence's query rows, context slots and tree mask, and for sliding-window
+  layers each row's first visible key), and its KV commit
   through `LeaderKV`, which broadcasts the moves. Ranks > 0 run `serve_worker`: receive a step,
   run the same forward on their shard, repeat.
 * Step messages always travel over a gloo (CPU) group, so an idle worker can wait indefinitely
@@ -40,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from specinfer.engine.models.config import ModelConfig
-from specinfer.engine.models.checkpoint import llama_weights, open_checkpoint, parse_dtype
-from specinfer.engine.models.transformer import ForwardBatch, KVCache, LlamaModel, SeqAttention
+from specinfer.engine.models.checkpoint import engine_weights, open_checkpoint, parse_dtype
+from specinfer.engine.models.transformer import DecoderModel, ForwardBatch, KVCache, SeqAttention, windowed
 from specinfer.errors import UnavailableError, UserError
 
 log = logging.getLogger(__name__)
@@ -110,20 +113,34 @@ def shard_config(cfg: ModelConfig, num_ranks: int) -> ModelConfig:
                    intermediate_size=cfg.intermediate_size // num_ranks)
 
 
-def _slicer(name: str, cfg: ModelConfig, rank: int, num_ranks: int) -> tuple[int, int] | None | str:
-    """How rank `rank` reads tensor `name`: (dim, rows per rank), None for all of it, "skip" for
-    none of it (row-parallel biases, added once by rank 0)."""
+def _slicer(name: str, cfg: ModelConfig, rank: int, num_ranks: int) -> tuple[int, list[tuple[int, int]]] | None | str:
+    """How rank `rank` reads tensor `name`: (dim, [(lo, hi), ...] ranges concatenated), None for
+    all of it, "skip" for none of it (row-parallel biases, added once by rank 0). Fused tensors
+    (Phi-3's qkv_proj and gate_up_proj) take the rank's share of each part; per-head q/k norms
+    and every other norm are replicated."""
     d = cfg.head_dim
+    q_part = cfg.num_heads // num_ranks * d
+    kv_part = cfg.num_kv_heads // num_ranks * d
+    mlp_part = cfg.intermediate_size // num_ranks
+
+    def share(size: int, offset: int = 0) -> tuple[int, int]:
+        return offset + rank * size, offset + (rank + 1) * size
+
+    if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):  # fused names first: they end like the parts
+        q_rows, kv_rows = cfg.num_heads * d, cfg.num_kv_heads * d
+        return 0, [share(q_part), share(kv_part, q_rows), share(kv_part, q_rows + kv_rows)]
+    if name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
+        return 0, [share(mlp_part), share(mlp_part, cfg.intermediate_size)]
     if name.endswith(("q_proj.weight", "q_proj.bias")):
-        return 0, cfg.num_heads // num_ranks * d
+        return 0, [share(q_part)]
     if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
-        return 0, cfg.num_kv_heads // num_ranks * d
+        return 0, [share(kv_part)]
     if name.endswith(("gate_proj.weight", "gate_proj.bias", "up_proj.weight", "up_proj.bias")):
-        return 0, cfg.intermediate_size // num_ranks
+        return 0, [share(mlp_part)]
     if name.endswith("o_proj.weight"):
-        return 1, cfg.num_heads // num_ranks * d
+        return 1, [share(q_part)]
     if name.endswith("down_proj.weight"):
-        return 1, cfg.intermediate_size // num_ranks
+        return 1, [share(mlp_part)]
     if name.endswith(("o_proj.bias", "down_proj.bias")):
         return None if rank == 0 else "skip"
     return None
@@ -143,11 +160,11 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, num_ranks: in
             if how is None:
                 state[name] = f.get_tensor(name)
                 continue
-            dim, size = how
+            dim, ranges = how
             part = f.get_slice(name)
-            lo, hi = rank * size, (rank + 1) * size
-            state[name] = part[lo:hi] if dim == 0 else part[:, lo:hi]
-    return llama_weights(shard_config(cfg, num_ranks), state)
+            pieces = [part[lo:hi] if dim == 0 else part[:, lo:hi] for lo, hi in ranges]
+            state[name] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+    return engine_weights(shard_config(cfg, num_ranks), state)
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -192,10 +209,14 @@ def encode_batch(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     columns every query sees (the committed prefix), so its size is about the tree's squared."""
     num_tokens = int(batch.token_ids.shape[0])
     w = batch.write
-    head = [num_tokens, len(batch.seqs), *((0, w.start, w.stop) if isinstance(w, slice) else (1, 0, 0))]
+    is_windowed = batch.window_starts is not None
+    head = [num_tokens, len(batch.seqs), *((0, w.start, w.stop) if isinstance(w, slice) else (1, 0, 0)),
+            int(is_windowed)]
     parts = [torch.tensor(head, dtype=torch.long), batch.token_ids.cpu(), batch.positions.cpu()]
     if not isinstance(w, slice):
         parts.append(w.cpu())
+    if is_windowed:  # the sliding-window layers' view travels as each row's first visible key
+        parts.append(torch.tensor(batch.window_starts, dtype=torch.long))
     masks = []
     for s in batch.seqs:
         ctx = s.context
@@ -217,14 +238,17 @@ def encode_batch(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
 def decode_batch(ints: torch.Tensor, mask_bits: torch.Tensor, device) -> ForwardBatch:
     """The inverse of `encode_batch`, on `device`; asks for no logits (ranks > 0 compute none)."""
     values = ints.tolist()
-    num_tokens, num_seqs, write_kind, w0, w1 = values[:5]
-    at = 5
+    num_tokens, num_seqs, write_kind, w0, w1, is_windowed = values[:6]
+    at = 6
     token_ids, positions = ints[at: at + num_tokens], ints[at + num_tokens: at + 2 * num_tokens]
     at += 2 * num_tokens
     if write_kind == 0:
         write: slice | torch.Tensor = slice(w0, w1)
     else:
         write, at = ints[at: at + num_tokens].to(device), at + num_tokens
+    starts = None
+    if is_windowed:
+        starts, at = values[at: at + num_tokens], at + num_tokens
     seqs, mask_at = [], 0
     for _ in range(num_seqs):
         q_start, q_end, ctx_kind, c0, c1, mask_kind, num_prefix, width = values[at: at + 8]
@@ -240,8 +264,10 @@ def decode_batch(ints: torch.Tensor, mask_bits: torch.Tensor, device) -> Forward
             mask_at += rest.numel()
             mask = torch.cat([torch.ones(n, num_prefix, dtype=torch.bool), rest], dim=1).to(device)
         seqs.append(SeqAttention(q_start, q_end, context, mask, mask_kind == 1))
+    window_seqs = None if starts is None else [windowed(s, starts[s.q_start: s.q_end], device) for s in seqs]
     return ForwardBatch(token_ids.to(device), positions.to(device), write, seqs,
-                        logit_rows=torch.zeros(0, dtype=torch.long, device=device))
+                        logit_rows=torch.zeros(0, dtype=torch.long, device=device), window_seqs=window_seqs,
+                        window_starts=starts)
 
 
 # ---- rank 0 ----------------------------------------------------------------------------------------
@@ -332,17 +358,17 @@ class Leader:
 class LeaderModel:
     """Rank 0's model: broadcasts each step to the other ranks, then runs its own shard."""
 
-    def __init__(self, model: LlamaModel, leader: Leader):
+    def __init__(self, model: DecoderModel, leader: Leader):
         self.model = model
         self.leader = leader
 
     def __getattr__(self, name: str):  # cfg, dtype, device, w, attention_backend, ...
         return getattr(self.model, name)
 
-    def forward(self, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv: KVCache, return_hidden: bool = False):
         ints, bits = encode_batch(batch)
         self.leader.send(OP_FORWARD, ints, bits)
-        return self.leader.run(lambda: self.model.forward(batch, kv))
+        return self.leader.run(lambda: self.model.forward(batch, kv, return_hidden))
 
 
 @dataclass
@@ -359,7 +385,7 @@ class LeaderKV(KVCache):
 # ---- ranks > 0 ---------------------------------------------------------------------------------
 
 
-def serve_worker(model: LlamaModel, kv: KVCache, group: ShardGroup) -> None:
+def serve_worker(model: DecoderModel, kv: KVCache, group: ShardGroup) -> None:
     """Runs every step rank 0 sends until it says stop (or its connection goes away)."""
     device = model.device
     while True:
@@ -394,15 +420,15 @@ class ShardSpec:
     attention: str = "sdpa"  # a resolved ExecConfig.attention: every rank runs the same backend
 
 
-def build_shard(spec: ShardSpec, pc: ParallelConfig) -> tuple[LlamaModel, ShardGroup]:
+def build_shard(spec: ShardSpec, pc: ParallelConfig) -> tuple[DecoderModel, ShardGroup]:
     """Joins the group, then loads this rank's shard of the weights."""
     cfg = ModelConfig.from_dir(spec.model_dir)
     check_divisible(cfg, pc.num_ranks)
     device = rank_device(spec.device, pc.local_rank)
     group = ShardGroup(pc, device)
     dtype = parse_dtype(spec.dtype)
-    model = LlamaModel(shard_config(cfg, pc.num_ranks), load_shard(spec.model_dir, cfg, pc.rank, pc.num_ranks, dtype),
-                       dtype, device)
+    model = DecoderModel(shard_config(cfg, pc.num_ranks), load_shard(spec.model_dir, cfg, pc.rank, pc.num_ranks, dtype),
+                         dtype, device)
     model.group = group
     if spec.attention == "triton":  # metadata from each step's masks, built on every rank
         from specinfer.engine.kernels.tree_attention import TritonAttention
@@ -430,7 +456,7 @@ def _spawned_rank(rank: int, spec: ShardSpec, pc: ParallelConfig, num_threads: i
         raise SystemExit(1) from None
 
 
-def start_group(spec: ShardSpec, pc: ParallelConfig) -> tuple[LlamaModel, Leader]:
+def start_group(spec: ShardSpec, pc: ParallelConfig) -> tuple[DecoderModel, Leader]:
     """Rank 0: spawns ranks 1..N-1 on this host (unless a launcher started them), joins the
     group and loads its own shard."""
     workers = []

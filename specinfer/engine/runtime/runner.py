@@ -4,7 +4,9 @@ This is the one place where bookkeeping becomes tensors (`prepare`). A work item
 tokens to a sequence after its committed prefix and any scratch tokens already written this step.
 Each new token may attend to the whole committed prefix plus its ancestors among the scratch
 tokens: SpecInfer's topology-aware causal mask (Section 4.2). A plain chain (prefill, decode) is
-the degenerate tree whose every node has the previous one as parent.
+the degenerate tree whose every node has the previous one as parent. A model with sliding-window
+layers also gets, once per step, the view those layers attend through (`ForwardBatch.window_seqs`
+and `window_starts`): each token sees only the keys at most window - 1 positions before it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS
-from specinfer.engine.models.checkpoint import llama_weights, load_state_dict, parse_dtype
-from specinfer.engine.models.transformer import ForwardBatch, KVCache, LlamaModel, SeqAttention
-from specinfer.engine.drafting.tree import is_chain, visibility
+from specinfer.engine.models.checkpoint import engine_weights, load_state_dict, parse_dtype
+from specinfer.engine.models.transformer import DecoderModel, ForwardBatch, KVCache, SeqAttention, windowed
+from specinfer.engine.drafting.tree import is_chain, visibility, window_starts
 
 DEFAULT_BLOCK_SIZE = DEFAULT_KV_BLOCK_SIZE
 
@@ -57,7 +59,7 @@ def chain_work(seq: SequenceKV, token_ids: list[int], logits: str = "last") -> W
 class ModelRunner:
     """One model, its preallocated KV cache, and the allocator that shares the cache out."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
                  kv: KVCache | None = None):
         """`kv`: a cache of `num_blocks * block_size` slots made elsewhere (a tensor-parallel
         leader's); by default one is allocated for `model`."""
@@ -66,7 +68,8 @@ class ModelRunner:
         self.allocator = BlockAllocator(num_blocks, block_size)
         self.kv = kv if kv is not None else KVCache.allocate(model.cfg, num_blocks * block_size, model.dtype,
                                                              model.device)
-        self.max_context = min(model.cfg.max_position_embeddings, model.cfg.sliding_window or 1 << 62)
+        self.max_context = model.cfg.max_context  # a sliding window does not cap it: its layers really window
+        self.window = model.cfg.attention_window  # None when no layer is windowed
         self.on_forward: Callable[[int], None] | None = None  # told the token count of every forward
         # A kernels.TritonAttention given each step's metadata from the work items (no dense masks).
         self.tree_backend = None
@@ -89,7 +92,7 @@ class ModelRunner:
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
         # a GGUF's tensors are dequantized straight to the compute dtype (a whole float32 copy of
         # a large quantized model would not fit where the model does)
-        return cls.from_weights(cfg, llama_weights(cfg, load_state_dict(model_dir, torch_dtype)), dtype, device,
+        return cls.from_weights(cfg, engine_weights(cfg, load_state_dict(model_dir, torch_dtype)), dtype, device,
                                 max_kv_tokens, block_size, ex)
 
     @classmethod
@@ -98,7 +101,7 @@ class ModelRunner:
         max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
         exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
-        """A one-process runner over weights already read (`checkpoint.llama_weights`), cast to
+        """A one-process runner over weights already read (`checkpoint.engine_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
         build runners in several dtypes."""
         from specinfer.engine.runtime.backend import apply_exec, resolve_exec
@@ -108,9 +111,9 @@ class ModelRunner:
         if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
             from specinfer.engine.runtime.offload import offload_model
 
-            model = offload_model(LlamaModel(cfg, weights, torch_dtype, "cpu"), device)
+            model = offload_model(DecoderModel(cfg, weights, torch_dtype, "cpu"), device)
         else:
-            model = LlamaModel(cfg, weights, torch_dtype, device)
+            model = DecoderModel(cfg, weights, torch_dtype, device)
         runner = cls(model, num_blocks=-(-max_kv_tokens // block_size), block_size=block_size)
         apply_exec(runner, ex)
         return runner
@@ -140,6 +143,7 @@ class ModelRunner:
         single_write: slice | None = None
         tree = self.tree_backend if self.model.attention_backend is self.tree_backend else None
         requests = []  # with `tree`: each item's kernels.TreeRequest
+        windows = _Windows(self.window, tree is not None, device)
         for work in works:
             seq = work.seq
             n = len(work.token_ids)
@@ -161,14 +165,17 @@ class ModelRunner:
                 all_slots = seq.slots(0, end)
                 context = torch.tensor(all_slots, dtype=torch.long, device=device)
                 write_slots.extend(all_slots[start:])
+            starts = windows.starts_of(work)
             if tree is not None:
                 from specinfer.engine.kernels.tree_attention import TreeRequest
 
-                requests.append(TreeRequest(q_start, seq.num_committed, work.parents, context, num_new=n))
+                requests.append(TreeRequest(q_start, seq.num_committed, work.parents, context, num_new=n,
+                                            window_starts=starts))
                 mask, is_causal = None, False  # the backend reads `requests`' ancestor bits instead
             else:
                 mask, is_causal = self._mask(work, seq.num_committed, end, device)
             seqs.append(SeqAttention(q_start, q_start + n, context, mask, is_causal))
+            windows.add(seqs[-1], starts)
             first_row = len(logit_rows)
             num_rows = {"all": n, "last": 1, "none": 0}.get(work.logits, work.logits)
             logit_rows.extend(range(q_start + n - num_rows, q_start + n))
@@ -182,8 +189,9 @@ class ModelRunner:
             seqs=seqs,
             logit_rows=None if is_all_rows else torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
+        batch.window_seqs, batch.window_starts = windows.finish(seqs)
         if tree is not None:
-            tree.prepare(batch.seqs, requests, device)
+            tree.prepare(batch.seqs, requests, device, window_seqs=batch.window_seqs)
         return batch, spans
 
     @staticmethod
@@ -259,3 +267,38 @@ class ModelRunner:
             if len(token_ids) != len(scratch_indices):
                 raise ValueError("one token id per committed scratch token")
             seq.advance(token_ids)
+
+
+class _Windows:
+    """A step's sliding-window view (`ForwardBatch.window_seqs` and `window_starts`), gathered
+    while `ModelRunner.prepare` packs the work items: per query, the first key the window lets
+    it see; per sequence, its windowed mask (SDPA; the Triton backend reads the starts instead)."""
+
+    def __init__(self, window: int | None, is_tree: bool, device):
+        self.window, self.is_tree, self.device = window, is_tree, device
+        self.seqs: list[SeqAttention] = []
+        self.all_starts: list[int] = []
+        self.is_hiding = False
+
+    def starts_of(self, work: Work) -> list[int] | None:
+        """The work's per-query first visible keys, None when the window hides nothing from it."""
+        if self.window is None or max(work.positions, default=0) < self.window:
+            return None
+        return window_starts(work.parents, len(work.token_ids), work.seq.num_committed, work.positions, self.window)
+
+    def add(self, seq: SeqAttention, starts: list[int] | None) -> None:
+        if self.window is None:
+            return
+        n = seq.q_end - seq.q_start
+        self.all_starts.extend(starts or [0] * n)
+        if starts is None:
+            self.seqs.append(seq)
+        else:
+            self.is_hiding = True
+            self.seqs.append(seq if self.is_tree else windowed(seq, starts, self.device))
+
+    def finish(self, seqs: list[SeqAttention]) -> tuple[list[SeqAttention], list[int] | None]:
+        if not self.is_hiding:
+            return seqs, None
+        return self.seqs, self.all_starts
+
