@@ -248,7 +248,7 @@ def test_an_invalid_tree_fails_its_own_request_and_not_its_neighbours(tiny_pair)
                 root = session.state.pending[-1]
                 tree = TokenTree.with_root(root)
                 if i == 1 and step == 3:  # poison: noise that does not fit the LLM's logits
-                    tree.add_draft(0, 4, None)
+                    tree.add_draft(0, 4)
                     futures.append(scheduler.verify(session, tree, sampled, SamplingNoise(1, 3)))
                 else:
                     futures.append(scheduler.verify(session, tree, SamplingParams(), None))

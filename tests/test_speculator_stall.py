@@ -75,8 +75,8 @@ class ScriptedCall:
                 return
             root = request.start.context_ids[-1] if kind == "start" else request.feedback.bonus
             tree = TokenTree.with_root(root)
-            tree.add_draft(0, 1, None)
-            yield pb.SpeculateResponse(tree=tree_to_proto(tree, True), step=step)
+            tree.add_draft(0, 1)
+            yield pb.SpeculateResponse(tree=tree_to_proto(tree), step=step)
 
 
 class ScriptedStub:
@@ -96,7 +96,7 @@ def scripted_driver(step_timeout_s: float) -> tuple[SpeculationDriver, ScriptedS
         link.open(start, [])
         return [link]
 
-    return SpeculationDriver(open_links, [5, 6, 7], TreeShape((2, 1)), 100, True, step_timeout_s), stub
+    return SpeculationDriver(open_links, [5, 6, 7], TreeShape((2, 1)), 100, step_timeout_s), stub
 
 
 def timed_tree(driver: SpeculationDriver, root: int):

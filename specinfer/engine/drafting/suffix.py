@@ -9,8 +9,8 @@ adapts to how much matched: `depth_per_match` tokens per matched token, within t
 Agents, code edits and repeated tasks produce text that other requests already produced.
 
 A member of the SSM pool whose trees merge by path with the SSMs' (SpecInfer Section 3.2). Its
-children are deterministic picks (point-mass proposals), so verification stays exact (Section
-4.3). Plain Python, no tensors.
+children are deterministic picks; verification keeps the LLM's own tokens, so it stays exact
+(Section 4.3). Plain Python, no tensors.
 """
 
 from __future__ import annotations
