@@ -26,7 +26,6 @@ DYNAMIC_MAX_NODES = 32  # nodes beyond the root of one step's tree (each is a to
 DYNAMIC_MAX_DEPTH = 8  # levels of one step's tree
 DYNAMIC_EXPAND_TOP_K = 4  # children an SSM proposes at each node it expands
 DYNAMIC_EXPAND_WIDTH = 4  # nodes of one level an SSM expands (the most valuable ones)
-DYNAMIC_MAX_ATTEMPTS = 2  # sampled drafts at one node of a sampled request's tree
 
 # ---- model-free pool members (specinfer/engine/drafting/lookup.py, suffix.py) --------------------------
 MODEL_FREE_NAMES = ("lookup", "suffix")  # pool names that need no checkpoint

@@ -443,7 +443,7 @@ def test_config_defaults_are_the_product_constants():
     v, s = _verifier(), _speculator()
     assert v.tree_width == limits.PAPER_TREE_WIDTH == VerifierConfig(Path("m")).tree_width
     assert v.max_tree_nodes == limits.DEFAULT_MAX_TREE_NODES
-    assert (v.port, s.port) == (settings.VERIFIER_PORT, settings.SPECULATOR_PORT)
+    assert (v.port, s.port) == (limits.VERIFIER_PORT, limits.SPECULATOR_PORT)
     assert v.max_kv_tokens == s.max_kv_tokens == limits.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
     assert v.max_batch == s.max_batch == limits.DEFAULT_MAX_BATCH
     assert v.host == s.host == settings.LOCAL_HOST

@@ -139,9 +139,3 @@ class SuffixSpeculator:
             if paths:
                 return ScoredTree(tree, counted_tree(tree, paths, max_nodes, self.min_prob), n)
         return ScoredTree(tree, [1.0], 0)
-
-
-def frequent_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_prob: float) -> TokenTree:
-    """Grows `tree` (its root only) from the branches of `paths`, the likeliest first (`counted_tree`)."""
-    counted_tree(tree, paths, max_nodes, min_prob)
-    return tree

@@ -53,11 +53,6 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    stored_dtype: str = "float32"
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes one token's K and V take across all layers."""
@@ -106,7 +101,6 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
-            stored_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
 
     @classmethod
