@@ -162,15 +162,17 @@ def test_a_queued_request_waits_until_its_queue_timeout_then_is_refused():
     held = adm.acquire(1)
     with ThreadPoolExecutor(1) as pool:
         queued = pool.submit(adm.acquire, 1)
-        assert wait_until(lambda: adm.num_queued == 1, 10)
-        clock.now = 4.9  # just inside its wait
-        adm.set_kv_capacity(0)  # wakes the waiter, which reads the clock again
-        assert clock.wait_reads(2) and not queued.done()
-        clock.now = 5.0
-        with pytest.raises(CapacityError, match="after queueing for 5.0 s"):
-            queued.result(timeout=10)
-    assert adm.num_queued == 0 and adm.num_running == 1
-    adm.release(held)
+        try:
+            assert wait_until(lambda: adm.num_queued == 1, 10)
+            clock.now = 4.9  # just inside its wait
+            adm.set_kv_capacity(0)  # wakes the waiter, which reads the clock again
+            assert clock.wait_reads(2) and not queued.done()
+            clock.now = 5.0
+            with pytest.raises(CapacityError, match="after queueing for 5.0 s"):
+                queued.result(timeout=10)
+            assert adm.num_queued == 0 and adm.num_running == 1
+        finally:
+            adm.release(held)  # lets in a waiter that was not refused (the pool waits for it)
 
 
 def test_config_is_checked():

@@ -279,8 +279,8 @@ def test_a_slow_compile_times_out_once(tokenizer, monkeypatch):
     # From here a compile may wait an hour: what must not wait hangs, and the futures' generous
     # timeouts catch that, whatever the machine's load.
     compiler.timeout_s = 3600.0
-    try:
-        with ThreadPoolExecutor(2) as pool:
+    with ThreadPoolExecutor(2) as pool:
+        try:
             again = pool.submit(compiler.compile, Constraint("regex", "slow"))
             with pytest.raises(UserError, match=r"^regex: took longer than 0.5s to compile$"):
                 again.result(timeout=30)  # the remembered failure, at once (a new one would name the hour)
@@ -289,9 +289,9 @@ def test_a_slow_compile_times_out_once(tokenizer, monkeypatch):
             fast = pool.submit(compiler.new_state, Constraint("regex", "fast"))
             assert fast.result(timeout=30) is not None  # another worker compiles while the slow one runs
             assert not slow_done.is_set()
-    finally:
-        release.set()
-        compiler.close()
+        finally:
+            release.set()  # the slow compile ends (the pool waits for what waits on it)
+    compiler.close()
 
 
 def test_one_key_compiles_once_and_the_cache_is_lru(tokenizer, monkeypatch):

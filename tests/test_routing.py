@@ -285,14 +285,17 @@ def test_with_no_verifier_serving_a_call_waits_the_route_wait_for_one_then_fails
     # The futures' timeouts guard hangs only: waiting for the call's timeout (an hour) or for a
     # route wait of an hour that no serving verifier ends would hang.
     with ThreadPoolExecutor(1) as pool:
-        with pytest.raises(UnavailableError, match="no verifier is serving"):  # the route wait (0.3 s) ends it
-            pool.submit(verifiers.generate, _call(range(16)), 3600.0, []).result(timeout=30)
-        assert is_waiting.is_set()  # it did wait for one
-        verifiers.route_wait_s, is_waiting = 3600.0, threading.Event()
-        routed = pool.submit(_route, verifiers, list(range(16)))
-        assert is_waiting.wait(30) and not routed.done()
-        servers[1].set_serving(True)  # one serves again during the wait: it takes the call
-        assert routed.result(timeout=30) == a1
+        try:
+            with pytest.raises(UnavailableError, match="no verifier is serving"):  # the route wait (0.3 s) ends it
+                pool.submit(verifiers.generate, _call(range(16)), 3600.0, []).result(timeout=30)
+            assert is_waiting.is_set()  # it did wait for one
+            verifiers.route_wait_s, is_waiting = 3600.0, threading.Event()
+            routed = pool.submit(_route, verifiers, list(range(16)))
+            assert is_waiting.wait(30) and not routed.done()
+            servers[1].set_serving(True)  # one serves again during the wait: it takes the call
+            assert routed.result(timeout=30) == a1
+        finally:
+            servers[1].set_serving(True)  # ends any wait still going (the pool waits for it)
 
 
 def test_a_dns_name_is_resolved_to_every_address_again_and_again(monkeypatch):
