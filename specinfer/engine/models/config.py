@@ -53,6 +53,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    stored_dtype: str = "float32"
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Bytes one token's K and V take across all layers."""
@@ -101,6 +102,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            stored_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
 
     @classmethod
