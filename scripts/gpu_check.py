@@ -48,7 +48,6 @@ if ARGS.tiny:
     use_interpreter()  # before triton is imported
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from specinfer.engine.models.config import ModelConfig  # noqa: E402
 from specinfer.engine.runtime.exec_config import ExecConfig  # noqa: E402
@@ -215,30 +214,6 @@ def sdpa_reference(q, k, v, seqs, heads, kv_heads):
     fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads), q_size=heads * q.shape[-1],
                            sm_scale=None)
     return DecoderModel.attention(fake, q, k, v, seqs)
-
-
-def sdpa_batched_contiguous(q, k, v, seqs, heads, kv_heads):
-    """Best-case SDPA: keys pre-gathered into a padded contiguous batch, one call, dense mask."""
-    batch = len(seqs)
-    n_max = max(s.q_end - s.q_start for s in seqs)
-    l_max = max(s.mask.shape[1] for s in seqs)
-    head_dim = q.shape[-1]
-    qb = torch.zeros(batch, heads, n_max, head_dim, dtype=q.dtype, device=q.device)
-    kb = torch.zeros(batch, kv_heads, l_max, head_dim, dtype=k.dtype, device=k.device)
-    vb = torch.zeros_like(kb)
-    mb = torch.zeros(batch, 1, n_max, l_max, dtype=torch.bool, device=q.device)
-    for b, s in enumerate(seqs):
-        n, length = s.q_end - s.q_start, s.mask.shape[1]
-        qb[b, :, :n] = q[s.q_start : s.q_end].transpose(0, 1)
-        kb[b, :, :length] = k[s.context].transpose(0, 1)
-        vb[b, :, :length] = v[s.context].transpose(0, 1)
-        mb[b, 0, :n, :length] = s.mask
-        mb[b, 0, n:, 0] = True  # padding rows see one key (avoids NaN rows)
-
-    def run():
-        return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, enable_gqa=heads != kv_heads)
-
-    return run
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -16,8 +16,6 @@ from specinfer.errors import UserError
 # ---- token trees (SpecInfer Section 3.1) -----------------------------------------------------
 PAPER_TREE_WIDTH = (1, 1, 3, 1, 1, 1, 1, 1)  # the paper's expansion config <k1, ..., km>
 DEFAULT_MAX_TREE_NODES = 64
-DEFAULT_PROPOSAL_TOP_K = 32  # sampled children come from the SSM's q truncated to this many tokens
-MAX_PROPOSAL_TOP_K = 128  # bounds a sampled tree on the wire (see DEFAULT_MAX_MESSAGE_BYTES)
 TREE_POLICIES = ("merge", "mixed")
 MAX_TREE_DEPTH = 16
 MAX_TREE_WIDTH = 64  # children per node at one level
@@ -28,7 +26,6 @@ DYNAMIC_MAX_NODES = 32  # nodes beyond the root of one step's tree (each is a to
 DYNAMIC_MAX_DEPTH = 8  # levels of one step's tree
 DYNAMIC_EXPAND_TOP_K = 4  # children an SSM proposes at each node it expands
 DYNAMIC_EXPAND_WIDTH = 4  # nodes of one level an SSM expands (the most valuable ones)
-DYNAMIC_MAX_ATTEMPTS = 2  # sampled drafts at one node of a sampled request's tree
 
 # ---- model-free pool members (specinfer/engine/drafting/lookup.py, suffix.py) --------------------------
 MODEL_FREE_NAMES = ("lookup", "suffix")  # pool names that need no checkpoint
@@ -119,17 +116,16 @@ ROUTE_WAIT_S = 1.0  # longest a request waits for a verifier to serve before it 
 MAX_VERIFIER_ATTEMPTS = 8  # verifier calls one request makes before it gives up (stays resumable)
 
 # ---- messages on the wire: every server and every channel a service opens ------------------
-# The largest legitimate message is a sampled token tree (Speculator -> Verifier). It has at most
-# MAX_TREE_NODES nodes, hence at most MAX_TREE_NODES - 1 draft attempts per SSM, and each
-# distinct proposal q goes once, sparsely: <= MAX_PROPOSAL_TOP_K (token id, prob) pairs, a
-# token id <= 3 bytes (vocabularies < 2**21), a prob 4 bytes, plus framing: <= 910 bytes. One
-# SSM's worst tree (1023 proposals, with tokens, parents and draft arrays) is 0.94 MB; four SSMs'
-# drafts in one tree 3.73 MB, under 4 MiB (4.19 MB); at the default top-k (32) one SSM's is
-# 0.25 MB. A tree over the bound fails only that speculator's stream (the request goes on
-# without it). Prompts are far smaller: 2048 prompt tokens are ~6 KB of ids (Verifier.Generate,
-# Speculate's start) and tens of KB of text (Gateway.Generate).
+# The largest legitimate message is a whole response with logprobs (Gateway.Generate,
+# Verifier.Generate): at the default request limits (512 tokens, n = MAX_SAMPLES = 16, sample 0
+# repeated at the top) and MAX_LOGPROBS alternatives, each token's logprobs take <= 153 bytes (a
+# token id <= 3 bytes for vocabularies < 2**21, a logprob 4), so with ~4 bytes of text per token
+# the response is 1.42 MB, under 4 MiB (4.19 MB). A token tree (Speculator -> Verifier) is just
+# tokens and parents: at most MAX_TREE_NODES nodes, 5.0 KB. A tree over the bound fails only that
+# speculator's stream (the request goes on without it). Prompts are smaller: 2048 prompt tokens
+# are ~6 KB of ids (Verifier.Generate, Speculate's start) and tens of KB of text (Gateway.Generate).
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20  # gRPC's own default too
-MIN_MESSAGE_BYTES = 64 << 10  # a floor that still fits default-shaped trees and long prompts
+MIN_MESSAGE_BYTES = 64 << 10  # a floor that still fits the largest token tree and long prompts
 MAX_MESSAGE_BYTES = (2 << 30) - 1  # gRPC's channel arguments are 32-bit ints
 MAX_METADATA_BYTES = 16 << 10  # request and response headers (trace context, status details)
 MAX_STATUS_DETAILS_CHARS = 1024  # an error's message is cut to this, so its trailer always fits
@@ -263,8 +259,7 @@ def check_constraint(kind: str, spec: str, choices: tuple[str, ...]) -> None:
         raise UserError(f"{kind}: must not be empty")
 
 
-def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, min_path_prob: float,
-                policy: str) -> None:
+def check_shape(widths: tuple[int, ...], max_nodes: int, min_path_prob: float, policy: str) -> None:
     """TreeShape: widths in [1, MAX_TREE_WIDTH], at most MAX_TREE_DEPTH levels, 1..MAX_TREE_NODES nodes."""
     if any(w < 1 for w in widths):
         raise UserError(f"shape.widths: every width must be >= 1, got {list(widths)}")
@@ -274,8 +269,6 @@ def check_shape(widths: tuple[int, ...], max_nodes: int, proposal_top_k: int, mi
         raise UserError(f"shape.widths: tree deeper than {MAX_TREE_DEPTH} levels ({len(widths)})")
     if not 1 <= max_nodes <= MAX_TREE_NODES:
         raise UserError(f"shape.max_nodes: must be in [1, {MAX_TREE_NODES}], got {max_nodes}")
-    if not 1 <= proposal_top_k <= MAX_PROPOSAL_TOP_K:
-        raise UserError(f"shape.proposal_top_k: must be in [1, {MAX_PROPOSAL_TOP_K}], got {proposal_top_k}")
     if not 0.0 <= min_path_prob < 1.0:
         raise UserError(f"shape.min_path_prob: must be in [0, 1), got {min_path_prob}")
     if policy not in TREE_POLICIES:

@@ -10,7 +10,7 @@ Each type validates itself on construction against `specinfer.limits`. Plain Pyt
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from specinfer import limits
 from specinfer.errors import UserError
@@ -67,8 +67,9 @@ class TreeShape:
 
     widths: tuple[int, ...] = ()
     max_nodes: int = limits.DEFAULT_MAX_TREE_NODES
-    is_sampled: bool = True  # stochastic mode: draw children from q (True) or take the top-k (False)
-    proposal_top_k: int = limits.DEFAULT_PROPOSAL_TOP_K  # sampled children come from q truncated to this
+    # Stochastic mode: children coupled with the LLM's sample (the Gumbel-top-k of the SSM's
+    # distribution with the request's noise; True) or the SSM's top-k (False).
+    is_sampled: bool = True
     # Dynamic pruning: a node joins the tree only if the SSM's probability of its whole path
     # (the product along it) is at least this; 0 keeps every node the widths allow.
     min_path_prob: float = 0.0
@@ -77,7 +78,7 @@ class TreeShape:
     policy: str = "merge"
 
     def __post_init__(self):
-        limits.check_shape(self.widths, self.max_nodes, self.proposal_top_k, self.min_path_prob, self.policy)
+        limits.check_shape(self.widths, self.max_nodes, self.min_path_prob, self.policy)
 
     @property
     def is_default(self) -> bool:
@@ -177,7 +178,8 @@ class GenerationParams:
     def from_json(cls, d: dict) -> "GenerationParams":
         if "tree" in d or "max_tokens" in d:
             d = _from_earlier_json(d)
-        shape = dict(d.get("shape") or {})
+        # A shape stored by an earlier version may name fields since removed: they are dropped.
+        shape = {k: v for k, v in (d.get("shape") or {}).items() if k in _SHAPE_FIELDS}
         return cls(
             max_new_tokens=int(d.get("max_new_tokens", 0)),
             sampling=SamplingParams(**(d.get("sampling") or {})),
@@ -209,6 +211,9 @@ class GenerationParams:
         return replace(self, max_new_tokens=max_new)
 
 
+_SHAPE_FIELDS = frozenset(f.name for f in fields(TreeShape))
+
+
 def _from_earlier_json(d: dict) -> dict:
     """A stored request written by an earlier gateway ("max_tokens", and a "tree" whose unset
     fields were 0), so requests in flight during an upgrade still resume."""
@@ -217,7 +222,6 @@ def _from_earlier_json(d: dict) -> dict:
     if tree.get("widths"):
         shape = {"widths": tree["widths"], "max_nodes": tree.get("max_nodes") or limits.DEFAULT_MAX_TREE_NODES,
                  "is_sampled": bool(tree.get("is_sampled")),
-                 "proposal_top_k": tree.get("proposal_top_k") or limits.DEFAULT_PROPOSAL_TOP_K,
                  "min_path_prob": float(tree.get("min_path_prob") or 0.0),
                  "policy": {2: "mixed"}.get(tree.get("policy"), "merge")}
     return {"max_new_tokens": d.get("max_tokens", 0), "sampling": d.get("sampling"), "shape": shape,

@@ -3,7 +3,7 @@
 Each step emits `tokens_per_step` tokens after `delay_s`; the next token is `successor(prev)`,
 a function of the previous token only, so a continuation from (prompt + tokens so far) yields
 exactly the tokens an uninterrupted call would have (like greedy decoding). Every call records
-what the gateway sent (prompt ids, limits, deadline, trace metadata) and when and how it ended.
+what the gateway sent (prompt ids, limits, deadline, trace metadata) and how it ended.
 `refuse(request)` may return a message: the call then fails with INVALID_ARGUMENT, as the real
 verifier refuses what only it can check (a schema that does not compile, a token outside the
 vocabulary).
@@ -43,18 +43,15 @@ class FakeCall:
     request: pb.VerifierGenerateRequest
     time_remaining: float | None
     metadata: dict
-    started_at: float = field(default_factory=time.monotonic)
-    ended_at: float | None = None
     is_finished: bool = False  # emitted everything it was asked for
     num_sent: int = 0
     _ended: threading.Event = field(default_factory=threading.Event, init=False, repr=False, compare=False)
 
     @property
     def is_cancelled(self) -> bool:
-        return self.ended_at is not None and not self.is_finished
+        return self._ended.is_set() and not self.is_finished
 
     def end(self) -> None:
-        self.ended_at = time.monotonic()
         self._ended.set()
 
     def wait_ended(self, timeout_s: float) -> bool:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from services.gateway.admission import Admission, AdmissionConfig, LatencyModel
 from specinfer.errors import CapacityError, UserError
+from util import wait_until
 
 
 def expected_cap(a: float, b: float, factor: float) -> int:
@@ -132,6 +134,45 @@ def test_queue_is_fifo_and_bounded():
     for t in threads:
         t.join(5)
     assert order == ["first", "second"] and adm.num_running == 0 and adm.num_queued == 0
+
+
+class CountingClock:
+    """A clock the test sets, counting its readings: a waiter that read it twice since the clock was
+    set went around its wait once and decided with that time."""
+
+    def __init__(self):
+        self.now, self.num_reads = 0.0, 0
+        self._cond = threading.Condition()
+
+    def __call__(self) -> float:
+        with self._cond:
+            self.num_reads += 1
+            self._cond.notify_all()
+            return self.now
+
+    def wait_reads(self, num: int) -> bool:
+        with self._cond:
+            target = self.num_reads + num
+            return self._cond.wait_for(lambda: self.num_reads >= target, 10)
+
+
+def test_a_queued_request_waits_until_its_queue_timeout_then_is_refused():
+    clock = CountingClock()
+    adm = Admission(AdmissionConfig(max_running=1, latency_factor=0, max_queued=1, queue_timeout_s=5), clock=clock)
+    held = adm.acquire(1)
+    with ThreadPoolExecutor(1) as pool:
+        queued = pool.submit(adm.acquire, 1)
+        try:
+            assert wait_until(lambda: adm.num_queued == 1, 10)
+            clock.now = 4.9  # just inside its wait
+            adm.set_kv_capacity(0)  # wakes the waiter, which reads the clock again
+            assert clock.wait_reads(2) and not queued.done()
+            clock.now = 5.0
+            with pytest.raises(CapacityError, match="after queueing for 5.0 s"):
+                queued.result(timeout=10)
+            assert adm.num_queued == 0 and adm.num_running == 1
+        finally:
+            adm.release(held)  # lets in a waiter that was not refused (the pool waits for it)
 
 
 def test_config_is_checked():

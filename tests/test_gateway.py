@@ -291,27 +291,25 @@ def test_admission_queues_briefly_then_refuses(fake_server, tok_dir, tokenizer):
             first = s.GenerateStream(gen_request(max_tokens=200), timeout=10)
             next(first)
 
-            def timed_generate(max_tokens: int):
-                t0 = time.monotonic()
+            def generate(max_tokens: int):
                 try:
-                    return s.Generate(gen_request(max_tokens=max_tokens), timeout=5), time.monotonic() - t0
+                    return s.Generate(gen_request(max_tokens=max_tokens), timeout=5)
                 except grpc.RpcError as exc:
-                    return exc, time.monotonic() - t0
+                    return exc
 
-            queued = pool.submit(timed_generate, 5)
-            assert wait_until(lambda: gw.core.admission.num_queued == 1, 2.0)
-            t0 = time.monotonic()
+            # How long a queued request waits is `Admission`'s (test_admission.py, on a fake clock);
+            # here: a full queue refuses at once, a queued request is refused when its wait ends.
+            queued = pool.submit(generate, 5)
+            assert wait_until(lambda: gw.core.admission.num_queued == 1, 10)
             err = status_of(lambda: s.Generate(gen_request(max_tokens=5), timeout=5))  # the queue is full
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details()
-            assert time.monotonic() - t0 < 0.5
-            err, waited_s = queued.result(5)
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "after queueing" in err.details()
-            assert 0.5 < waited_s < 2.0
+            err = queued.result(10)
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "after queueing for 0.6 s" in err.details()
 
-            queued = pool.submit(timed_generate, 3)
-            assert wait_until(lambda: gw.core.admission.num_queued == 1, 2.0)
+            queued = pool.submit(generate, 3)
+            assert wait_until(lambda: gw.core.admission.num_queued == 1, 10)
             first.cancel()  # frees the slot: the queued request runs
-            resp, _ = queued.result(5)
+            resp = queued.result(10)
             assert not isinstance(resp, grpc.RpcError), resp
             assert len(resp.token_ids) == 3
             assert gw.core.admission.num_running == 0 and gw.core.admission.num_queued == 0
@@ -320,18 +318,30 @@ def test_admission_queues_briefly_then_refuses(fake_server, tok_dir, tokenizer):
         gw.stop(0)
 
 
+class SteppingClock:
+    """A clock that moves `step_s` on every reading: each verified step is read once."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 1000.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
 def test_admission_measures_time_per_output_token(fake_server, tok_dir, tokenizer):
     """A speculative step brings several tokens in one longer step: admission sees its time per
     token, so a speculating request does not look like a slower, more loaded verifier."""
     fake, server = fake_server
-    fake.reset(delay_s=0.2, tokens_per_step=4)  # 0.2 s per step, 0.05 s per token
+    fake.reset(tokens_per_step=4)
     gw = serve(gateway_config(server.port, model_dir=tok_dir), trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
+    gw.core.deps = replace(gw.core.deps, clock=SteppingClock(0.2))  # 0.2 s per step, 0.05 s per token
     try:
         with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
             pb_grpc.GatewayStub(ch).Generate(gen_request(max_tokens=24), timeout=10)
-        samples = sorted(seconds for _, seconds in gw.core.admission.model.samples)
+        samples = [seconds for _, seconds in gw.core.admission.model.samples]
         assert len(samples) == 5  # 6 steps of 4 tokens: the first has no step before it
-        assert 0.045 < samples[len(samples) // 2] < 0.15, samples  # per token, not the 0.2 s step
+        assert samples == pytest.approx([0.05] * 5)  # per token, not the 0.2 s step
     finally:
         gw.stop(0)
 
@@ -388,7 +398,7 @@ def test_stop_sequence_truncates_and_cancels_verifier(stub, fake, tokenizer, scr
     assert resp.finish_reason == "stop" and resp.text == full[: full.find(stop)]
     assert stop in tokenizer.decode(list(resp.token_ids))  # tokens run up to the one completing the stop
     call = fake.calls[0]
-    assert call.wait_ended(1.0) and call.is_cancelled and call.num_sent < 200
+    assert call.wait_ended(10) and call.is_cancelled and call.num_sent < 200
 
     ids, text, msgs = collect(stub.GenerateStream(gen_request("hello", max_tokens=200, stop=[stop]), timeout=10))
     assert text == resp.text and ids == list(resp.token_ids) and msgs[-1].finish_reason == "stop"
@@ -464,10 +474,9 @@ def test_cancel_request_stops_the_verifier_call(stub, fake):
     stream = stub.GenerateStream(gen_request(max_tokens=200), timeout=10)
     rid = next(stream).request_id
     next(stream)
-    t0 = time.monotonic()
     assert stub.CancelRequest(pb.CancelRequestRequest(request_id=rid), timeout=5).cancelled
     call = fake.calls[0]
-    assert call.wait_ended(1.0) and call.ended_at - t0 < 1.0 and call.is_cancelled
+    assert call.wait_ended(10) and call.is_cancelled  # ended, and not by finishing its 200 tokens
     rest = list(stream)
     assert rest[-1].finish_reason == "cancelled"
     assert stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "cancelled"
@@ -486,10 +495,9 @@ def test_client_disconnect_interrupts_and_resume_continues(stub, fake, tokenizer
         got_text += msg.text_delta
         if len(got_ids) >= 6:
             break
-    t0 = time.monotonic()
     stream.cancel()
     call = fake.calls[0]
-    assert call.wait_ended(1.0) and call.ended_at - t0 < 1.0 and call.is_cancelled
+    assert call.wait_ended(10) and call.is_cancelled  # ended, and not by finishing its 40 tokens
     state = wait_status(stub, rid, "interrupted")
     assert state.status == "interrupted" and len(state.token_ids) >= len(got_ids)
 
@@ -573,7 +581,7 @@ def test_disconnect_right_after_the_request_id_stops_the_verifier(stub, fake):
     rid = next(stream).request_id
     (call,) = fake.wait_for_calls(1)
     stream.cancel()
-    assert call.wait_ended(1.0) and call.is_cancelled
+    assert call.wait_ended(10) and call.is_cancelled
     assert wait_status(stub, rid, "interrupted").status == "interrupted"
 
 
@@ -617,10 +625,11 @@ def test_gateways_sharing_a_store_follow_and_take_over(fake, fake_server, tok_di
             fake.reset(delay_s=0.04)
             gone = replace(orphan, request_id="gone", owner="gone", updated_at=time.time(), is_leased=True)
             assert store.create_request(gone)
-            t0 = time.monotonic()
+            assert not gw_b.core._is_running_elsewhere(store.get_request("gone"))  # its owner holds no lease
+            # Waiting for it to go stale would outlast the call's deadline (half of stale_after_s).
             ids, _, _ = collect(b.ResumeStream(pb.ResumeStreamRequest(request_id="gone", token_offset=7),
-                                               timeout=10))
-            assert ids == want[7:] and time.monotonic() - t0 < cfg.stale_after_s / 4
+                                               timeout=cfg.stale_after_s / 2))
+            assert ids == want[7:]
             store.renew_lease("alive", 60)
             held = replace(orphan, request_id="held", owner="alive", updated_at=time.time(), is_leased=True)
             assert store.create_request(held)
@@ -638,12 +647,11 @@ def test_gateways_sharing_a_store_follow_and_take_over(fake, fake_server, tok_di
 # -- deadlines -------------------------------------------------------------------------------
 def test_deadline_exceeded_and_propagated(stub, fake):
     fake.reset(delay_s=0.1)
-    t0 = time.monotonic()
     err = status_of(lambda: stub.Generate(gen_request(max_tokens=100), timeout=0.4))
-    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 1.0
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     call = fake.calls[0]
-    assert call.time_remaining is not None and call.time_remaining <= 0.4
-    assert call.wait_ended(1.0) and call.is_cancelled
+    assert call.time_remaining is not None and call.time_remaining <= 0.4  # the client's deadline, passed on
+    assert call.wait_ended(10) and call.is_cancelled  # ended there, not after its 100 tokens
 
 
 def test_default_deadline_when_client_sets_none(stub, fake):
@@ -661,20 +669,25 @@ def test_verifier_down_then_resumable(tok_dir, tokenizer, script):
         with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
             s = pb_grpc.GatewayStub(ch)
             rid = f"down-{uuid.uuid4().hex[:8]}"
-            t0 = time.monotonic()
+            # UNAVAILABLE once the route wait is over (test_routing.py), not at the call's deadline
             err = status_of(lambda: list(s.GenerateStream(gen_request("hello", max_tokens=12, request_id=rid),
                                                           timeout=30)))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+            assert err.code() == grpc.StatusCode.UNAVAILABLE
             assert s.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "interrupted"
 
             verifier = start_fake_verifier(fake, port)
-            deadline, ids = time.monotonic() + 5, None
-            while ids is None:
+            resumed = []
+
+            def resume() -> bool:
                 try:
-                    ids, _, _ = collect(s.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=10))
+                    resumed.append(collect(s.ResumeStream(pb.ResumeStreamRequest(request_id=rid), timeout=10))[0])
+                    return True
                 except grpc.RpcError as exc:  # the channel may still be in its (<= 1 s) reconnect backoff
-                    assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline
-                    time.sleep(0.2)
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE
+                    return False
+
+            assert wait_until(resume, 30, interval=0.2)
+            ids = resumed[0]
             assert ids == expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 12)
             assert s.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "finished"
     finally:
@@ -708,9 +721,8 @@ def test_redis_down_fails_fast_then_recovers(fake, tok_dir, tokenizer, fake_serv
             s = pb_grpc.GatewayStub(ch)
             for call in (lambda: s.Generate(gen_request(max_tokens=3), timeout=10),
                          lambda: s.CreateSession(pb.CreateSessionRequest(), timeout=10)):
-                t0 = time.monotonic()
                 err = status_of(call)
-                assert err.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t0 < 2.0
+                assert err.code() == grpc.StatusCode.UNAVAILABLE  # at once, not at the call's deadline
             assert fake.calls == []
             if shutil.which("redis-server") is None:
                 pytest.skip("no redis-server binary to test recovery")

@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -44,22 +43,23 @@ NEAR_WIRE_LIMIT = 3_900_000  # characters: the largest prompt gRPC's default 4 M
 
 
 class WatchedTokenizer(TextTokenizer):
-    """A TextTokenizer that records every encode: its length, when it started and ended."""
+    """A TextTokenizer that records every encode's length, and announces when an encode of a big
+    text (over 100k characters) starts and ends."""
 
     def __init__(self, inner: TextTokenizer):
         super().__init__(inner.tok, inner.eos_token_ids, inner.bos_token_id)
-        self.calls: list[list] = []  # [num_chars, started_at, ended_at or None]
-        self.big_started = threading.Event()
+        self.calls: list[int] = []  # characters per encode
+        self.big_started, self.big_ended = threading.Event(), threading.Event()
 
     def encode(self, text: str) -> list[int]:
-        call = [len(text), time.monotonic(), None]
-        self.calls.append(call)
-        if len(text) > 100_000:
-            self.big_started.set()
+        self.calls.append(len(text))
+        if len(text) <= 100_000:
+            return super().encode(text)
+        self.big_started.set()
         try:
             return super().encode(text)
         finally:
-            call[2] = time.monotonic()
+            self.big_ended.set()
 
 
 class NamedFakeVerifier(FakeVerifier):
@@ -155,32 +155,26 @@ def test_oversize_prompt_is_refused_before_tokenizing(gateway, fake):
     request = pb.GenerateRequest(prompt="hello world " * (NEAR_WIRE_LIMIT // 12), max_tokens=4)
     for call in (lambda: gateway.stub.Generate(request, timeout=10),
                  lambda: list(gateway.stub.GenerateStream(request, timeout=10))):
-        started = time.monotonic()
         err = rpc_error(call)
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prompt:"), err
-        assert time.monotonic() - started < 1.0
-    assert gateway.tokenizer.calls == [] and fake.calls == []
+    assert gateway.tokenizer.calls == [] and fake.calls == []  # refused before any tokenizing
 
 
 def test_huge_prompt_is_refused_in_the_core_before_tokenizing(gateway, fake):
     """A 20 MB prompt (past the default message size; a deployment may raise it) costs nothing."""
     prompt = "hello world " * (HUGE // 12)
-    started = time.monotonic()
     with pytest.raises(UserError, match=r"^prompt: \d+ characters"):
         next(gateway.server.core.generate(NewRequest(prompt, GenerationParams()), CallContext(_Link(), 5.0)))
-    assert time.monotonic() - started < 1.0
-    assert gateway.tokenizer.calls == [] and fake.calls == []
+    assert gateway.tokenizer.calls == [] and fake.calls == []  # by its length alone
 
 
 def test_oversize_session_prefix_is_refused_before_tokenizing(gateway):
     err = rpc_error(lambda: gateway.stub.CreateSession(
         pb.CreateSessionRequest(prefix="hello world " * (NEAR_WIRE_LIMIT // 12)), timeout=10))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("prefix:"), err
-    started = time.monotonic()
     with pytest.raises(UserError, match=r"^prefix: \d+ characters"):
         gateway.server.core.create_session("hello world " * (HUGE // 12))
-    assert time.monotonic() - started < 1.0
-    assert gateway.tokenizer.calls == []
+    assert gateway.tokenizer.calls == []  # by its length alone
     assert gateway.stub.CreateSession(pb.CreateSessionRequest(prefix="hello world"), timeout=5).session_id
     assert len(gateway.tokenizer.calls) == 1
 
@@ -197,16 +191,16 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_requests(fake_server, tok
     fake.reset()
     gw = Gateway(fake_server[1].port, tok_dir, base_tokenizer, RequestLimits(max_prompt_tokens=200_000))
     try:
+        # 2.4 MB of text: its encode takes seconds, in native code that lets other threads run
         big = threading.Thread(target=lambda: rpc_error(lambda: gw.stub.Generate(
             pb.GenerateRequest(prompt="hello world " * 200_000, max_tokens=4), timeout=60)))
         big.start()
         assert gw.tokenizer.big_started.wait(10)
-        small = gw.stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=2), timeout=10)
-        small_done = time.monotonic()
-        (big_call,) = [c for c in gw.tokenizer.calls if c[0] > 100_000]
-        big.join(60)
+        small = gw.stub.Generate(pb.GenerateRequest(prompt="hello", max_tokens=2), timeout=30)
         assert len(small.token_ids) == 2
-        assert big_call[2] is not None and small_done < big_call[2], "the small request waited for the big one"
+        assert not gw.tokenizer.big_ended.is_set(), "the small request waited for the big one"
+        big.join(60)
+        assert gw.tokenizer.big_ended.is_set()
     finally:
         gw.close()
 

@@ -7,7 +7,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from specinfer.cli import launcher
 from specinfer.cli.launcher import Stack, StackConfig, StackFailed, default_speculator_threads
 from specinfer.errors import EXIT_CANNOT_BIND
 from specinfer.serving.grpc_server import ServerConfig, start_server
-from util import add_tokenizer, free_port
+from util import add_tokenizer, free_port, wait_until
 
 
 def test_speculators_get_a_small_share_of_the_cpus(monkeypatch):
@@ -71,11 +70,13 @@ def test_the_gateway_may_be_given_a_fixed_admission_limit(monkeypatch):
 
 
 def _supervise_until(stack: Stack, predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "the supervisor did not get there in time"
+    def supervised() -> bool:
+        if predicate():
+            return True
         stack.supervise()
-        time.sleep(0.01)
+        return False
+
+    assert wait_until(supervised, timeout_s), "the supervisor did not get there in time"
 
 
 def test_a_child_that_exits_is_restarted_with_growing_backoff_while_the_others_keep_running(capfd):
@@ -319,20 +320,20 @@ def test_up_with_two_verifiers_serves_through_both(tiny_pair, tmp_path):
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
-        deadline = time.monotonic() + 240
         with grpc.insecure_channel(f"127.0.0.1:{base}") as channel:
             stub = pb_grpc.GatewayStub(channel)
-            while True:
+
+            def serves() -> bool:
                 assert proc.poll() is None, log.read_text()
                 try:
                     stub.Generate(pb.GenerateRequest(prompt="def add", max_tokens=2), timeout=10)
-                    break
+                    return True
                 except grpc.RpcError:
-                    assert time.monotonic() < deadline, "the stack did not come up"
-                    time.sleep(0.5)
-            while "specinfer_gateway_verifiers_serving 2.0" not in scrape():  # the second may still load
-                assert time.monotonic() < deadline, "the second verifier did not come up"
-                time.sleep(0.5)
+                    return False
+
+            assert wait_until(serves, 240, interval=0.5), "the stack did not come up"
+            assert wait_until(lambda: "specinfer_gateway_verifiers_serving 2.0" in scrape(), 240, interval=0.5), \
+                "the second verifier did not come up"  # it may still load
             for i in range(8):  # short prompts leave no trace in the routing index: they take turns
                 stub.Generate(pb.GenerateRequest(prompt=f"{i} def add", max_tokens=2), timeout=30)
         text = scrape()

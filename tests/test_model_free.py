@@ -4,7 +4,6 @@ merge with the SSMs', and that speculating with them keeps greedy output the LLM
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.drafting.lookup import PromptLookup
@@ -43,7 +42,6 @@ def test_lookup_takes_distinct_recent_continuations_within_bounds():
     assert paths_of(tree) == {(6, 7), (3, 4)}  # the two most recent, not (1, 2)
     assert tree.max_depth == 2
     assert len(lookup.propose(state, max_depth=2, max_nodes=3)) == 3
-    assert all(d.proposal is None for drafts in tree.drafts for d in drafts)  # point masses
 
 
 # ---- suffix speculation --------------------------------------------------------------------------
@@ -83,18 +81,17 @@ def test_suffix_cache_shares_outputs_across_requests_and_stays_bounded():
 # ---- merging with the SSMs' trees ----------------------------------------------------------------
 
 
-def test_graft_adds_point_masses_after_the_ssm_drafts_within_the_node_bound():
-    q = torch.tensor([0.5, 0.5])
+def test_graft_adds_paths_after_the_ssm_drafts_within_the_node_bound():
     ssm = TokenTree.with_root(1)
-    a = ssm.add_draft(0, 2, q)
-    ssm.add_draft(a, 3, q)
+    a = ssm.add_draft(0, 2)
+    ssm.add_draft(a, 3)
     free = TokenTree.with_root(1)
     b = free.add_draft(0, 2)
     free.add_draft(b, 4)
     free.add_draft(0, 5)
     merged = graft(ssm, free, max_nodes=4)
     assert paths_of(merged) == {(2, 3), (2, 4)}  # the fifth node (token 5) is over the bound
-    assert [d.proposal for d in merged.drafts[0]] == [q, None]  # the SSM's sample first
+    assert [merged.tokens[c] for c in merged.children[a]] == [3, 4]  # the SSM's draft first
     with pytest.raises(ValueError):
         graft(merged, TokenTree.with_root(9), 8)
 

@@ -361,8 +361,8 @@ def test_draining_stops_http_with_grpc(text_pair, stack, executor):
         except (urllib.error.URLError, ConnectionError):
             return True
 
-    assert wait_until(is_refused, timeout=1.0)
-    assert server.core.registry.all(), "the gRPC request should still be running"
+    assert wait_until(is_refused, timeout=30)
+    assert server.core.registry.all(), "the gRPC request should still be running"  # refused before the drain ended
     assert sum(len(c.token_ids) for c in stream) > 0 and stopping.result(timeout=30) is None
 
 

@@ -25,6 +25,10 @@ def test_reads_requests_stored_by_an_earlier_gateway():
     assert params == GenerationParams(32, SamplingParams(0.5, seed=7), TreeShape((2, 2), is_sampled=True, policy="mixed"),
                                       is_speculative=False, ssm_names=("ssm-1",), stop=("x",), is_ignore_eos=True)
     assert GenerationParams.from_json({**earlier, "tree": {"widths": []}}).shape.is_default
+    # A shape stored with a field since removed (the ignored proposal_top_k) reads without it.
+    stored = GenerationParams(8, SamplingParams(0.5, seed=7), TreeShape((2, 2), max_nodes=9)).to_json()
+    stored["shape"]["proposal_top_k"] = 32
+    assert GenerationParams.from_json(stored).shape == TreeShape((2, 2), max_nodes=9)
 
 
 @pytest.mark.parametrize("make, field", [

@@ -110,7 +110,7 @@ def test_only_steady_trees_count_as_speculation_cost():
         def offer(self, *args):
             return True
 
-    driver = SpeculationDriver(lambda start: [Link()], [5, 6, 7], TreeShape((2, 1)), 100, True, 1.0)
+    driver = SpeculationDriver(lambda start: [Link()], [5, 6, 7], TreeShape((2, 1)), 100, 1.0)
     driver.ask((2, 1))
     assert not driver.is_steady  # opened the stream
     driver.after_step([8, 9])

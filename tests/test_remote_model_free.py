@@ -164,7 +164,7 @@ def test_a_dynamic_tree_reports_its_ssm_levels_and_is_steady_after_the_first():
             sent.append("feedback" if budget is not None else "static")
             return True
 
-        def next_tree(self, timeout_s, vocab_size, is_greedy):
+        def next_tree(self, timeout_s, vocab_size):
             self.last_levels = next(levels)
             return TokenTree.with_root(7)
 
@@ -174,7 +174,7 @@ def test_a_dynamic_tree_reports_its_ssm_levels_and_is_steady_after_the_first():
         return [link]
 
     budget = TreeBudget(max_nodes=8, max_depth=4)
-    driver = SpeculationDriver(open_links, PROMPT, TreeShape((2, 1)), 100, True, 1.0)
+    driver = SpeculationDriver(open_links, PROMPT, TreeShape((2, 1)), 100, 1.0)
     steady, depths = [], []
     for _ in range(5):
         driver.ask((), 4, budget)
@@ -206,7 +206,7 @@ class Greedy:
     def propose(self, state: SimpleNamespace, max_depth: int, max_nodes: int) -> TokenTree:
         tree = TokenTree.with_root(state.tokens[-1])
         for token in range(self.vocab):
-            tree.add_draft(0, token, None)
+            tree.add_draft(0, token)
         return tree
 
     def release(self, state: SimpleNamespace) -> None:

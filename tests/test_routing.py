@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import socket
-import time
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -272,15 +273,29 @@ def test_a_retry_avoids_the_verifier_it_failed_on_unless_it_is_the_only_one(two_
     assert _route(verifiers, prompt, avoid=frozenset({a0, a1})) in (a0, a1)  # nowhere else: any serving one
 
 
-def test_with_no_verifier_serving_a_call_fails_unavailable_after_the_route_wait(two_verifiers):
+def test_with_no_verifier_serving_a_call_waits_the_route_wait_for_one_then_fails_unavailable(two_verifiers):
     servers, verifiers = two_verifiers
+    a1 = f"127.0.0.1:{servers[1].port}"
     for s in servers:
         s.set_serving(False)
     assert wait_until(lambda: not verifiers.pool.serving(), 5)
-    t0 = time.monotonic()
-    with pytest.raises(UnavailableError, match="no verifier is serving"):
-        verifiers.generate(_call(range(16)), 5.0, [])
-    assert 0.25 < time.monotonic() - t0 < 2.0
+    cond, is_waiting = verifiers.pool._cond, threading.Event()
+    wait = cond.wait
+    cond.wait = lambda timeout=None: is_waiting.set() or wait(timeout)
+    # The futures' timeouts guard hangs only: waiting for the call's timeout (an hour) or for a
+    # route wait of an hour that no serving verifier ends would hang.
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            with pytest.raises(UnavailableError, match="no verifier is serving"):  # the route wait (0.3 s) ends it
+                pool.submit(verifiers.generate, _call(range(16)), 3600.0, []).result(timeout=30)
+            assert is_waiting.is_set()  # it did wait for one
+            verifiers.route_wait_s, is_waiting = 3600.0, threading.Event()
+            routed = pool.submit(_route, verifiers, list(range(16)))
+            assert is_waiting.wait(30) and not routed.done()
+            servers[1].set_serving(True)  # one serves again during the wait: it takes the call
+            assert routed.result(timeout=30) == a1
+        finally:
+            servers[1].set_serving(True)  # ends any wait still going (the pool waits for it)
 
 
 def test_a_dns_name_is_resolved_to_every_address_again_and_again(monkeypatch):

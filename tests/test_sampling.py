@@ -73,9 +73,9 @@ def test_the_same_noise_at_every_position_fails_that_test():
 
 def test_a_tree_is_verified_against_the_llms_own_tokens():
     tree = TokenTree.with_root(3)
-    a = tree.add_draft(0, 1, None)
-    tree.add_draft(0, 2, None)
-    tree.add_draft(a, 4, None)
+    a = tree.add_draft(0, 1)
+    tree.add_draft(0, 2)
+    tree.add_draft(a, 4)
     assert verify_tree(tree, [1, 4, 0, 0]) == ([0, a, 3], 0)  # both levels accepted, then the LLM's bonus
     assert verify_tree(tree, [5, 0, 0, 0]) == ([0], 5)  # no child matches: the LLM's own token
 

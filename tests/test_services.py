@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -82,24 +81,29 @@ def test_speculator_killed_mid_request_falls_back_exactly(stack, engine, greedy_
 
 
 def test_no_speculator_at_all_decodes_incrementally(tiny_pair, engine):
-    with start_stack(tiny_pair.llm, speculator_addrs=("127.0.0.1:1",), speculator_step_timeout_s=1) as stack:
-        start = time.monotonic()
-        tokens, last = generate(stack.verifier_stub, [7, 8, 9], 20)
-        assert time.monotonic() - start < 10
+    """An unreachable speculator fails at once and is dropped: no step waits for it. With a step
+    timeout of an hour, any wait would outlast the call's deadline (which only guards the hang)."""
+    with start_stack(tiny_pair.llm, speculator_addrs=("127.0.0.1:1",), speculator_step_timeout_s=3600) as stack:
+        tokens, last = generate(stack.verifier_stub, [7, 8, 9], 20, timeout=60)
         assert tokens == engine.generate([7, 8, 9], mode_params("incremental", 20)).output_ids
         assert last.stats.fell_back
 
 
-def test_client_cancel_frees_kv_within_1s(stack):
+def test_client_cancel_stops_the_request_and_frees_its_kv(stack, monkeypatch):
     servicer = stack.verifier_servicer
-    llm_alloc = servicer.engine.verifier.runner.allocator
+    runner = servicer.engine.verifier.runner
+    llm_alloc = runner.allocator
     ssm_alloc = stack.speculators[0][1].worker.speculator.runners[0].allocator
+    passes, run = [], runner.run
+    monkeypatch.setattr(runner, "run", lambda works: passes.append(len(works)) or run(works))
     call = stack.verifier_stub.Generate(pb.VerifierGenerateRequest(
         prompt_ids=list(range(2, 60)), max_new_tokens=400, speculate=True, ignore_eos=True), timeout=60)
     next(call)
     assert llm_alloc.num_used > 0
     call.cancel()
-    assert wait_until(lambda: llm_alloc.num_used == 0 and ssm_alloc.num_used == 0, timeout=1.0)
+    num_before = len(passes)
+    assert wait_until(lambda: llm_alloc.num_used == 0 and ssm_alloc.num_used == 0, timeout=30)
+    assert len(passes) - num_before < 10  # a step or two more, not the rest of its 400 tokens
 
 
 def test_deadline_exceeded_and_propagated(stack):

@@ -383,41 +383,27 @@ def test_the_channels_a_service_opens_are_bounded(client):
         running.stop(0)
 
 
-def _worst_tree(num_ssms: int, top_k: int):
-    """A tree of MAX_TREE_NODES nodes in which every draft attempt of every SSM has its own
-    proposal of `top_k` entries, with the largest token ids a 2**21 vocabulary has."""
-    from specinfer.limits import MAX_TREE_NODES
+def test_the_message_bounds_fit_the_largest_tree_and_response():
+    """The largest token tree (MAX_TREE_NODES nodes, the largest token ids a 2**21 vocabulary has)
+    fits even the smallest bound; a whole response with logprobs of every sample at the default
+    request limits fits the default one (see DEFAULT_MAX_MESSAGE_BYTES)."""
+    from specinfer.limits import (DEFAULT_MAX_MESSAGE_BYTES, MAX_LOGPROBS, MAX_SAMPLES, MAX_TREE_NODES,
+                                  MIN_MESSAGE_BYTES, RequestLimits)
     from specinfer.v1 import specinfer_pb2 as pb
 
     top = (1 << 21) - 1
-    tree = pb.TokenTree(tokens=[top - i for i in range(MAX_TREE_NODES)],
-                        parents=[-1] + list(range(MAX_TREE_NODES - 1)))
-    proposal = pb.Proposal(token_ids=[top - j for j in range(top_k)], probs=[1 / 3] * top_k)
-    for _ in range(num_ssms):
-        for node in range(MAX_TREE_NODES - 1):
-            tree.draft_nodes.append(node)
-            tree.draft_children.append(node + 1)
-            tree.draft_proposals.append(len(tree.proposals))
-            tree.proposals.append(proposal)
-    return pb.SpeculateResponse(tree=tree, step=(1 << 32) - 1, speculate_s=1.0)
-
-
-def test_the_default_message_bound_fits_the_largest_sampled_tree():
-    from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PROPOSAL_TOP_K, MAX_PROPOSAL_TOP_K
-
-    assert _worst_tree(1, DEFAULT_PROPOSAL_TOP_K).ByteSize() < 0.26e6
-    assert _worst_tree(1, MAX_PROPOSAL_TOP_K).ByteSize() < 0.95e6
-    assert _worst_tree(4, MAX_PROPOSAL_TOP_K).ByteSize() < DEFAULT_MAX_MESSAGE_BYTES
-
-
-def test_proposal_top_k_is_bounded():
-    from specinfer.limits import MAX_PROPOSAL_TOP_K
-    from specinfer.params import TreeShape
-
-    assert TreeShape((2, 2), proposal_top_k=MAX_PROPOSAL_TOP_K).proposal_top_k == MAX_PROPOSAL_TOP_K
-    message = f"shape.proposal_top_k: must be in \\[1, {MAX_PROPOSAL_TOP_K}\\], got {MAX_PROPOSAL_TOP_K + 1}"
-    with pytest.raises(UserError, match=message):
-        TreeShape((2, 2), proposal_top_k=MAX_PROPOSAL_TOP_K + 1)
+    tree = pb.TokenTree(tokens=[top - i for i in range(MAX_TREE_NODES)], parents=[-1] + list(range(MAX_TREE_NODES - 1)))
+    assert pb.SpeculateResponse(tree=tree, step=(1 << 32) - 1, speculate_s=1.0, ssm_levels=16).ByteSize() < 5.1e3
+    assert 5.1e3 < MIN_MESSAGE_BYTES
+    num_tokens = RequestLimits().max_new_tokens
+    logprob = pb.TokenLogprob(token_id=top, logprob=-1.5, top_token_ids=[top] * MAX_LOGPROBS,
+                              top_logprobs=[-1.5] * MAX_LOGPROBS)
+    stats = pb.GenerationStats(prompt_tokens=2048, output_tokens=num_tokens, llm_steps=num_tokens, tokens_per_step=1.0)
+    fields = dict(text="abcd" * num_tokens, token_ids=[top] * num_tokens, finish_reason="length", stats=stats,
+                  logprobs=[logprob] * num_tokens)
+    samples = [pb.Sample(index=i, request_id="r" * 128, **fields) for i in range(MAX_SAMPLES)]
+    response = pb.GenerateResponse(request_id="r" * 128, samples=samples, **fields)
+    assert response.ByteSize() < 1.43e6 < DEFAULT_MAX_MESSAGE_BYTES
 
 
 @pytest.mark.parametrize("exc,code", [
@@ -457,7 +443,7 @@ def test_config_defaults_are_the_product_constants():
     v, s = _verifier(), _speculator()
     assert v.tree_width == limits.PAPER_TREE_WIDTH == VerifierConfig(Path("m")).tree_width
     assert v.max_tree_nodes == limits.DEFAULT_MAX_TREE_NODES
-    assert (v.port, s.port) == (settings.VERIFIER_PORT, settings.SPECULATOR_PORT)
+    assert (v.port, s.port) == (limits.VERIFIER_PORT, limits.SPECULATOR_PORT)
     assert v.max_kv_tokens == s.max_kv_tokens == limits.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
     assert v.max_batch == s.max_batch == limits.DEFAULT_MAX_BATCH
     assert v.host == s.host == settings.LOCAL_HOST

@@ -99,17 +99,22 @@ def test_one_trace_spans_gateway_verifier_speculator(stack, exporter):
     assert all("accepted_length" in s.attributes and "tree_nodes" in s.attributes for s in verify)
 
 
-def test_cancel_request_frees_all_kv_within_1s(stack):
+def test_cancel_request_stops_it_and_frees_all_kv(stack, monkeypatch):
     stub = stack.gateway_stub
-    llm_alloc = stack.verifier_servicer.engine.verifier.runner.allocator
+    runner = stack.verifier_servicer.engine.verifier.runner
+    llm_alloc = runner.allocator
     ssm_alloc = stack.speculators[0][1].worker.speculator.runners[0].allocator
+    passes, run = [], runner.run
+    monkeypatch.setattr(runner, "run", lambda works: passes.append(len(works)) or run(works))
     stream = stub.GenerateStream(pb.GenerateRequest(prompt="for x in", max_tokens=500, ignore_eos=True), timeout=60)
     first = next(stream)
     rid = first.request_id
     while llm_alloc.num_used == 0:
         next(stream)
     assert stub.CancelRequest(pb.CancelRequestRequest(request_id=rid), timeout=5).cancelled
-    assert wait_until(lambda: llm_alloc.num_used == 0 and ssm_alloc.num_used == 0, timeout=1.0)
+    num_before = len(passes)
+    assert wait_until(lambda: llm_alloc.num_used == 0 and ssm_alloc.num_used == 0, timeout=30)
+    assert len(passes) - num_before < 10  # a step or two more, not the rest of its 500 tokens
     assert stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=5).status == "cancelled"
 
 

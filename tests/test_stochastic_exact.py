@@ -105,16 +105,16 @@ CONFIGS = {
     "t1-sampled-tree": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=True), 1),
     "t1-topk-tree": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=False), 1),
     "t0.7-p0.9-sampled-tree": (SamplingParams(0.7, top_p=0.9),
-                               TreeShape((3, 2), is_sampled=True, proposal_top_k=3), 1),
+                               TreeShape((3, 2), is_sampled=True), 1),
     "t0.7-p0.9-topk-tree": (SamplingParams(0.7, top_p=0.9), TreeShape((2, 2), is_sampled=False), 1),
     "t1-merged-2-ssms": (SamplingParams(1.0), TreeShape((2, 1), is_sampled=True), 2),
     "t1-pruned-sampled-tree": (SamplingParams(1.0), TreeShape((3, 3), max_nodes=5, min_path_prob=0.2), 1),
-    # Sampled SSM children and deterministic model-free children (point masses) in one tree.
+    # Coupled SSM children and deterministic model-free children in one tree.
     "t1-sampled-ssm+model-free": (SamplingParams(1.0), TreeShape((2, 2), is_sampled=True), (1, "lookup", "suffix")),
-    # Dynamic trees: draws from q as many as each node's value pays for, then point masses.
+    # Dynamic trees: coupled children as many as each node's value pays for, then model-free ones.
     "t1-dynamic-sampled+model-free": (SamplingParams(1.0), TreeShape((1,), is_sampled=True), (1, "lookup", "suffix"),
                                       TreeBudget(max_nodes=12, max_depth=3, node_cost=0.01, level_cost=0.01)),
-    "t0.7-p0.9-dynamic-sampled-2-ssms": (SamplingParams(0.7, top_p=0.9), TreeShape((1,), proposal_top_k=4), 2,
+    "t0.7-p0.9-dynamic-sampled-2-ssms": (SamplingParams(0.7, top_p=0.9), TreeShape((1,)), 2,
                                          TreeBudget(max_nodes=12, max_depth=3, node_cost=0.02, level_cost=0.01)),
     "t1-dynamic-topk+model-free": (SamplingParams(1.0), TreeShape((1,), is_sampled=False), (1, "lookup", "suffix"),
                                    TreeBudget(max_nodes=12, max_depth=3, node_cost=0.01, level_cost=0.01)),
@@ -143,7 +143,7 @@ def make_engine(models, num_ssms: int | tuple, shape: TreeShape | None = None, b
     kv = BATCH * (len(PROMPT) + NUM_TOKENS + 1 + TreeShape().max_nodes * max(1, num_ssms + len(model_free))) + 1024
     members = [model_free_member(name) for name in model_free]
     for member in members:
-        if member.name == "suffix":  # earlier outputs: from the first step on, several point-mass branches
+        if member.name == "suffix":  # earlier outputs: from the first step on, several deterministic branches
             for output in [[7, 1, 0]] * 3 + [[7, 5, 4]] * 3 + [[7, 4, 4], [7, 2, 6]] * 2:
                 member.cache.add(output)
     cfg = EngineConfig(default_shape=shape) if shape is not None else EngineConfig()

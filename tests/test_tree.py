@@ -34,12 +34,11 @@ def test_ancestor_mask_rows():
     assert ancestor_rows([-1, -1, 0, 1]) == [[0], [1], [0, 2], [1, 3]]
 
 
-def test_duplicate_draft_reuses_node_but_keeps_attempt():
+def test_duplicate_draft_reuses_its_node():
     tree = TokenTree.with_root(1)
-    a = tree.add_draft(0, 7, "q")
-    b = tree.add_draft(0, 7, "q")
-    assert a == b and len(tree) == 2
-    assert [d.child for d in tree.drafts[0]] == [a, a]
+    a = tree.add_draft(0, 7)
+    b = tree.add_draft(0, 7)
+    assert a == b and len(tree) == 2 and tree.children[0] == [a]
 
 
 def test_merge_dedups_by_whole_path_not_token_and_depth():
@@ -57,14 +56,15 @@ def test_merge_dedups_by_whole_path_not_token_and_depth():
     assert merged.depths == sorted(merged.depths)
 
 
-def test_merge_keeps_every_draft_with_its_proposal():
+def test_merge_keeps_each_level_in_input_order():
     a = TokenTree.with_root(0)
-    a.add_draft(0, 3, "qa")
+    a.add_draft(0, 3)
     b = TokenTree.with_root(0)
-    b.add_draft(0, 3, "qb")
-    b.add_draft(0, 4, "qb")
-    merged, _ = merge_trees([a, b])
-    assert [(merged.tokens[d.child], d.proposal) for d in merged.drafts[0]] == [(3, "qa"), (3, "qb"), (4, "qb")]
+    b.add_draft(0, 4)
+    b.add_draft(0, 3)
+    merged, maps = merge_trees([a, b])
+    assert [merged.tokens[c] for c in merged.children[0]] == [3, 4]  # a's first, then b's new one
+    assert maps == [[0, 1], [0, 2, 1]]
 
 
 def test_merge_rejects_different_roots():

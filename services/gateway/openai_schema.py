@@ -97,8 +97,7 @@ class StructuredOutputs(_Strict):
         return self
 
     def constraint(self) -> Constraint:
-        return _structured("structured_outputs.", self.json_, self.regex, self.choice, self.grammar,
-                           bool(self.json_object))
+        return _structured("structured_outputs.", self.json_, self.regex, self.choice, self.grammar)
 
 
 STRUCTURED_FIELDS = {"json": "json_", "regex": "regex", "choice": "choice", "grammar": "grammar",
@@ -125,8 +124,9 @@ def _constraint(field: str, kind: str, spec: str = "", choices: Sequence[str] = 
         raise UserError(f"{field}: {str(exc).removeprefix(kind + ':').strip()}") from None
 
 
-def _structured(prefix: str, schema, regex, choice, grammar, is_json_object: bool = False) -> Constraint:
-    """The constraint of vLLM's fields (one of them given), named `prefix` + the field in errors."""
+def _structured(prefix: str, schema, regex, choice, grammar) -> Constraint:
+    """The constraint of vLLM's fields (one of them given, else json_object), named `prefix` + the
+    field in errors."""
     if schema is not None:
         return _constraint(f"{prefix}json", "json_schema", _json_text(schema, f"{prefix}json"))
     if regex is not None:

@@ -65,6 +65,7 @@ class RunDeps:
     # Seconds per output token between two verified steps: a speculative step brings several tokens
     # in one longer step, so per token its cost compares with a plain step's.
     on_step: Callable[[float], None] = lambda token_s: None
+    clock: Callable[[], float] = time.monotonic  # when a verified step arrives (injectable for tests)
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ class RequestRun:
                     end_reason = "stop"
                     break
             if step.token_ids:
-                now = time.monotonic()
+                now = self.deps.clock()
                 if self._last_token_at is not None:
                     self.deps.on_step((now - self._last_token_at) / len(step.token_ids))
                 self._last_token_at = now

@@ -83,7 +83,7 @@ class SpeculatorServicer(pb_grpc.SpeculatorServicer):
                         step_span.set_attribute("ssm_levels", num_levels)
                         step_span.set_attribute("batch_size", session.last_batch_size)
                         step_span.set_attribute("drafted_ahead", session.is_last_ahead)
-                    yield pb.SpeculateResponse(tree=tree_to_proto(tree, params.is_greedy), step=step,
+                    yield pb.SpeculateResponse(tree=tree_to_proto(tree), step=step,
                                                speculate_s=seconds, ssm_levels=num_levels)
                     step += 1
                     try:

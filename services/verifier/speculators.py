@@ -153,7 +153,7 @@ class SpeculatorLink:
         self._send(pb.SpeculateRequest(feedback=feedback))
         return True
 
-    def next_tree(self, step_timeout_s: float, vocab_size: int, is_greedy: bool) -> TokenTree | None:
+    def next_tree(self, step_timeout_s: float, vocab_size: int) -> TokenTree | None:
         """The answer to the last message, or None when it is late (still owed); raises (and
         marks the link dead) on any failure. The first answer of a stream prefills the SSMs on
         the whole context: it may take the whole step timeout."""
@@ -166,7 +166,7 @@ class SpeculatorLink:
         self._mark_late(False, allowance)
         self.last_levels = int(response.ssm_levels)
         try:
-            return tree_from_proto(response.tree, vocab_size, is_greedy)
+            return tree_from_proto(response.tree, vocab_size)
         except ValueError as exc:
             self.fail(f"sent an invalid tree: {exc}")
             raise
@@ -229,7 +229,7 @@ class SpeculatorLink:
 
 
 def gather_tree(links: list[SpeculatorLink], asked: list[SpeculatorLink], root: int, step_timeout_s: float,
-                vocab_size: int, is_greedy: bool, max_nodes: int) -> tuple[TokenTree, list[str], list[str]]:
+                vocab_size: int, max_nodes: int) -> tuple[TokenTree, list[str], list[str]]:
     """Merges the trees of the live links asked for this step that answer in time; returns it, the
     names of links that failed now and those of live links whose tree this step goes without.
 
@@ -245,7 +245,7 @@ def gather_tree(links: list[SpeculatorLink], asked: list[SpeculatorLink], root: 
                 link.poll(step_timeout_s)
                 late.append(link.name)
                 continue
-            tree = link.next_tree(step_timeout_s, vocab_size, is_greedy)
+            tree = link.next_tree(step_timeout_s, vocab_size)
         except (TimeoutError, ConnectionError, ValueError):
             failed.append(link.name)
             continue
@@ -343,8 +343,7 @@ class RemoteSpeculation:
                 link.open(start, metadata)
             return links
 
-        return SpeculationDriver(open_links, prompt_ids, shape, self.vocab_size, params.sampling.is_greedy,
-                                 self.step_timeout_s)
+        return SpeculationDriver(open_links, prompt_ids, shape, self.vocab_size, self.step_timeout_s)
 
 
 class SpeculationDriver:
@@ -358,14 +357,12 @@ class SpeculationDriver:
     which of its members draft (its SSMs may sit a step out) and reports the SSM levels it ran.
     """
 
-    def __init__(self, open_links, context_ids: list[int], shape: TreeShape, vocab_size: int, is_greedy: bool,
-                 step_timeout_s: float):
+    def __init__(self, open_links, context_ids: list[int], shape: TreeShape, vocab_size: int, step_timeout_s: float):
         self.open_links = open_links  # (start message) -> links
         self.links: list[SpeculatorLink] = []
         self.history = list(context_ids)  # every verified token so far, prompt included
         self.shape = shape
         self.vocab_size = vocab_size
-        self.is_greedy = is_greedy
         self.step_timeout_s = step_timeout_s
         self.unsent: list[int] = []  # verified tokens the open streams have not been told about
         self.is_awaiting = False
@@ -429,7 +426,7 @@ class SpeculationDriver:
         self.is_awaiting = False
         started = time.perf_counter()
         tree, failed, late = gather_tree(self.links, self.asked, root, self.step_timeout_s, self.vocab_size,
-                                         self.is_greedy, self._max_nodes)
+                                         self._max_nodes)
         failed, self._dropped = self._dropped + failed, []
         depth = self.asked_depth
         if self._is_dynamic:  # the SSM levels the speculators ran; steady: not the SSMs' first tree (the prompt)

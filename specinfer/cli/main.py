@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--tree-sampling", choices=["sampled", "topk"], default="sampled",
-                   help="how stochastic mode picks tree children: draws from the SSM, or its top-k")
+                   help="how stochastic mode picks tree children: coupled with the LLM's sample, or the SSM's top-k")
     add_processor_flags(g)
     add_constraint_flags(g)
     g.add_argument("--output", type=Path, help="write JSONL results here (default: stdout)")

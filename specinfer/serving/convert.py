@@ -104,14 +104,14 @@ def _constraint_of(msg) -> Constraint | None:
 
 
 def shape_from_proto(msg: pb.TreeShape) -> TreeShape:
-    """The requested shape; unset fields take the defaults, and no widths means the server's shape."""
+    """The requested shape; unset fields take the defaults, and no widths means the server's shape.
+    The deprecated `proposal_top_k` is ignored: coupled children need no proposal distribution."""
     if not msg.widths:
         return TreeShape()
     return TreeShape(
         widths=tuple(int(w) for w in msg.widths),
         max_nodes=int(msg.max_nodes) or limits.DEFAULT_MAX_TREE_NODES,
         is_sampled=bool(msg.sampled),
-        proposal_top_k=int(msg.proposal_top_k) or limits.DEFAULT_PROPOSAL_TOP_K,
         min_path_prob=float(msg.min_path_prob),
         policy=_POLICY_NAMES.get(msg.policy, "merge"),
     )
@@ -121,8 +121,7 @@ def shape_to_proto(shape: TreeShape) -> pb.TreeShape:
     if shape.is_default:
         return pb.TreeShape()
     return pb.TreeShape(widths=list(shape.widths), max_nodes=shape.max_nodes, sampled=shape.is_sampled,
-                        proposal_top_k=shape.proposal_top_k, min_path_prob=shape.min_path_prob,
-                        policy=_POLICY_VALUES[shape.policy])
+                        min_path_prob=shape.min_path_prob, policy=_POLICY_VALUES[shape.policy])
 
 
 def budget_from_proto(msg: pb.TreeBudget) -> TreeBudget:

@@ -217,7 +217,7 @@ class Candidates:
         tree = TokenTree.with_root(cand.tokens[0])
         index, of = {0: 0}, [0]
         for n in order:
-            index[n] = tree.add_draft(index[cand.parents[n]], cand.tokens[n], None)
+            index[n] = tree.add_draft(index[cand.parents[n]], cand.tokens[n])
             of.append(n)
         return tree, of
 

@@ -5,8 +5,8 @@ when the last n tokens of the context (prompt plus output so far) occurred earli
 followed them then is a likely continuation now. Code edits, quoting and summaries repeat long
 stretches of their prompt, and this costs no model pass at all.
 
-Children are deterministic picks, so their proposal q is a point mass: greedy and sampled
-verification (Section 4.3) stay exact whatever is drafted. Plain Python, no tensors.
+Children are deterministic picks; greedy and sampled verification (Section 4.3) keep the LLM's
+own tokens, so they stay exact whatever is drafted. Plain Python, no tensors.
 """
 
 from __future__ import annotations

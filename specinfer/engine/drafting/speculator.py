@@ -1,8 +1,11 @@
 """Speculation with small models: expansion-based token trees, one batched SSM pass per level.
 
 SpecInfer Section 3.1 (expansion-based construction): given a width vector <k1, ..., km>, every
-frontier node at step i gets k_i children, either the SSM's top-k_i tokens (deterministic) or
-k_i draws from the SSM's proposal distribution q (sampled). All frontier nodes of a level, for
+frontier node at step i gets k_i children: the SSM's top-k_i tokens, or, for a sampled request,
+the Gumbel-top-k_i of the SSM's distribution with the request's own noise (coupled drafts: the
+first child is the token the LLM samples wherever the two distributions agree). Verification
+keeps the LLM's own sample (`acceptance`), so no draft needs its distribution q: SpecInfer's
+multi-step speculative sampling is not used. All frontier nodes of a level, for
 every request in the batch, go through the SSM in one forward pass with a tree mask. Section
 3.2 (merge-based construction) is `merge_trees` over the trees of several SSMs, and of the pool's
 model-free members (prompt lookup, suffix speculation), whose deterministic drafts cost no pass.
@@ -94,7 +97,7 @@ class _Expansion:
         candidates = [c for c in candidates if c[0] >= min_logprob]
         candidates.sort(key=lambda c: -c[0])
         for path_lp, node, token in candidates[: max(0, shape.max_nodes - len(tree))]:
-            tree.add_draft(node, token, None)
+            tree.add_draft(node, token)
             self.path_logprob.append(path_lp)
         new_nodes = list(range(before, len(tree)))
         # Most probable paths first, so the node cap spends its budget on them next level.
@@ -123,7 +126,7 @@ RANK_LOGPROB = tuple(math.log(p) for p in (0.6, 0.15, 0.05, 0.02))  # a coupled 
 
 class ModelFree(Protocol):
     """A pool member that drafts without a model (`lookup.PromptLookup`, `suffix.SuffixSpeculator`):
-    deterministic children only, so its proposals are point masses."""
+    deterministic children only."""
 
     name: str
 
@@ -260,8 +263,8 @@ class Speculator:
 
     def propose(self, batch: list[Proposal | tuple]) -> list[Built]:
         """Builds each request's merged tree. One SSM forward per level covers the whole batch;
-        model-free members add their point-mass drafts after the SSMs' at every node (a draft's
-        existence may depend on earlier drafts, never on later ones: verification stays exact).
+        model-free members add their drafts after the SSMs' at every node (verification keeps the
+        LLM's own tokens, so any tree stays exact).
         Proposals with a budget get dynamic trees (`engine.dynamic`), the others static ones."""
         batch = [b if isinstance(b, Proposal) else Proposal(*b) for b in batch]
         out: list[Built | None] = [None] * len(batch)

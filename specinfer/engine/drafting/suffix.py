@@ -9,8 +9,8 @@ adapts to how much matched: `depth_per_match` tokens per matched token, within t
 Agents, code edits and repeated tasks produce text that other requests already produced.
 
 A member of the SSM pool whose trees merge by path with the SSMs' (SpecInfer Section 3.2). Its
-children are deterministic picks (point-mass proposals), so verification stays exact (Section
-4.3). Plain Python, no tensors.
+children are deterministic picks; verification keeps the LLM's own tokens, so it stays exact
+(Section 4.3). Plain Python, no tensors.
 """
 
 from __future__ import annotations
@@ -139,9 +139,3 @@ class SuffixSpeculator:
             if paths:
                 return ScoredTree(tree, counted_tree(tree, paths, max_nodes, self.min_prob), n)
         return ScoredTree(tree, [1.0], 0)
-
-
-def frequent_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_prob: float) -> TokenTree:
-    """Grows `tree` (its root only) from the branches of `paths`, the likeliest first (`counted_tree`)."""
-    counted_tree(tree, paths, max_nodes, min_prob)
-    return tree

@@ -2,24 +2,17 @@
 
 Plain Python, no tensors. Node 0 is the root: the last verified token, whose successor the
 LLM predicts. Nodes are kept in topological order (a parent's index is below its children's),
-level by level, so a node's depth never exceeds its index.
+level by level, so a node's depth never exceeds its index. Siblings carry distinct tokens.
 
-Every node records the draft attempts made at it: which child each produced and, for a draft
-drawn from a proposal distribution q, that q (`Draft.proposal`; None for a deterministic pick).
-Verification keeps the LLM's own tokens (its argmax, or its seeded sample), so it never reads
-them; the wire carries them for speculators that send them. Proposal payloads are opaque here.
+A tree is just its tokens and their parents: verification keeps the LLM's own tokens (its
+argmax, or its seeded sample, with drafts coupled to that sample), so it needs no record of how
+a draft was made nor the distribution it came from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-
-@dataclass(frozen=True)
-class Draft:
-    child: int  # index of the node this attempt produced
-    proposal: Any = None  # the distribution it was sampled from; None = deterministic pick
+from typing import NamedTuple
 
 
 @dataclass
@@ -28,7 +21,6 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)
     depths: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
-    drafts: list[list[Draft]] = field(default_factory=list)  # per node: attempts made at it, in draw order
 
     @classmethod
     def with_root(cls, token: int) -> "TokenTree":
@@ -48,7 +40,6 @@ class TokenTree:
         self.parents.append(parent)
         self.depths.append(depth)
         self.children.append([])
-        self.drafts.append([])
         return len(self.tokens) - 1
 
     def child_with_token(self, node: int, token: int) -> int | None:
@@ -57,13 +48,12 @@ class TokenTree:
                 return c
         return None
 
-    def add_draft(self, parent: int, token: int, proposal: Any = None) -> int:
-        """Records one draft attempt at `parent`; reuses the child if this token is already there."""
+    def add_draft(self, parent: int, token: int) -> int:
+        """Adds `token` as a child of `parent`; reuses the child if this token is already there."""
         child = self.child_with_token(parent, token)
         if child is None:
             child = self._append(token, parent, self.depths[parent] + 1)
             self.children[parent].append(child)
-        self.drafts[parent].append(Draft(child, proposal))
         return child
 
     def path_tokens(self, node: int) -> list[int]:
@@ -123,7 +113,7 @@ def counted_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_pr
         neg_prob, token, trie_node, parent, local = heapq.heappop(heap)
         if -neg_prob < min_prob:
             break
-        node = tree.add_draft(parent, token, None)
+        node = tree.add_draft(parent, token)
         confidence.append(local)
         for t, c in trie[trie_node].items():
             ratio = counts[c] / counts[trie_node]
@@ -132,8 +122,7 @@ def counted_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_pr
 
 
 def add_paths(tree: TokenTree, paths: list[list[int]], max_nodes: int) -> TokenTree:
-    """Adds token paths below the root as deterministic drafts (point-mass proposals), sharing
-    common prefixes, while the tree has fewer than `max_nodes` nodes. Earlier paths first."""
+    """Adds token paths below the root, sharing common prefixes, while the tree has fewer than `max_nodes` nodes. Earlier paths first."""
     for path in paths:
         node = 0
         for token in path:
@@ -141,14 +130,14 @@ def add_paths(tree: TokenTree, paths: list[list[int]], max_nodes: int) -> TokenT
             if child is None:
                 if len(tree) >= max_nodes:
                     return tree
-                child = tree.add_draft(node, token, None)
+                child = tree.add_draft(node, token)
             node = child
     return tree
 
 
 def subtree(tree: TokenTree, keep: list[bool]) -> TokenTree:
-    """The nodes of `tree` marked in `keep` whose ancestors are all kept, in their order, with the
-    draft attempts that produced them. The root is always kept."""
+    """The nodes of `tree` marked in `keep` whose ancestors are all kept, in their order. The root
+    is always kept."""
     out = TokenTree.with_root(tree.tokens[0])
     mapped = [0] + [-1] * (len(tree) - 1)
     for node in range(1, len(tree)):
@@ -156,16 +145,12 @@ def subtree(tree: TokenTree, keep: list[bool]) -> TokenTree:
         if keep[node] and parent >= 0:
             mapped[node] = out._append(tree.tokens[node], parent, out.depths[parent] + 1)
             out.children[parent].append(mapped[node])
-    for node, attempts in enumerate(tree.drafts):
-        if mapped[node] >= 0:
-            out.drafts[mapped[node]] = [Draft(mapped[a.child], a.proposal) for a in attempts if mapped[a.child] >= 0]
     return out
 
 
 def graft(tree: TokenTree, other: TokenTree, max_nodes: int) -> TokenTree:
-    """Adds `other`'s deterministic paths into `tree` (same root), deduplicated by path, while
-    `tree` has fewer than `max_nodes` nodes. Each added attempt is a point mass placed after the
-    attempts already at its node, so earlier drafts (an SSM's samples) keep their order."""
+    """Adds `other`'s paths into `tree` (same root), deduplicated by path, while `tree` has fewer
+    than `max_nodes` nodes. Each added node goes after the children already at its parent."""
     if other.tokens[0] != tree.tokens[0]:
         raise ValueError("trees to graft must share their root token")
     mapped = [0] + [-1] * (len(other) - 1)
@@ -176,7 +161,7 @@ def graft(tree: TokenTree, other: TokenTree, max_nodes: int) -> TokenTree:
         child = tree.child_with_token(parent, other.tokens[node])
         if child is None and len(tree) >= max_nodes:
             continue
-        mapped[node] = tree.add_draft(parent, other.tokens[node], None)
+        mapped[node] = tree.add_draft(parent, other.tokens[node])
     return tree
 
 
@@ -243,8 +228,8 @@ def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
 
     Returns the merged tree and, per input tree, the map from its node ids to merged ids.
     Node identity is (merged parent, token), which by induction is identity of the whole path:
-    the same token at the same depth under different parents stays two nodes. Draft attempts
-    are concatenated in input order, so each keeps the proposal it was drawn from.
+    the same token at the same depth under different parents stays two nodes. Nodes are created
+    level by level, each level's in input order.
     """
     if not trees:
         raise ValueError("merge_trees needs at least one tree")
@@ -253,8 +238,7 @@ def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
         raise ValueError("trees to merge must share their root token")
     merged = TokenTree.with_root(root)
     maps: list[list[int]] = []
-    # First create all nodes level by level (so merged ids stay topological and level-ordered),
-    # then copy the drafts in input order.
+    # Create all nodes level by level, so merged ids stay topological and level-ordered.
     for tree in trees:
         maps.append([0] * len(tree))
     max_depth = max(t.max_depth for t in trees)
@@ -269,8 +253,4 @@ def merge_trees(trees: list[TokenTree]) -> tuple[TokenTree, list[list[int]]]:
                     existing = merged._append(tree.tokens[node], parent, depth)
                     merged.children[parent].append(existing)
                 maps[ti][node] = existing
-    for ti, tree in enumerate(trees):
-        for node in range(len(tree)):
-            for d in tree.drafts[node]:
-                merged.drafts[maps[ti][node]].append(Draft(maps[ti][d.child], d.proposal))
     return merged, maps

@@ -57,10 +57,6 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 

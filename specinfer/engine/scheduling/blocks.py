@@ -246,13 +246,6 @@ class SequenceKV:
         self.token_ids = list(token_ids[:self.num_committed])
         return self.num_committed
 
-    def trim(self, num_slots: int) -> None:
-        """Frees blocks past those needed for `num_slots` slots."""
-        keep = -(-num_slots // self.allocator.block_size)
-        if keep < len(self.block_table):
-            self.allocator.free(self.block_table[keep:])
-            del self.block_table[keep:]
-
     def free(self) -> None:
         if not self.is_freed:
             self.allocator.free(self.block_table)
