@@ -190,7 +190,7 @@ def test_weights_and_config_equal_the_reference_directory(models, qtype):
 
 
 def test_tokenizer_and_chat_template_come_from_the_metadata(models):
-    from services.gateway.chat_template import ChatTemplate
+    from specinfer.chat_template import ChatTemplate
     from specinfer.tokenizer import TextTokenizer
 
     path, _ = models["Q8_0"]

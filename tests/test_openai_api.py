@@ -458,7 +458,7 @@ def test_specinfer_up_serves_http_on_8000_unless_turned_off(monkeypatch):
 
 # ---- chat templates -----------------------------------------------------------------------------
 def test_chat_template_is_rendered_in_a_sandbox(tmp_path):
-    from services.gateway.chat_template import ChatRenderer, ChatTemplate
+    from specinfer.chat_template import ChatRenderer, ChatTemplate
     from specinfer.errors import UserError
 
     def renderer(template):
@@ -480,7 +480,7 @@ def test_chat_template_is_rendered_in_a_sandbox(tmp_path):
 
 
 def test_demo_models_get_the_chat_template_and_keep_their_own(tmp_path):
-    from services.gateway.chat_template import ChatTemplate
+    from specinfer.chat_template import ChatTemplate
     from specinfer.pool.demo_training import add_chat_template
 
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Mapping
 
 from services.gateway.admission import AdmissionConfig
-from services.gateway.chat_template import ChatTemplate
+from specinfer.chat_template import ChatTemplate
 from services.gateway.routing import RoutingConfig
 from services.gateway.verifier_pool import PoolConfig, VerifierTargets
 from specinfer.errors import UserError

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.gateway.chat_template import ChatRenderer, ChatTemplate
+from specinfer.chat_template import ChatRenderer, ChatTemplate
 from services.gateway.core import CallContext, GatewayCore
 from services.gateway.openai_schema import (
     ChatCompletionRequest, CompletionRequest, chat_logprobs, completion_logprobs, envelope, error_body, finish_reason,

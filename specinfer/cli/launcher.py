@@ -425,7 +425,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     chat_template = args.chat_template or (Path(os.environ["SPECINFER_CHAT_TEMPLATE"])
                                            if os.environ.get("SPECINFER_CHAT_TEMPLATE") else None)
     if chat_template is not None:  # before any model is built or process starts
-        from services.gateway.chat_template import ChatTemplate
+        from specinfer.chat_template import ChatTemplate
 
         ChatTemplate.from_file(chat_template, None, "--chat-template")
     from specinfer.cli.commands import exec_config
