@@ -427,18 +427,15 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         from services.gateway.chat_template import ChatTemplate
 
         ChatTemplate.from_file(chat_template, None, "--chat-template")
-    from specinfer.cli.commands import exec_config
-    from specinfer.engine.runtime.backend import resolve_exec
-    from specinfer.engine.runtime.load import resolve_device
-
-    resolve_exec(exec_config(args), resolve_device("auto"), args.tensor_parallel > 1)  # before any model is built or process starts
+    _check_exec(args)  # before any model is built or process starts
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
     from specinfer.engine.runtime.load import check_models
 
-    from specinfer.engine.runtime.parallel import check_divisible
-
     llm_cfg, _ = check_models(paths)
-    check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
+    if args.tensor_parallel != 1:  # one rank always divides the model
+        from specinfer.engine.runtime.parallel import check_divisible
+
+        check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
         llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free,
         is_co_located=args.co_located or not args.num_speculators or not paths.ssms, gateway_port=args.gateway_port,
@@ -478,6 +475,22 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         if stack.children:
             stack.stop()
             print("specinfer: stack stopped", file=sys.stderr, flush=True)
+
+
+def _check_exec(args: argparse.Namespace) -> None:
+    """Explicit execution flags the device cannot honour fail before any process starts. Only
+    those can fail (the defaults fall back to what the device supports), so torch, which this
+    supervising process does not otherwise need, is imported only for them."""
+    from specinfer.cli.commands import exec_config
+    from specinfer.engine.runtime.exec_config import ExecConfig
+
+    chosen = exec_config(args)
+    if chosen == ExecConfig():
+        return
+    from specinfer.engine.runtime.backend import resolve_exec
+    from specinfer.engine.runtime.load import resolve_device
+
+    resolve_exec(chosen, resolve_device("auto"), args.tensor_parallel > 1)
 
 
 def _answer(target: str, prompt: str, max_tokens: int, is_json: bool) -> None:
