@@ -7,15 +7,19 @@ Both a single `model.safetensors` and a sharded `model.safetensors.index.json` a
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own bound on its JSON header
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -47,11 +51,61 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise UserError(f"no *.safetensors weights in {model_dir}")
 
 
+class SafetensorsFile:
+    """A safetensors file read tensor by tensor into memory of its own, with plain reads: the
+    interface of safetensors' `safe_open` (`keys()`, `get_tensor(name)`), without its memory map.
+    A mapped file stays resident as long as any tensor read from it lives, so the tensors the
+    loader fuses (qkv, gate/up: half of a checkpoint) or casts to another dtype would stay in
+    memory twice, as their copy and as pages of the file; read this way, each is freed with its
+    last reference."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = None
+        self._entries: dict[str, dict] = {}
+        self._data_start = 0
+
+    def __enter__(self) -> "SafetensorsFile":
+        self._file = open(self.path, "rb")
+        try:
+            (size,) = struct.unpack("<Q", self._file.read(8))
+            if size > MAX_HEADER_BYTES:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(self._file.read(size))
+            self._entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            self._file.close()
+            raise UserError(f"{self.path} is not a readable safetensors file ({exc})") from None
+        self._data_start = 8 + size
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self._entries[name]
+        dtype = _STORED_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise UserError(f"{self.path}: tensor {name!r} has dtype {entry.get('dtype')!r}, which is not supported")
+        start, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=dtype)
+        if end - start != tensor.numel() * tensor.element_size():
+            raise UserError(f"{self.path}: tensor {name!r} holds {end - start} bytes for shape {entry['shape']}")
+        if end > start:
+            self._file.seek(self._data_start + start)
+            if self._file.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - start:
+                raise UserError(f"{self.path} is truncated (tensor {name!r})")
+        return tensor
+
+
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, on CPU, in their stored dtype."""
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with SafetensorsFile(path) as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
     return tensors
