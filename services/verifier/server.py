@@ -153,18 +153,17 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
-    from specinfer.engine.models.config import ModelConfig
-    from specinfer.engine.runtime.load import kv_budget_tokens, load_runner, resolve_device
+    from specinfer.engine.runtime.load import load_runner, resolve_device
 
-    from specinfer.engine.runtime.parallel import ParallelConfig, shard_config
+    from specinfer.engine.runtime.parallel import ParallelConfig
 
     parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
-    num_ranks = parallel.num_ranks if parallel else 1
-    # A byte budget is per device: each rank holds 1/N of the KV heads.
-    kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes,
-                                 shard_config(ModelConfig.from_dir(cfg.model_dir), num_ranks), cfg.dtype)
-    runner = load_runner(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device), max_kv_tokens=kv_tokens,
+    plan = kv_plan(cfg, parallel.num_ranks if parallel else 1)
+    log.info("loading the LLM %s (%s)", cfg.model_dir, cfg.dtype)
+    started = time.perf_counter()
+    runner = load_runner(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device), max_kv_tokens=plan.num_tokens,
                          parallel=parallel, exec_cfg=cfg.execution)
+    log.info("LLM loaded in %.1fs; %s", time.perf_counter() - started, plan.describe())
     try:
         server, servicer = _serve(cfg, runner, exporter, is_worker_threaded)
     except BaseException:
@@ -174,6 +173,33 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     if leader is not None:  # a rank that dies takes the whole service down
         leader.on_broken(lambda reason: _take_down(server, reason))
     return server, servicer
+
+
+def kv_plan(cfg: VerifierConfig, num_ranks: int = 1):
+    """The LLM's KV cache (`memory.plan_kv`), per device: with tensor parallelism each rank holds
+    1/N of the KV heads, and every rank sizes alike, from its device's total memory (its share of
+    the host's RAM on a CPU), so that all hold the same number of slots. Co-located SSMs hold as
+    many slots: their caches count too."""
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.runtime.load import resolve_device, split_pool
+    from specinfer.engine.runtime.memory import Memory, device_memory, plan_kv
+    from specinfer.engine.runtime.parallel import shard_config
+    from specinfer.limits import MODEL_DTYPES
+
+    llm_cfg = ModelConfig.from_dir(cfg.model_dir)
+    device = resolve_device(cfg.device)
+    ssm_dtype = cfg.ssm_dtype if cfg.ssm_dtype in MODEL_DTYPES else cfg.dtype  # auto: at most the LLM's size
+    models = [(shard_config(llm_cfg, num_ranks), cfg.dtype)]
+    models += [(ModelConfig.from_dir(d), ssm_dtype) for d in split_pool(cfg.co_located, is_model_free=False)[0]]
+    context = min(llm_cfg.max_position_embeddings, llm_cfg.sliding_window or 1 << 62)
+    request_tokens = min(context, cfg.limits.max_prompt_tokens + cfg.limits.max_new_tokens) + cfg.max_tree_nodes
+    memory = None
+    if cfg.kv_budget == (0, 0):
+        memory = device_memory(device)
+        if num_ranks > 1:
+            share = memory.total_bytes // (1 if device.startswith("cuda") else num_ranks)
+            memory = Memory(share, share, f"{memory.where} (one rank's share of the total)")
+    return plan_kv(models, device, cfg.kv_budget, cfg.kv_memory_fraction, request_tokens, cfg.max_batch, memory)
 
 
 def _take_down(server: RunningServer, reason: str) -> None:
@@ -246,9 +272,8 @@ def _exit_after(seconds: float) -> None:
 
 
 def _serve_rank(argv: list[str] | None) -> int:
-    from specinfer.engine.runtime.load import kv_budget_tokens, resolve_device
-    from specinfer.engine.models.config import ModelConfig
-    from specinfer.engine.runtime.parallel import ShardSpec, serve_rank, shard_config
+    from specinfer.engine.runtime.load import resolve_device
+    from specinfer.engine.runtime.parallel import ShardSpec, serve_rank
     from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
     from specinfer.engine.runtime.cpu import configure_cpu_runtime
     from specinfer.errors import UserError
@@ -258,8 +283,7 @@ def _serve_rank(argv: list[str] | None) -> int:
     try:
         cfg = parse_config(argv)
         setup_logging("verifier", cfg.log_level)
-        shard = shard_config(ModelConfig.from_dir(cfg.model_dir), cfg.parallel.num_ranks)
-        kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, shard, cfg.dtype)
+        kv_tokens = kv_plan(cfg, cfg.parallel.num_ranks).num_tokens  # as rank 0 sizes it
         num_slots = -(-kv_tokens // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
         from specinfer.engine.runtime.backend import resolve_exec
 

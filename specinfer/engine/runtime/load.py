@@ -218,30 +218,3 @@ def check_context(llm_cfg: ModelConfig, ssm_cfgs: list[ModelConfig], prompt_ids:
             f"prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} exceeds the model context of {context}"
         )
     return longest + max_new_tokens
-
-
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_kv_budget(text: str) -> tuple[int, int]:
-    """'65536' or '65536 tokens' -> (tokens, 0); '2GiB', '512MB', '1e9B' -> (0, bytes)."""
-    raw = str(text).strip().lower().replace(" ", "")
-    if raw.endswith("tokens"):
-        raw = raw[: -len("tokens")]
-    unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if raw.endswith(u)), None)
-    number = raw[: -len(unit)] if unit else raw
-    try:
-        value = float(number)
-    except ValueError:
-        raise UserError(f"KV budget {text!r}: use a token count (65536) or bytes (2GiB, 512MB)") from None
-    if value <= 0:
-        raise UserError(f"KV budget {text!r} must be positive")
-    return (0, int(value * _BYTE_UNITS[unit])) if unit else (int(value), 0)
-
-
-def kv_budget_tokens(tokens: int, num_bytes: int, cfg: ModelConfig, dtype: str) -> int:
-    """The KV budget in tokens; a byte budget is divided by what one token's K and V take."""
-    if not num_bytes:
-        return tokens
-    element_size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return max(1, num_bytes // cfg.kv_bytes_per_token(element_size))
