@@ -68,6 +68,11 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # longer, and the request fails (the c
 DEFAULT_GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per verifier
 DEFAULT_MAX_FORCED_TOKENS = 16  # tokens a grammar forces that one step drafts for free
 
+# ---- the load-aware policy's calibration (specinfer/engine/runtime/calibration.py) -------------
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per timed LLM pass
+CALIBRATION_CONTEXT = 256  # committed tokens the timed passes attend to
+CALIBRATION_TOKENS = CALIBRATION_CONTEXT + CALIBRATION_SIZES[-1]  # the KV slots calibration needs
+
 # ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
 DEFAULT_KV_TOKENS = 65536  # a speculator's KV-cache budget in tokens (its SSMs are small)
 # The verifier's default KV cache (specinfer/engine/runtime/memory.py): this share of the memory free

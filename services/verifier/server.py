@@ -232,9 +232,8 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
         engine = Engine(runner, speculation, engine_cfg, scheduler, max_context=pool_context(speculation, runner),
                         grammars=load_grammars(cfg.model_dir, runner.cfg))
         if speculation and cfg.is_load_aware:  # calibrate the cost model now, not on the first request
+            engine.calibrate(cfg.cache_dir)
             engine.policy()
-            log.info("calibrated LLM cost model: %s",
-                     ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in engine.cost_model.points))
         return VerifierServicer(cfg, engine, tracer, SpecDecodeMetrics.create(registry)), scheduler
 
     return start_model_service("verifier", cfg, exporter, create, pb_grpc.add_VerifierServicer_to_server,

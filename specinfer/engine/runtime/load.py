@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.memory import KvPlan
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.tokenizer import TextTokenizer, check_same_vocab
@@ -121,11 +123,14 @@ def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
 
 
 def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, ssm_dtype: str | None = None,
-                cfg=None, parallel=None, exec_cfg=None, cache_dir: Path | None = None, report=None):
+                cfg=None, parallel=None, exec_cfg=None, cache_dir: Path | None = None, report=None,
+                kv_reason: str = "as asked"):
     """Loads the LLM and SSM runners with KV caches sized for `max_kv_tokens` tokens each, into
     an in-process engine configured by `cfg` (an `EngineConfig`; its defaults when None).
     `exec_cfg` (an `ExecConfig`) picks the attention backend and CUDA graphs of the LLM and the
     SSMs alike, and whether the LLM's weights are offloaded (never the SSMs': they are small).
+    Loading is told to `report` (default: logged): the LLM, its KV cache (why that size:
+    `kv_reason`), each SSM's measured dtype.
 
     The SSMs may run in another dtype than the LLM: they only propose tokens, and verification
     against the LLM keeps the output exact whatever they compute in. `ssm_dtype` "auto" (None:
@@ -143,6 +148,9 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     exec_cfg = exec_cfg or ExecConfig()
     is_parallel = parallel is not None and parallel.is_parallel
     resolve_exec(exec_cfg, device, is_parallel)  # a flag that cannot apply fails before any weights load
+    tell = report or log.info
+    tell(f"loading the LLM {paths.llm} ({dtype} on {device})")
+    started = time.perf_counter()
     llm = load_runner(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens, parallel=parallel,
                       exec_cfg=exec_cfg)
     from specinfer.engine.drafting.speculator import model_free_member
@@ -151,6 +159,9 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     ssms = [load_ssm(p, ssm_dtype or dtype, device, max_kv_tokens, ssm_exec, prefer=dtype, cache_dir=cache_dir,
                      report=report)
             for p in paths.ssms]
+    per_token = sum(2 * r.kv.k[:, 0].numel() * r.kv.k.element_size() for r in [llm, *ssms])
+    tell(f"models loaded in {time.perf_counter() - started:.1f}s; "
+         f"{KvPlan(llm.kv.num_slots, per_token, kv_reason).describe()}")
     return Engine.from_runners(llm, ssms, cfg or EngineConfig(),
                                model_free=[model_free_member(n) for n in paths.model_free],
                                grammars=load_grammars(paths.llm, llm.cfg))

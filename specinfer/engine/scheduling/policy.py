@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass
 
-from specinfer.limits import DYNAMIC_MAX_DEPTH, DYNAMIC_MAX_NODES
+from specinfer.limits import CALIBRATION_CONTEXT, CALIBRATION_SIZES, DYNAMIC_MAX_DEPTH, DYNAMIC_MAX_NODES
 from specinfer.params import TreeBudget
 
 PRIOR_GREEDY = (1.5, 6.0, 3.0)  # (accepted tokens, nodes, SSM levels) of a speculative step before any evidence
@@ -56,11 +57,28 @@ COST_HALF_LIFE_S = 2.0  # drafting-cost observations this old weigh half
 OUTLIER_FACTOR = 4.0  # a drafting time counts at most this many times what the fit predicts
 
 
+BUSY_SPREAD = 1.5  # repeats whose median is this many times their fastest: the machine was busy
+
+
+def is_busy(samples: dict | list[list[float]]) -> bool:
+    """Whether the repeats of any one timed measurement (at least three) spread past BUSY_SPREAD:
+    their median over their fastest. A busy neighbour slows some repeats and never speeds one up."""
+    cells = samples.values() if isinstance(samples, dict) else samples
+    return any(len(s) >= 3 and min(s) > 0 and statistics.median(s) / min(s) > BUSY_SPREAD for s in cells)
+
+
+def _time_pass(runner, work) -> float:
+    start = time.perf_counter()
+    runner.run([work])
+    return time.perf_counter() - start
+
+
 @dataclass
 class CostModel:
     """LLM forward seconds as a piecewise-linear function of the tokens in the pass."""
 
     points: list[tuple[int, float]]  # (tokens, seconds), tokens ascending
+    is_busy: bool = False  # calibrated while the machine stayed busy
 
     def seconds(self, num_tokens: float) -> float:
         xs = [p[0] for p in self.points]
@@ -74,18 +92,20 @@ class CostModel:
         return y0 + (y1 - y0) * (num_tokens - x0) / max(1e-9, x1 - x0)
 
     @classmethod
-    def calibrate(cls, runner, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256,
-                  repeats: int = 5) -> "CostModel":
+    def calibrate(cls, runner, sizes=CALIBRATION_SIZES, context: int = CALIBRATION_CONTEXT,
+                  repeats: int = 5, timer=None, max_attempts: int = 1, max_seconds: float = math.inf
+                  ) -> "CostModel":
         """Times one forward pass per size over a `context`-token prefix. The fastest of several
         repeats: start-up shares the CPU with other processes, and a slow outlier would inflate
-        every larger size (costs are made monotone below)."""
+        every larger size (costs are made monotone below). While the repeats of a size spread as
+        on a busy machine (`is_busy`), all sizes are timed again, up to `max_attempts` times;
+        `is_busy` on the result says whether the machine stayed busy. Past `max_seconds` (a loaded
+        machine) no further round starts once one was timed. `timer(runner, work)` returns a
+        pass's seconds (default: the wall time of `runner.run`)."""
         from specinfer.engine.runtime.runner import Work
 
-        # Within the free KV slots and the model's own context (a small model may hold fewer
-        # positions than the default prefix plus the largest size).
-        room = min(runner.allocator.num_free * runner.allocator.block_size, runner.max_context)
-        context = max(1, min(context, room // 2))
-        sizes = [n for n in sizes if context + n <= room] or [1]
+        timer = timer or _time_pass
+        context, sizes = cls.fit_shape(runner, sizes, context)
         seq = runner.new_sequence()
         try:
             seq.ensure_capacity(context + max(sizes))
@@ -93,15 +113,33 @@ class CostModel:
             works = {n: Work(seq, [0] * n, list(range(context, context + n)), list(range(-1, n - 1)), "all")
                      for n in sizes}
             best = {n: float("inf") for n in sizes}
-            for repeat in range(repeats + 1):  # sizes interleaved, so a busy moment hits them alike
-                for n in sizes:
-                    start = time.perf_counter()
-                    runner.run([works[n]])
-                    if repeat:  # the first round is a warm-up
-                        best[n] = min(best[n], time.perf_counter() - start)
-            return cls([(n, best[n]) for n in sizes]).monotone()
+            deadline = time.perf_counter() + max_seconds
+            for _ in range(max(1, max_attempts)):
+                samples = {n: [] for n in sizes}
+                for repeat in range(repeats + 1):  # sizes interleaved, so a busy moment hits them alike
+                    for n in sizes:
+                        seconds = timer(runner, works[n])
+                        if repeat:  # the first round is a warm-up
+                            samples[n].append(seconds)
+                            best[n] = min(best[n], seconds)
+                    if repeat and time.perf_counter() > deadline:
+                        break
+                busy = is_busy(samples)
+                if not busy or time.perf_counter() > deadline:
+                    break
+            model = cls([(n, best[n]) for n in sizes]).monotone()
+            model.is_busy = busy
+            return model
         finally:
             seq.free()
+
+    @staticmethod
+    def fit_shape(runner, sizes, context: int) -> tuple[int, list[int]]:
+        """(context, sizes) that fit the free KV slots and the model's own context (a small model
+        may hold fewer positions than the default prefix plus the largest size)."""
+        room = min(runner.allocator.num_free * runner.allocator.block_size, runner.max_context)
+        context = max(1, min(context, room // 2))
+        return context, [n for n in sizes if context + n <= room] or [1]
 
     def monotone(self) -> "CostModel":
         """Costs never fall with more tokens: each size costs at most what any larger one does
