@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from specinfer.engine.drafting.dynamic import Calibration, SsmGain
+from specinfer.engine.drafting.dynamic import Calibration, MemberGain
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy, StepStats, batch_bucket
 from specinfer.engine.runtime.runner import ModelRunner
@@ -247,7 +247,7 @@ def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
             engine.load_policy = AlternatingPolicy(first)
             for _, speculator in stack.speculators:  # what dynamic trees learnt shapes them too: start afresh
                 speculator.worker.speculator.calibration = {True: Calibration(), False: Calibration()}
-                speculator.worker.speculator.ssm_gain = {True: SsmGain(), False: SsmGain()}
+                speculator.worker.speculator.member_gain = {True: MemberGain(), False: MemberGain()}
             runs.append([t for r in stub.Generate(pb.VerifierGenerateRequest(**kwargs), timeout=30) for t in r.token_ids])
         assert runs[0] == runs[1] and len(runs[0]) == 60
         if sampling is None:

@@ -334,7 +334,9 @@ class Engine:
     def policy(self) -> LoadAwarePolicy:
         """The load-aware policy (its cost model calibrated once: `calibrate`)."""
         if self.load_policy is None:
-            self.load_policy = LoadAwarePolicy(self.calibrate(), self.cfg.max_tree_nodes, self.cfg.max_tree_depth)
+            names = self.source.all_names() if self.source is not None else []
+            self.load_policy = LoadAwarePolicy(self.calibrate(), self.cfg.max_tree_nodes, self.cfg.max_tree_depth,
+                                               free_members=tuple(n for n in names if n in limits.MODEL_FREE_NAMES))
         return self.load_policy
 
 
