@@ -388,7 +388,14 @@ def test_an_unknown_ssm_dtype_in_a_services_environment_names_the_variable():
         speculator_config(["--ssm", "s"], {"SPECINFER_SSM_DTYPE": "int8"})
 
 
-def test_the_co_located_pool_measures_and_prefers_the_llms_dtype(pair_runners, tiny_pair, tmp_path):
+@pytest.fixture
+def calm_machine(monkeypatch):
+    """Passes timed alike every time: what a real measurement on a busy machine would not be
+    (and would then not be cached)."""
+    monkeypatch.setattr(dc, "time_pass", fake_timer({"float32": 1.2, "bfloat16": 0.6, "float16": 2.0}))
+
+
+def test_the_co_located_pool_measures_and_prefers_the_llms_dtype(pair_runners, tiny_pair, tmp_path, calm_machine):
     from services.verifier.speculators import co_located_pool
 
     llm, _ = pair_runners
@@ -400,7 +407,7 @@ def test_the_co_located_pool_measures_and_prefers_the_llms_dtype(pair_runners, t
     assert entry["key"]["prefer"] == "float32" and entry["dtype"] == ssm.dtype_choice.dtype
 
 
-def test_bench_reports_the_resolved_ssm_dtype(text_pair, tmp_path, capsys):
+def test_bench_reports_the_resolved_ssm_dtype(text_pair, tmp_path, capsys, calm_machine):
     from specinfer.cli.main import main
 
     llm, ssm = text_pair

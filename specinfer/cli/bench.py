@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specinfer.engine.runtime.load import ModelPaths
+from specinfer.util import quiet_transformers
 
 
 @dataclass
@@ -74,7 +75,12 @@ def machine_info(dtype: str) -> dict:
 
 
 class _TransformersArms:
-    """transformers' greedy generate and assisted generation (assistant_model = first SSM)."""
+    """transformers' greedy generate and assisted generation (assistant_model = first SSM).
+
+    transformers' own reports stay quiet (`quiet_transformers`): its weight-loading progress bars,
+    and the deprecation warning its assisted generation raises from within (its candidate
+    generator calls the assistant's `generate` with a `generation_config` and generation arguments
+    together; the call here passes arguments only)."""
 
     def __init__(self, paths: ModelPaths, dtype: str, ssm_dtype: str, device: str):
         import torch
@@ -82,9 +88,10 @@ class _TransformersArms:
 
         self.torch = torch
         self.device = device
-        self.llm = AutoModelForCausalLM.from_pretrained(paths.llm, dtype=getattr(torch, dtype)).to(device).eval()
-        # The assistant runs in the same dtype as our SSMs, so both sides get the same help.
-        self.ssm = AutoModelForCausalLM.from_pretrained(paths.ssms[0], dtype=getattr(torch, ssm_dtype)).to(device).eval()
+        with quiet_transformers():
+            self.llm = AutoModelForCausalLM.from_pretrained(paths.llm, dtype=getattr(torch, dtype)).to(device).eval()
+            # The assistant runs in the same dtype as our SSMs, so both sides get the same help.
+            self.ssm = AutoModelForCausalLM.from_pretrained(paths.ssms[0], dtype=getattr(torch, ssm_dtype)).to(device).eval()
         self.num_calls = 0
         self.llm.register_forward_hook(self._count)
 
@@ -99,7 +106,7 @@ class _TransformersArms:
             kwargs["assistant_model"] = self.ssm
         self.num_calls = 0
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), quiet_transformers():
             out = self.llm.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         seconds = time.perf_counter() - start
         return out[0, len(ids):].tolist(), self.num_calls, seconds
@@ -263,9 +270,9 @@ def member_verdicts(engine, ssm_dirs) -> dict:
         verdicts[name] = {**member, "level_cost": round(budget.level_cost, 4), "start_cost": round(budget.ssm_cost, 4)}
         if not member["runs"]:
             continue
-        why = (f"its drafts alone got {member['accepted_alone']:.2f} tokens a step accepted in its "
-               f"{member['runs']:g} steps, for {member['levels']:.1f} levels a step at {budget.level_cost:.2f} of a "
-               f"plain step each (+{budget.ssm_cost:.2f} to start)")
+        why = (f"in the {member['runs']:g} steps it ran, its drafts alone got {member['accepted_alone']:.2f} tokens "
+               f"a step accepted, for {member['levels']:.1f} levels a step costing {budget.level_cost:.2f} of a plain "
+               f"step each (+{budget.ssm_cost:.2f} to start)")
         verdict = "dropped out of the trees (its passes do not pay)" if member["dropped"] else "stays in the trees"
         print(f"bench: pool member {name} ({ssm_dirs[m]}) {verdict}: {why}", file=sys.stderr, flush=True)
     return verdicts
