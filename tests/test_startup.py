@@ -78,6 +78,22 @@ def test_repeats_that_spread_are_measured_again_and_a_busy_result_is_not_cached(
     assert not calm.is_busy and (tmp_path / calibration.CACHE_FILE).exists()
 
 
+def test_a_calibration_begun_on_a_loaded_machine_is_used_but_not_cached(llm_runner, tmp_path, monkeypatch):
+    """Steadily slow repeats do not spread: the load average says other work kept the CPUs busy."""
+    from specinfer.engine.runtime import machine_cache
+
+    monkeypatch.setattr(machine_cache, "is_loaded", lambda device="cpu": True)
+    lines = []
+    model = calibration.calibrated_cost_model(llm_runner, tmp_path, lines.append, constant_timer())
+    assert model.is_busy and "not cached" in lines[-1] and not (tmp_path / calibration.CACHE_FILE).exists()
+
+
+def test_a_machine_is_loaded_when_its_load_average_exceeds_its_cpus(unloaded_machine):
+    is_loaded = unloaded_machine  # the rule itself, which the other tests see as "never"
+    assert is_loaded("cpu", load_average=8.6, num_cpus=2) and not is_loaded("cpu", load_average=1.2, num_cpus=2)
+    assert not is_loaded("cuda", load_average=8.6, num_cpus=2)  # what a GPU pass costs is not the CPUs' load
+
+
 def test_busy_means_repeats_spread_not_a_slow_machine():
     assert not is_busy({1: [0.5, 0.5, 0.51], 2: [0.9, 0.9, 0.9]})  # slow and steady
     assert is_busy({1: [0.1, 0.1, 0.3, 0.3, 0.3], 2: [0.2, 0.2, 0.2]})

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from specinfer.engine.runtime.dtype_choice import ARCHITECTURE_FIELDS, dtype_name
+from specinfer.engine.runtime import machine_cache
 from specinfer.engine.runtime.machine_cache import MAX_ATTEMPTS, machine_key, read_entry, write_entry
 from specinfer.engine.scheduling.policy import CostModel
 from specinfer.limits import CALIBRATION_CONTEXT, CALIBRATION_SIZES
@@ -72,9 +73,11 @@ def calibrated_cost_model(runner, cache_dir: Path | None = None, report: Callabl
     tell(f"calibrating the LLM cost model for load-aware speculation: passes of {SIZES[0]}-{SIZES[-1]} tokens, "
          f"the fastest of {REPEATS} each (once per model and machine{'' if cache_dir else '; no cache directory'})")
     started = time.perf_counter()
+    is_loaded = machine_cache.is_loaded(runner.model.device)
     model = CostModel.calibrate(runner, SIZES, CONTEXT, REPEATS, timer=timer, max_attempts=MAX_ATTEMPTS,
                                 max_seconds=MAX_SECONDS)
-    busy = "; the machine was busy throughout: not cached, measured again at the next start" if model.is_busy else ""
+    model.is_busy = model.is_busy or is_loaded
+    busy = "; the machine was busy: not cached, measured again at the next start" if model.is_busy else ""
     tell(f"calibrated in {time.perf_counter() - started:.1f}s: {describe(model)}{busy}")
     if not model.is_busy:
         write_entry(cache_dir, CACHE_FILE, key, {"points": [list(p) for p in model.points]})

@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 
 from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime import machine_cache
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.engine.runtime.machine_cache import (  # noqa: F401 (device_name, key_id: their names here too)
     MAX_ATTEMPTS, device_name, key_id, machine_key, read_entry, weights_digest, write_entry,
@@ -267,7 +268,9 @@ def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exe
 
     if report is not None:
         report(f"measuring which dtype runs it fastest here ({', '.join(cands)})")
+    is_loaded = machine_cache.is_loaded(device)
     ms, busy = measure(make_runner, cands, cfg, timer)
+    busy = busy or is_loaded
     if not ms:  # nothing ran: the preferred dtype, whose load reports what is wrong
         return DtypeChoice(prefer if prefer in MODEL_DTYPES else "float32", {})
     choice = DtypeChoice(pick(ms, prefer), ms, is_busy=busy)

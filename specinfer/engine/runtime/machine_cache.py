@@ -11,7 +11,9 @@ content, `weights_digest`, so another checkpoint in the same place is measured o
 A measurement is the fastest of several repeats (a neighbour busy for a moment slows some repeats,
 never speeds one up), and when the repeats spread so far apart that the machine was busy
 (`policy.is_busy`), it is measured again; one that stays busy is used but not cached, so that a later,
-calmer start measures it again instead of reusing it for good.
+calmer start measures it again instead of reusing it for good. Nor is one cached that began while
+other work kept every CPU busy (`is_loaded`): steadily slow repeats do not spread, but they say what
+this machine does under that load, not what it can do.
 """
 
 from __future__ import annotations
@@ -63,6 +65,21 @@ def machine_key(device, cpuinfo: str | None = None) -> dict:
         "torch": torch.__version__,
         "threads": torch.get_num_threads() if dev.type == "cpu" else None,
     }
+
+
+def is_loaded(device="cpu", load_average: float | None = None, num_cpus: int | None = None) -> bool:
+    """Whether other work keeps this machine's CPUs busy now (for a measurement on them): the
+    one-minute load average above the CPUs this process may use. Measured before the timing
+    starts, whose own threads would count."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        load = os.getloadavg()[0] if load_average is None else load_average
+    except OSError:
+        return False
+    if num_cpus is None:
+        num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return load > num_cpus
 
 
 def key_id(key: dict) -> str:
