@@ -185,6 +185,9 @@ def test_checkpoint_reads_equal_safetensors_own_and_refuse_a_truncated_file(tmp_
         for name in g.keys():
             mine, theirs = f.get_tensor(name), g.get_tensor(name)
             assert mine.dtype == theirs.dtype and mine.shape == theirs.shape and torch.equal(mine, theirs)
+        for key in (slice(1, 3), (slice(None), slice(2, 4)), slice(2, 2)):  # rows, columns, none (tensor parallel)
+            assert torch.equal(f.get_slice("a")[key], g.get_slice("a")[key])
+        assert torch.equal(f.get_slice("b")[2:6], g.get_slice("b")[2:6])
     path.write_bytes(path.read_bytes()[:-8])
     with pytest.raises(UserError, match="truncated"), SafetensorsFile(path) as f:
         f.get_tensor("a"), f.get_tensor("b"), f.get_tensor("c")

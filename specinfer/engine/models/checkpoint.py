@@ -7,6 +7,7 @@ Both a single `model.safetensors` and a sharded `model.safetensors.index.json` a
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 class SafetensorsFile:
     """A safetensors file read tensor by tensor into memory of its own, with plain reads: the
-    interface of safetensors' `safe_open` (`keys()`, `get_tensor(name)`), without its memory map.
+    interface of safetensors' `safe_open` (`keys()`, `get_tensor(name)`, `get_slice(name)[rows]`
+    and `[:, columns]`), without its memory map.
     A mapped file stays resident as long as any tensor read from it lives, so the tensors the
     loader fuses (qkv, gate/up: half of a checkpoint) or casts to another dtype would stay in
     memory twice, as their copy and as pages of the file; read this way, each is freed with its
@@ -86,19 +88,47 @@ class SafetensorsFile:
         return list(self._entries)
 
     def get_tensor(self, name: str) -> torch.Tensor:
+        return self._read(name)
+
+    def get_slice(self, name: str) -> "_Slice":
+        return _Slice(self, name)
+
+    def _read(self, name: str, rows: slice = slice(None)) -> torch.Tensor:
+        """The tensor, or the rows `rows` of it (only their bytes are read)."""
         entry = self._entries[name]
         dtype = _STORED_DTYPES.get(entry.get("dtype"))
         if dtype is None:
             raise UserError(f"{self.path}: tensor {name!r} has dtype {entry.get('dtype')!r}, which is not supported")
         start, end = entry["data_offsets"]
-        tensor = torch.empty(entry["shape"], dtype=dtype)
-        if end - start != tensor.numel() * tensor.element_size():
-            raise UserError(f"{self.path}: tensor {name!r} holds {end - start} bytes for shape {entry['shape']}")
+        shape = list(entry["shape"])
+        row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
+        if math.prod(shape) * dtype.itemsize != end - start:
+            raise UserError(f"{self.path}: tensor {name!r} holds {end - start} bytes for shape {shape}")
+        if shape:
+            first, last, _ = rows.indices(shape[0])
+            shape[0] = max(0, last - first)
+            start, end = start + first * row_bytes, start + max(first, last) * row_bytes
+        tensor = torch.empty(shape, dtype=dtype)
         if end > start:
             self._file.seek(self._data_start + start)
             if self._file.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - start:
                 raise UserError(f"{self.path} is truncated (tensor {name!r})")
         return tensor
+
+
+class _Slice:
+    """`get_slice(name)[lo:hi]` (rows: only their bytes are read) or `[:, lo:hi]` (columns: the
+    tensor is read, and the columns copied out of it)."""
+
+    def __init__(self, f: SafetensorsFile, name: str):
+        self.f, self.name = f, name
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("rows must be a contiguous slice")
+        tensor = self.f._read(self.name, rows)
+        return tensor[(slice(None), *rest)].contiguous() if rest else tensor
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:

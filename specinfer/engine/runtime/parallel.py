@@ -38,10 +38,9 @@ from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from specinfer.engine.models.config import ModelConfig
-from specinfer.engine.models.checkpoint import llama_weights, parse_dtype, safetensors_files
+from specinfer.engine.models.checkpoint import SafetensorsFile, llama_weights, parse_dtype, safetensors_files
 from specinfer.engine.models.transformer import ForwardBatch, KVCache, LlamaModel, SeqAttention
 from specinfer.errors import UnavailableError, UserError
 
@@ -135,7 +134,7 @@ def load_shard(model_dir: str | Path, cfg: ModelConfig, rank: int, num_ranks: in
     check_divisible(cfg, num_ranks)
     state: dict[str, torch.Tensor] = {}
     for path in safetensors_files(Path(model_dir)):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with SafetensorsFile(path) as f:
             for name in f.keys():
                 how = _slicer(name, cfg, rank, num_ranks)
                 if how == "skip":
