@@ -132,3 +132,13 @@ def test_a_second_generate_speculates_without_calibrating_again(text_pair, tmp_p
     assert "calibrated earlier on this machine" in second.err and "calibrating" not in second.err
     assert f"SSM {ssm.name}: dtype" in second.err and "measured earlier" in second.err
     assert json.loads(second.out)["mode"] == "auto"
+
+
+def test_cache_keys_compare_as_json_reads_them_back(tmp_path):
+    """A key holding a tuple (a config's per-layer types) is a list once read back: still a hit."""
+    from specinfer.engine.runtime.machine_cache import read_entry, write_entry
+
+    key = {"model": {"layer_types": ("full", "sliding")}, "threads": 2}
+    assert write_entry(tmp_path, "m.json", key, {"value": 1})
+    assert read_entry(tmp_path, "m.json", key)["value"] == 1
+    assert read_entry(tmp_path, "m.json", {**key, "threads": 3}) is None

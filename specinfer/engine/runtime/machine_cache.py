@@ -95,7 +95,7 @@ def read_entry(cache_dir: Path | None, file_name: str, key: dict) -> dict | None
         entry = json.loads((Path(cache_dir) / file_name).read_text())[key_id(key)]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not isinstance(entry, dict) or entry.get("key") != key:
+    if not isinstance(entry, dict) or entry.get("key") != json.loads(json.dumps(key)):  # as JSON reads it back
         return None
     return entry
 
@@ -129,15 +129,18 @@ def write_entry(cache_dir: Path | None, file_name: str, key: dict, value: dict) 
 
 
 # ---- what a checkpoint holds ---------------------------------------------------------------------
-def weights_digest(model_dir: str | Path, cache_dir: Path | None = None) -> str:
-    """A digest of the checkpoint's content: its config and the sha256 of every weights file. A
-    file's hash is computed once and remembered under `cache_dir` by its path, size and
-    modification time (the content decides the digest; those only say when to hash again)."""
+def weights_digest(model: str | Path, cache_dir: Path | None = None) -> str:
+    """A digest of the checkpoint's content: its config and the sha256 of every weights file (of
+    a model that is one file, that file's). A file's hash is computed once and remembered under
+    `cache_dir` by its path, size and modification time (the content decides the digest; those
+    only say when to hash again)."""
     from specinfer.engine.models.checkpoint import safetensors_files
 
-    model_dir = Path(model_dir)
-    total = hashlib.sha256((model_dir / "config.json").read_bytes())
-    for path in safetensors_files(model_dir):
+    model = Path(model)
+    if model.is_file():
+        return _file_sha256(model, cache_dir)[:32]
+    total = hashlib.sha256((model / "config.json").read_bytes())
+    for path in safetensors_files(model):
         total.update(_file_sha256(path, cache_dir).encode())
     return total.hexdigest()[:32]
 
