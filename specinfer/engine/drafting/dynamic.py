@@ -62,6 +62,7 @@ CELL_WINDOW = 512.0  # observations a cell remembers (older ones fade: acceptanc
 PRIOR_COUPLED = (0.5, 0.15, 0.05)  # a coupled draft's acceptance by rank, before its confidence
 PRIOR_EXPAND = 0.6  # the best child's conditional acceptance at an expanded node, before any evidence
 MIN_RATE = 1e-3  # candidates less likely than this are not even kept as candidates
+DROPPED_SHARE = 0.9  # a member judged not worth its passes on this share of recent steps is out of the trees
 
 Feature = tuple[str, int, float]  # (drafter, depth, confidence): what a candidate's estimate is read from
 
@@ -152,9 +153,12 @@ class MemberGain:
     PRIOR_WEIGHT = 2.0
     WINDOW = 64.0  # runs a mean remembers
 
+    SKIP_WEIGHT = 0.05  # of the latest decision in a member's share of steps it sits out
+
     def __init__(self):
         self._sums: dict[tuple[int, int], list[float]] = {}  # (member, bucket) -> [tokens, nodes, levels, runs]
         self._skipped: dict[tuple[int, int], int] = {}
+        self._skip_share: dict[int, float] = {}  # member -> recent share of steps it sat out
         self._lock = threading.Lock()
 
     def _bucket(self, model_free_value: float) -> int:
@@ -175,8 +179,10 @@ class MemberGain:
             base = 1 + budget.node_cost * model_free_nodes
             cost = budget.node_cost * extra_nodes + (budget.ssm_cost + budget.level_cost * levels) / max(1, num_running)
             skipped = self._skipped.get(key, 0)
-            if (1 + model_free_value + gain) / (base + cost) > (1 + model_free_value) / base \
-                    or skipped + 1 >= self.FORCE_EVERY:
+            is_worth = (1 + model_free_value + gain) / (base + cost) > (1 + model_free_value) / base
+            share = self._skip_share.get(member, 0.0)
+            self._skip_share[member] = share + self.SKIP_WEIGHT * ((not is_worth) - share)
+            if is_worth or skipped + 1 >= self.FORCE_EVERY:
                 self._skipped[key] = 0
                 return True
             self._skipped[key] = skipped + 1
@@ -204,10 +210,11 @@ class MemberGain:
                 "dropped": self.is_dropped(member)}
 
     def is_dropped(self, member: int) -> bool:
-        """Whether `member` sits out most steps now: left out of every bucket it was measured in."""
+        """Whether `member` is out of the trees now: judged not worth its cost on nearly every
+        recent step, whatever the model-free members offered (the runs that retry it aside; a
+        member that pays where the model-free drafts are weak sits out only the other steps)."""
         with self._lock:
-            keys = [k for k in self._sums if k[0] == member]
-            return bool(keys) and all(self._skipped.get(k, 0) > 0 for k in keys)
+            return self._skip_share.get(member, 0.0) > DROPPED_SHARE
 
 
 class Candidates:
