@@ -67,6 +67,24 @@ def test_policy_speculates_where_it_pays_and_decodes_plainly_where_it_does_not()
     assert learnt(LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.02), 1, 4, 3).choose(1) == ()
 
 
+@pytest.mark.parametrize("free_members", [("lookup", "suffix"), ()])
+def test_a_costly_ssm_does_not_take_the_model_free_members_speculation_with_it(free_members):
+    """Steps with the SSM's levels do not pay (its level costs as much as the LLM's pass); steps
+    without them, the model-free members' drafts alone, do. A pool with model-free members keeps
+    speculating: from the start (their prior has no levels) and on what such steps measured. A
+    pool without them decodes plainly: its steps without SSM levels have no drafts."""
+    fresh = LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.01, free_members=free_members, clock=FakeClock())
+    assert isinstance(fresh.choose(1), TreeBudget) == bool(free_members)
+    policy = learnt(learnt(LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.01, free_members=free_members,
+                                           clock=FakeClock()), 1, 4, 3, num_steps=50), 1, 4, 0, num_steps=20)
+    assert policy.stats(1).levels > 0.5  # most steps measured ran the SSM
+    assert isinstance(policy.choose(1), TreeBudget) == bool(free_members)
+    assert (policy.free_stats(1) is None) == (not free_members)
+    # Requests naming their pool: one that names a model-free member has the arm, one of SSMs alone not.
+    assert policy.free_stats(1, pool=("ssm-0",)) is None
+    assert (policy.free_stats(1, pool=("lookup", "ssm-0")) is not None) == bool(free_members)
+
+
 def test_loads_are_learnt_apart_and_a_new_load_starts_from_the_nearest_smaller_one():
     policy = learnt(LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.0005), 3, 8, 3, batch_size=1)
     learnt(policy, 0, 2, 1, batch_size=32)  # at batch 32 trees are tiny and seldom accepted

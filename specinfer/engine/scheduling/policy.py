@@ -284,21 +284,23 @@ class LoadAwarePolicy:
             stats = self._stats[key] = StepStats(accepted, nodes, levels)
         return stats
 
+    def has_free_members(self, pool: tuple[str, ...]) -> bool:
+        """Whether this pool (() : the whole pool) has model-free members."""
+        return bool(self.free_members & set(pool)) if pool else bool(self.free_members)
+
     def free_stats(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> StepStats | None:
         """The speculative steps of this pool without SSM levels measured at this load (else at the
-        nearest smaller one, else the prior where the pool has model-free members); None for a
-        pool without them before any such step."""
+        nearest smaller one, else the prior); None for a pool without model-free members (its
+        steps without SSM levels have no drafts at all)."""
+        if not self.has_free_members(pool):
+            return None
         key = (is_greedy, pool, batch_bucket(batch_size))
         stats = self._free_stats.get(key)
         if stats is None:
             loads = [b for g, p, b in self._free_stats if g == is_greedy and p == pool and b < key[2]]
-            if loads:
-                prior = self._free_stats[(is_greedy, pool, max(loads))]
-                accepted, nodes = prior.accepted, prior.nodes
-            elif self.free_members & (set(pool) or self.free_members):
-                accepted, nodes, _ = PRIOR_GREEDY if is_greedy else PRIOR_SAMPLED
-            else:
-                return None
+            prior = self._free_stats[(is_greedy, pool, max(loads))] if loads else None
+            accepted, nodes, _ = ((prior.accepted, prior.nodes, 0.0) if prior is not None
+                                  else PRIOR_GREEDY if is_greedy else PRIOR_SAMPLED)
             stats = self._free_stats[key] = StepStats(accepted, nodes, 0.0)
         return stats
 
@@ -376,13 +378,9 @@ class LoadAwarePolicy:
         """One verified speculative step: tokens accepted, nodes beyond the root, SSM levels."""
         with self._lock:
             self.stats(max(1, batch_size), is_greedy, pool).observe(num_accepted, num_nodes, num_levels)
-            if num_levels == 0:
-                free = self.free_stats(max(1, batch_size), is_greedy, pool)
-                if free is None:
-                    key = (is_greedy, pool, batch_bucket(max(1, batch_size)))
-                    self._free_stats[key] = StepStats(num_accepted, num_nodes, 0.0, weight=1.0)
-                else:
-                    free.observe(num_accepted, num_nodes, 0)
+            free = self.free_stats(max(1, batch_size), is_greedy, pool) if num_levels == 0 else None
+            if free is not None:
+                free.observe(num_accepted, num_nodes, 0)
 
     def observe_plain_step(self, seconds: float, weight: float = 0.05) -> None:
         """The wall time (speculate to record) of a plain step alone in its pass: what it took beyond
