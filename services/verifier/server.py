@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from opentelemetry import trace
 
@@ -153,12 +154,14 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
+    from specinfer.engine.models.checkpoint import safetensors_files
     from specinfer.engine.runtime.load import load_runner, resolve_device
 
     from specinfer.engine.runtime.parallel import ParallelConfig
 
     parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
     plan = kv_plan(cfg, parallel.num_ranks if parallel else 1)
+    safetensors_files(Path(cfg.model_dir))  # no weights (or pickle only) is a one-line error, before any log line
     log.info("loading the LLM %s (%s)", cfg.model_dir, cfg.dtype)
     started = time.perf_counter()
     runner = load_runner(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device), max_kv_tokens=plan.num_tokens,

@@ -148,6 +148,9 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     exec_cfg = exec_cfg or ExecConfig()
     is_parallel = parallel is not None and parallel.is_parallel
     resolve_exec(exec_cfg, device, is_parallel)  # a flag that cannot apply fails before any weights load
+    from specinfer.engine.models.checkpoint import safetensors_files
+
+    safetensors_files(Path(paths.llm))  # no weights (or pickle only) is a one-line error, before any line of progress
     tell = report or log.info
     tell(f"loading the LLM {paths.llm} ({dtype} on {device})")
     started = time.perf_counter()
