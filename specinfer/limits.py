@@ -65,8 +65,17 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT_S = 10.0  # longer, and the request fails (the c
 DEFAULT_GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per verifier
 DEFAULT_MAX_FORCED_TOKENS = 16  # tokens a grammar forces that one step drafts for free
 
+# ---- the load-aware policy's calibration (specinfer/engine/runtime/calibration.py) -------------
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # tokens per timed LLM pass
+CALIBRATION_CONTEXT = 256  # committed tokens the timed passes attend to
+CALIBRATION_TOKENS = CALIBRATION_CONTEXT + CALIBRATION_SIZES[-1]  # the KV slots calibration needs
+
 # ---- serving capacity: the scheduler, the verifier and the speculators ----------------------
-DEFAULT_KV_TOKENS = 65536  # a model's KV-cache budget in tokens
+DEFAULT_KV_TOKENS = 65536  # a speculator's KV-cache budget in tokens (its SSMs are small)
+# The verifier's default KV cache (specinfer/engine/runtime/memory.py): this share of the memory free
+# once the weights are loaded, within what --max-batch requests of the longest allowed length use.
+DEFAULT_KV_MEMORY_FRACTION_CUDA = 0.9  # the device is there for the model (vLLM's --gpu-memory-utilization)
+DEFAULT_KV_MEMORY_FRACTION_CPU = 0.01  # the machine shares its RAM; decoding speed bounds a CPU's batch
 DEFAULT_RUNNER_KV_TOKENS = 8192  # a runner loaded in process (the CLI, tools) when its caller names no budget
 DEFAULT_MAX_BATCH = 256  # requests in one forward pass
 # Speculators draft a greedy request's next tree while its tree is verified: None = where the SSMs
@@ -300,6 +309,31 @@ def parse_tree_width(text: str) -> tuple[int, ...]:
     if any(w > MAX_TREE_WIDTH for w in widths):
         raise UserError(f"tree width {text!r}: every width must be <= {MAX_TREE_WIDTH}")
     return widths
+
+
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_kv_budget(text: str) -> tuple[int, int]:
+    """'65536' or '65536 tokens' -> (tokens, 0); '2GiB', '512MB', '1e9B' -> (0, bytes); 'auto' ->
+    (0, 0), sized from the free memory (`engine.runtime.memory`)."""
+    raw = str(text).strip().lower().replace(" ", "")
+    if raw == "auto":
+        return 0, 0
+    if raw.endswith("tokens"):
+        raw = raw[: -len("tokens")]
+    unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if raw.endswith(u)), None)
+    number = raw[: -len(unit)] if unit else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise UserError(f"KV budget {text!r}: use a token count (65536), bytes (2GiB, 512MB) or auto") from None
+    if not value > 0 or math.isinf(value):
+        raise UserError(f"KV budget {text!r} must be positive")
+    return (0, int(value * _BYTE_UNITS[unit])) if unit else (int(value), 0)
+
+
+parse_kv_budget.__name__ = "KV budget"
 
 
 def check_stop(stop: tuple[str, ...], limits: RequestLimits) -> None:

@@ -33,6 +33,18 @@ def hermetic_cache_dir(tmp_path_factory):
         os.environ[CACHE_DIR_ENV] = before
 
 
+@pytest.fixture(autouse=True)
+def unloaded_machine(monkeypatch):
+    """A measurement begun while other work keeps every CPU busy is not cached
+    (`machine_cache.is_loaded`): in process, the tests see a machine with CPUs to spare, whatever
+    else runs beside them (a test of that rule patches it back)."""
+    from specinfer.engine.runtime import machine_cache
+
+    real = machine_cache.is_loaded
+    monkeypatch.setattr(machine_cache, "is_loaded", lambda *args, **kwargs: False)
+    return real
+
+
 @dataclass(frozen=True)
 class TinyPair:
     llm: Path

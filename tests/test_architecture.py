@@ -194,3 +194,16 @@ def test_one_decode_loop():
     callers = [p.relative_to(ROOT) for p in [*ROOT.glob("specinfer/**/*.py"), *ROOT.glob("services/**/*.py")]
                if pattern.search(p.read_text())]
     assert sorted(map(str, callers)) == ["specinfer/engine/llm_engine.py", "specinfer/engine/loop.py"]
+
+
+def test_the_command_line_and_the_stack_supervisor_load_no_torch():
+    """Every command builds the whole parser, and `specinfer up`'s supervising process lives as long
+    as its stack: torch (about a quarter of a GB resident) stays out of both."""
+    code = ("import sys\n"
+            "from specinfer.cli.main import build_parser\n"
+            "from specinfer.cli.launcher import _check_exec\n"
+            "args = build_parser().parse_args(['up', '--llm', 'x'])\n"
+            "_check_exec(args)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]

@@ -168,7 +168,19 @@ def test_bad_serving_bench_flags_exit_2_before_starting_a_stack(cli_models, caps
 
 
 SHARED_SETTINGS = ("--attention", "--cuda-graphs", "--offload", "--model-free", "--prefix-caching", "--dtype",
-                   "--ssm-dtype")
+                   "--ssm-dtype", "--kv-budget", "--kv-memory-fraction")
+
+
+def test_bench_against_transformers_prints_none_of_its_chatter(cli_models, capsys, tmp_path):
+    """transformers' assisted generation warns from within (a deprecation its own candidate
+    generator raises) and its loads draw progress bars: bench's stderr is bench's own lines."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add("}) + "\n")
+    code, out, err = run_cli(["bench", "--llm", str(cli_models["llm"]), "--ssm", str(cli_models["ssm"]), "--prompts",
+                              str(prompts), "--max-new-tokens", "6", "--device", "cpu", "--ssm-dtype", "float32",
+                              "--cache-dir", str(tmp_path)], capsys)
+    assert code == 0 and "transformers_assisted" in json.loads(out)["results"]
+    assert all(line.startswith(("specinfer: ", "bench: ")) for line in err.splitlines()), err
 
 
 def test_every_shared_setting_is_declared_once_for_the_services_and_the_commands():

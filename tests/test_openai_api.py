@@ -387,9 +387,13 @@ def test_greedy_logprobs_are_the_grpc_apis_and_pick_the_argmax(stack, client, mo
     assert lp.token_logprobs == pytest.approx([t.logprob for t in grpc_resp.logprobs], abs=1e-6)
     assert lp.tokens == [tokenizer.decode([t]) for t in grpc_resp.token_ids]
     for chosen, top, expected in zip(lp.token_logprobs, lp.top_logprobs, grpc_resp.logprobs):
-        # one entry per distinct token text (alternatives that decode alike share a key)
-        assert top == {tokenizer.decode([t]): pytest.approx(v, abs=1e-6)
-                       for t, v in reversed(list(zip(expected.top_token_ids, expected.top_logprobs)))}
+        # one entry per distinct token text (of alternatives that decode alike, the most likely),
+        # most likely first, as OpenAI and vLLM list them
+        by_text: dict = {}
+        for t, v in zip(expected.top_token_ids, expected.top_logprobs):
+            by_text.setdefault(tokenizer.decode([t]), v)
+        assert list(top.items()) == [(k, pytest.approx(v, abs=1e-6)) for k, v in by_text.items()]
+        assert list(top.values()) == sorted(top.values(), reverse=True) and len(top) > 1
         assert chosen == pytest.approx(max(top.values()), abs=1e-6)  # greedy: the argmax
     assert lp.text_offset[0] == 0 and lp.model_extra["logprob_space"] == "raw"
     streamed = list(client.completions.create(model=model, prompt="def add(", max_tokens=12, temperature=0,
@@ -404,6 +408,7 @@ def test_chat_logprobs_one_per_token(client, model):
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens == 8
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+    assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)  # most likely first
     assert resp.choices[0].logprobs.model_extra["logprob_space"] == "processed"
 
 

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from specinfer.engine.drafting.dynamic import Calibration, SsmGain
+from specinfer.engine.drafting.dynamic import Calibration, MemberGain
 from specinfer.engine.llm_engine import Engine, mode_params
 from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy, StepStats, batch_bucket
 from specinfer.engine.runtime.runner import ModelRunner
@@ -65,6 +65,24 @@ def test_policy_speculates_where_it_pays_and_decodes_plainly_where_it_does_not()
     # Trees that are seldom accepted, or an SSM that costs more than it brings: plain decoding.
     assert learnt(LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.0005), 0, 8, 3).choose(1) == ()
     assert learnt(LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.02), 1, 4, 3).choose(1) == ()
+
+
+@pytest.mark.parametrize("free_members", [("lookup", "suffix"), ()])
+def test_a_costly_ssm_does_not_take_the_model_free_members_speculation_with_it(free_members):
+    """Steps with the SSM's levels do not pay (its level costs as much as the LLM's pass); steps
+    without them, the model-free members' drafts alone, do. A pool with model-free members keeps
+    speculating: from the start (their prior has no levels) and on what such steps measured. A
+    pool without them decodes plainly: its steps without SSM levels have no drafts."""
+    fresh = LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.01, free_members=free_members, clock=FakeClock())
+    assert isinstance(fresh.choose(1), TreeBudget) == bool(free_members)
+    policy = learnt(learnt(LoadAwarePolicy(BANDWIDTH_BOUND, level_seconds=0.01, free_members=free_members,
+                                           clock=FakeClock()), 1, 4, 3, num_steps=50), 1, 4, 0, num_steps=20)
+    assert policy.stats(1).levels > 0.5  # most steps measured ran the SSM
+    assert isinstance(policy.choose(1), TreeBudget) == bool(free_members)
+    assert (policy.free_stats(1) is None) == (not free_members)
+    # Requests naming their pool: one that names a model-free member has the arm, one of SSMs alone not.
+    assert policy.free_stats(1, pool=("ssm-0",)) is None
+    assert (policy.free_stats(1, pool=("lookup", "ssm-0")) is not None) == bool(free_members)
 
 
 def test_loads_are_learnt_apart_and_a_new_load_starts_from_the_nearest_smaller_one():
@@ -247,7 +265,7 @@ def test_shapes_changing_per_step_stay_exact(tiny_pair, sampling, first):
             engine.load_policy = AlternatingPolicy(first)
             for _, speculator in stack.speculators:  # what dynamic trees learnt shapes them too: start afresh
                 speculator.worker.speculator.calibration = {True: Calibration(), False: Calibration()}
-                speculator.worker.speculator.ssm_gain = {True: SsmGain(), False: SsmGain()}
+                speculator.worker.speculator.member_gain = {True: MemberGain(), False: MemberGain()}
             runs.append([t for r in stub.Generate(pb.VerifierGenerateRequest(**kwargs), timeout=30) for t in r.token_ids])
         assert runs[0] == runs[1] and len(runs[0]) == 60
         if sampling is None:

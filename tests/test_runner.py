@@ -165,3 +165,32 @@ def test_cost_model_calibrates_within_a_short_context(tmp_path):
     sizes = [n for n, _ in model.points]
     assert sizes and max(sizes) <= 32 and all(t > 0 for _, t in model.points)
     assert runner.allocator.num_free == num_free
+
+
+def test_checkpoint_reads_equal_safetensors_own_and_refuse_a_truncated_file(tmp_path):
+    """Weights are read with plain reads (no memory map that keeps fused originals resident):
+    every tensor equals what safetensors itself reads, bf16 included; a cut file is a UserError."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from specinfer.engine.models.checkpoint import SafetensorsFile
+    from specinfer.errors import UserError
+
+    path = tmp_path / "t.safetensors"
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(4),
+               "d": torch.tensor(2.5), "e": torch.zeros(0, 3)}
+    save_file(tensors, str(path))
+    with SafetensorsFile(path) as f, safe_open(str(path), framework="pt") as g:
+        assert sorted(f.keys()) == sorted(g.keys())
+        for name in g.keys():
+            mine, theirs = f.get_tensor(name), g.get_tensor(name)
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape and torch.equal(mine, theirs)
+        for key in (slice(1, 3), (slice(None), slice(2, 4)), slice(2, 2)):  # rows, columns, none (tensor parallel)
+            assert torch.equal(f.get_slice("a")[key], g.get_slice("a")[key])
+        assert torch.equal(f.get_slice("b")[2:6], g.get_slice("b")[2:6])
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(UserError, match="truncated"), SafetensorsFile(path) as f:
+        f.get_tensor("a"), f.get_tensor("b"), f.get_tensor("c")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(UserError, match="not a readable safetensors"), SafetensorsFile(tmp_path / "bad.safetensors"):
+        pass

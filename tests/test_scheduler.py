@@ -138,9 +138,10 @@ def test_thousand_cancel_loops_leak_no_kv(tiny_pair):
 
 
 def test_kv_budget_parses_tokens_and_bytes():
-    from specinfer.engine.runtime.load import kv_budget_tokens, parse_kv_budget
+    from specinfer.engine.runtime.memory import plan_kv
     from specinfer.engine.models.config import ModelConfig
     from specinfer.errors import UserError
+    from specinfer.limits import parse_kv_budget
 
     assert parse_kv_budget("65536") == (65536, 0)
     assert parse_kv_budget("4096 tokens") == (4096, 0)
@@ -150,8 +151,10 @@ def test_kv_budget_parses_tokens_and_bytes():
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
                       rms_norm_eps=1e-5)
     # one token: K and V, 2 layers, 2 KV heads of 16 floats = 2*2*2*16*4 bytes = 512 bytes
-    assert kv_budget_tokens(0, 1 << 20, cfg, "float32") == 2048
-    for bad in ("lots", "-5", "0GiB"):
+    assert plan_kv([(cfg, "float32")], budget=(0, 1 << 20)).num_tokens == 2048
+    assert plan_kv([(cfg, "float32")], budget=(300, 0)).num_tokens == 300
+    assert parse_kv_budget("auto") == (0, 0)
+    for bad in ("lots", "-5", "0GiB", "inf"):
         with pytest.raises(UserError):
             parse_kv_budget(bad)
 

@@ -444,7 +444,7 @@ def test_config_defaults_are_the_product_constants():
     assert v.tree_width == limits.PAPER_TREE_WIDTH == VerifierConfig(Path("m")).tree_width
     assert v.max_tree_nodes == limits.DEFAULT_MAX_TREE_NODES
     assert (v.port, s.port) == (limits.VERIFIER_PORT, limits.SPECULATOR_PORT)
-    assert v.max_kv_tokens == s.max_kv_tokens == limits.DEFAULT_KV_TOKENS and v.kv_budget_bytes == 0
+    assert s.max_kv_tokens == limits.DEFAULT_KV_TOKENS and v.kv_budget == (0, 0) and v.kv_memory_fraction is None
     assert v.max_batch == s.max_batch == limits.DEFAULT_MAX_BATCH
     assert v.host == s.host == settings.LOCAL_HOST
     from specinfer.engine.scheduling.scheduler import SchedulerConfig
@@ -470,12 +470,17 @@ def test_config_flag_beats_env_beats_default():
     env = {"SPECINFER_VERIFIER_PORT": "6000", "SPECINFER_TREE_WIDTH": "2,2", "SPECINFER_SPECULATORS": "a:1, b:2",
            "SPECINFER_KV_TOKENS": "1024", "SPECINFER_LOAD_AWARE": "false", "SPECINFER_LOG_LEVEL": "DEBUG"}
     v = _verifier([], env)
-    assert (v.port, v.tree_width, v.speculators, v.max_kv_tokens) == (6000, (2, 2), ("a:1", "b:2"), 1024)
+    assert (v.port, v.tree_width, v.speculators, v.kv_budget) == (6000, (2, 2), ("a:1", "b:2"), (1024, 0))
     assert not v.is_load_aware and v.log_level == "debug"
     v = _verifier(["--port", "7000", "--speculator", "c:3", "--kv-budget", "2GiB"], env)
-    assert (v.port, v.speculators, v.kv_budget_bytes) == (7000, ("c:3",), 2 << 30)
+    assert (v.port, v.speculators, v.kv_budget) == (7000, ("c:3",), (0, 2 << 30))
     assert _verifier(["--fixed-tree"]).is_load_aware is False
-    assert _verifier([], {"SPECINFER_KV_BUDGET": "512", "SPECINFER_KV_TOKENS": "1024"}).max_kv_tokens == 512
+    assert _verifier([], {"SPECINFER_KV_BUDGET": "512", "SPECINFER_KV_TOKENS": "1024"}).kv_budget == (512, 0)
+    assert _verifier(["--kv-budget", "auto"], env).kv_budget == (0, 0)
+    assert _verifier([], {"SPECINFER_KV_MEMORY_FRACTION": "0.5"}).kv_memory_fraction == 0.5
+    for bad in ("0", "1.5", "x"):
+        with pytest.raises(UserError, match="KV_MEMORY_FRACTION"):
+            _verifier([], {"SPECINFER_KV_MEMORY_FRACTION": bad})
     s = _speculator([], {"SPECINFER_SPECULATOR_PORT": "6001", "SPECINFER_SSM_KV_TOKENS": "4096"})
     assert (s.port, s.max_kv_tokens) == (6001, 4096)
     from services.speculator.config import parse_config

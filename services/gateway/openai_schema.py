@@ -372,8 +372,17 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], decode: Callable[[int]
     offsets = [text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
             # alternatives that decode to the same text share a key: the likeliest one keeps it
-            "top_logprobs": [{decode(t): v for t, v in reversed(lp.top)} for lp in logprobs], "text_offset": offsets,
+            "top_logprobs": [_by_text(lp.top, decode) for lp in logprobs], "text_offset": offsets,
             "logprob_space": space}
+
+
+def _by_text(top: Sequence[tuple[int, float]], decode: Callable[[int], str]) -> dict[str, float]:
+    """Alternatives by their text, most likely first as OpenAI and vLLM list them; of several
+    that decode alike, the most likely."""
+    out: dict[str, float] = {}
+    for token_id, logprob in top:  # most likely first
+        out.setdefault(decode(token_id), logprob)
+    return out
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob], decode: Callable[[int], str], space: str) -> dict:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import (
-    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_IS_PREFIX_CACHING, DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH,
+    DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_IS_PREFIX_CACHING, DEFAULT_MAX_BATCH,
     DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
     SUFFIX_CACHE_TOKENS, RequestLimits, parse_tree_width,
 )
@@ -27,7 +27,7 @@ from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, VERIFIER_PORT
 from specinfer.serving.settings import cache_dir_flag
 from specinfer.serving.shared_flags import (
-    exec_flags, llm_dtype_flag, model_free_flag, prefix_caching_flag, ssm_dtype_flag,
+    exec_flags, kv_flags, llm_dtype_flag, model_free_flag, prefix_caching_flag, ssm_dtype_flag,
 )
 from specinfer.util import default_cache_dir
 
@@ -46,8 +46,8 @@ class VerifierConfig:
     port: int = VERIFIER_PORT
     dtype: str = DEFAULT_DTYPE
     device: str = "auto"
-    max_kv_tokens: int = DEFAULT_KV_TOKENS  # the KV budget in tokens, unless kv_budget_bytes is set
-    kv_budget_bytes: int = 0
+    kv_budget: tuple[int, int] = (0, 0)  # (tokens, bytes) as given; (0, 0): sized from the free memory
+    kv_memory_fraction: float | None = None  # the free memory's share the sized cache takes (None: the device's default)
     max_batch: int = DEFAULT_MAX_BATCH
     tree_width: tuple[int, ...] = PAPER_TREE_WIDTH
     max_tree_nodes: int = DEFAULT_MAX_TREE_NODES
@@ -75,8 +75,6 @@ class VerifierConfig:
 
 
 def _flags() -> list[Flag]:
-    from specinfer.engine.runtime.load import parse_kv_budget
-
     d = {f.name: f.default for f in fields(VerifierConfig)}
     dl = RequestLimits()
     return [
@@ -96,9 +94,7 @@ def _flags() -> list[Flag]:
         port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
         llm_dtype_flag(),
         Flag("--device", "SPECINFER_LLM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
-        Flag("--kv-budget", ("SPECINFER_KV_BUDGET", "SPECINFER_KV_TOKENS"), parse_kv_budget,
-             (d["max_kv_tokens"], d["kv_budget_bytes"]), "KV-cache budget: tokens (65536) or bytes (2GiB, 512MB)",
-             shown_default=str(d["max_kv_tokens"])),
+        *kv_flags(),
         Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per forward pass",
              is_positive=True),
         Flag("--tree-width", "SPECINFER_TREE_WIDTH", parse_tree_width, d["tree_width"],
@@ -145,7 +141,6 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     a = read_flags(p, flags, argv, env)
     if a["model"] is None:
         raise UserError("the verifier needs the LLM (a directory or .gguf file): --model or SPECINFER_MODEL_DIR")
-    kv_tokens, kv_bytes = a["kv_budget"]
     security = server_security(a, env)
     is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)
     from specinfer.engine.runtime.parallel import ParallelConfig
@@ -165,7 +160,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         suffix_cache_tokens=a["suffix_cache_tokens"],
         cache_dir=default_cache_dir(a["cache_dir"], env),
         host=a["host"], port=a["port"], dtype=a["dtype"],
-        device=a["device"], max_kv_tokens=kv_tokens or DEFAULT_KV_TOKENS, kv_budget_bytes=kv_bytes,
+        device=a["device"], kv_budget=a["kv_budget"], kv_memory_fraction=a["kv_memory_fraction"],
         limits=RequestLimits(max_prompt_tokens=a["max_prompt_tokens"], max_new_tokens=a["max_tokens"]),
         max_batch=a["max_batch"], tree_width=a["tree_width"], max_tree_nodes=a["max_tree_nodes"],
         default_deadline_s=a["default_deadline_s"], speculator_step_timeout_s=a["speculator_step_timeout_s"],

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from opentelemetry import trace
 
@@ -154,19 +155,22 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
-    from specinfer.engine.models.config import ModelConfig
-    from specinfer.engine.runtime.load import kv_budget_tokens, load_runner, resolve_device
+    from specinfer.engine.models.checkpoint import safetensors_files
+    from specinfer.engine.runtime.load import load_runner, resolve_device
 
-    from specinfer.engine.runtime.parallel import ParallelConfig, shard_config
+    from specinfer.engine.runtime.parallel import ParallelConfig
 
     resolve(cfg.model_dir, cfg.cache_dir)  # a GGUF's metadata files under this service's cache directory
     parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
-    num_ranks = parallel.num_ranks if parallel else 1
-    # A byte budget is per device: each rank holds 1/N of the KV heads.
-    kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes,
-                                 shard_config(ModelConfig.from_dir(cfg.model_dir), num_ranks), cfg.dtype)
-    runner = load_runner(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device), max_kv_tokens=kv_tokens,
+    plan = kv_plan(cfg, parallel.num_ranks if parallel else 1)
+    source = resolve(cfg.model_dir)
+    if not source.is_gguf:  # no weights (or pickle only) is a one-line error, before any log line
+        safetensors_files(source.path)
+    log.info("loading the LLM %s (%s)", cfg.model_dir, cfg.dtype)
+    started = time.perf_counter()
+    runner = load_runner(cfg.model_dir, dtype=cfg.dtype, device=resolve_device(cfg.device), max_kv_tokens=plan.num_tokens,
                          parallel=parallel, exec_cfg=cfg.execution)
+    log.info("LLM loaded in %.1fs; %s", time.perf_counter() - started, plan.describe())
     try:
         server, servicer = _serve(cfg, runner, exporter, is_worker_threaded)
     except BaseException:
@@ -176,6 +180,33 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
     if leader is not None:  # a rank that dies takes the whole service down
         leader.on_broken(lambda reason: _take_down(server, reason))
     return server, servicer
+
+
+def kv_plan(cfg: VerifierConfig, num_ranks: int = 1):
+    """The LLM's KV cache (`memory.plan_kv`), per device: with tensor parallelism each rank holds
+    1/N of the KV heads, and every rank sizes alike, from its device's total memory (its share of
+    the host's RAM on a CPU), so that all hold the same number of slots. Co-located SSMs hold as
+    many slots: their caches count too."""
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.runtime.load import resolve_device, split_pool
+    from specinfer.engine.runtime.memory import Memory, device_memory, plan_kv
+    from specinfer.engine.runtime.parallel import shard_config
+    from specinfer.limits import MODEL_DTYPES
+
+    llm_cfg = ModelConfig.from_dir(cfg.model_dir)
+    device = resolve_device(cfg.device)
+    ssm_dtype = cfg.ssm_dtype if cfg.ssm_dtype in MODEL_DTYPES else cfg.dtype  # auto: at most the LLM's size
+    models = [(shard_config(llm_cfg, num_ranks), cfg.dtype)]
+    models += [(ModelConfig.from_dir(d), ssm_dtype) for d in split_pool(cfg.co_located, is_model_free=False)[0]]
+    context = llm_cfg.max_context
+    request_tokens = min(context, cfg.limits.max_prompt_tokens + cfg.limits.max_new_tokens) + cfg.max_tree_nodes
+    memory = None
+    if cfg.kv_budget == (0, 0):
+        memory = device_memory(device)
+        if num_ranks > 1:
+            share = memory.total_bytes // (1 if device.startswith("cuda") else num_ranks)
+            memory = Memory(share, share, f"{memory.where} (one rank's share of the total)")
+    return plan_kv(models, device, cfg.kv_budget, cfg.kv_memory_fraction, request_tokens, cfg.max_batch, memory)
 
 
 def _take_down(server: RunningServer, reason: str) -> None:
@@ -208,9 +239,8 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
         engine = Engine(runner, speculation, engine_cfg, scheduler, max_context=pool_context(speculation, runner),
                         grammars=load_grammars(cfg.model_dir, runner.cfg))
         if speculation and cfg.is_load_aware:  # calibrate the cost model now, not on the first request
+            engine.calibrate(cfg.cache_dir)
             engine.policy()
-            log.info("calibrated LLM cost model: %s",
-                     ", ".join(f"{n}:{t * 1e3:.1f}ms" for n, t in engine.cost_model.points))
         return VerifierServicer(cfg, engine, tracer, SpecDecodeMetrics.create(registry)), scheduler
 
     return start_model_service("verifier", cfg, exporter, create, pb_grpc.add_VerifierServicer_to_server,
@@ -248,9 +278,8 @@ def _exit_after(seconds: float) -> None:
 
 
 def _serve_rank(argv: list[str] | None) -> int:
-    from specinfer.engine.runtime.load import kv_budget_tokens, resolve_device
-    from specinfer.engine.models.config import ModelConfig
-    from specinfer.engine.runtime.parallel import ShardSpec, serve_rank, shard_config
+    from specinfer.engine.runtime.load import resolve_device
+    from specinfer.engine.runtime.parallel import ShardSpec, serve_rank
     from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
     from specinfer.engine.runtime.cpu import configure_cpu_runtime
     from specinfer.errors import UserError
@@ -260,8 +289,7 @@ def _serve_rank(argv: list[str] | None) -> int:
     try:
         cfg = parse_config(argv)
         setup_logging("verifier", cfg.log_level)
-        shard = shard_config(ModelConfig.from_dir(cfg.model_dir), cfg.parallel.num_ranks)
-        kv_tokens = kv_budget_tokens(cfg.max_kv_tokens, cfg.kv_budget_bytes, shard, cfg.dtype)
+        kv_tokens = kv_plan(cfg, cfg.parallel.num_ranks).num_tokens  # as rank 0 sizes it
         num_slots = -(-kv_tokens // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
         from specinfer.engine.runtime.backend import resolve_exec
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from specinfer.engine.runtime.load import ModelPaths
+from specinfer.util import quiet_transformers
 
 
 @dataclass
@@ -74,7 +75,12 @@ def machine_info(dtype: str) -> dict:
 
 
 class _TransformersArms:
-    """transformers' greedy generate and assisted generation (assistant_model = first SSM)."""
+    """transformers' greedy generate and assisted generation (assistant_model = first SSM).
+
+    transformers' own reports stay quiet (`quiet_transformers`): its weight-loading progress bars,
+    and the deprecation warning its assisted generation raises from within (its candidate
+    generator calls the assistant's `generate` with a `generation_config` and generation arguments
+    together; the call here passes arguments only)."""
 
     def __init__(self, paths: ModelPaths, dtype: str, ssm_dtype: str, device: str):
         import torch
@@ -100,7 +106,7 @@ class _TransformersArms:
             kwargs["assistant_model"] = self.ssm
         self.num_calls = 0
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), quiet_transformers():
             out = self.llm.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
         seconds = time.perf_counter() - start
         return out[0, len(ids):].tolist(), self.num_calls, seconds
@@ -212,6 +218,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             results[name].add(*run_arm(name, ids, args.max_new_tokens))
         print(f"bench: prompt {i + 1}/{len(prompt_ids)} done", file=sys.stderr, flush=True)
 
+    pool_members = member_verdicts(engine, paths.ssms)
     reference = results["incremental"].outputs
     report = {
         "machine": machine_info(args.dtype),
@@ -240,11 +247,35 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
             "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
         },
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},
+        "pool_members": pool_members,  # what each SSM's drafts alone brought in the dynamic trees
     }
     report["summary"] = summary(report["results"])
     engine.verifier.runner.close()
     print_report(report, args.output)
     return 0
+
+
+def member_verdicts(engine, ssm_dirs) -> dict:
+    """Each SSM of the pool (`ssm_dirs`, in pool order) in the dynamic-tree arms: what its drafts
+    alone got accepted, and whether it dropped out of the trees (its passes did not pay); one
+    line each on stderr."""
+    source = engine.source
+    speculator = getattr(source, "speculator", None)
+    if speculator is None or engine.load_policy is None:
+        return {}
+    budget = engine.load_policy.budget(1)
+    verdicts = {}
+    for m, name in enumerate(source.names[:len(speculator.runners)]):
+        member = speculator.member_gain[True].summary(m)
+        verdicts[name] = {**member, "level_cost": round(budget.level_cost, 4), "start_cost": round(budget.ssm_cost, 4)}
+        if not member["runs"]:
+            continue
+        why = (f"in the {member['runs']:g} steps it ran, its drafts alone got {member['accepted_alone']:.2f} tokens "
+               f"a step accepted, for {member['levels']:.1f} levels a step costing {budget.level_cost:.2f} of a plain "
+               f"step each (+{budget.ssm_cost:.2f} to start)")
+        verdict = "dropped out of the trees (its passes do not pay)" if member["dropped"] else "stays in the trees"
+        print(f"bench: pool member {name} ({ssm_dirs[m]}) {verdict}: {why}", file=sys.stderr, flush=True)
+    return verdicts
 
 
 def summary(results: dict) -> dict:

@@ -156,7 +156,8 @@ def run_serving_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
                               gateway_port=args.port, http_port=0, verifier_port=args.port + 1,
                               speculator_base_port=args.port + 1 + args.num_verifiers,
                               num_verifiers=args.num_verifiers, dtype=args.dtype, ssm_dtype=args.ssm_dtype,
-                              cache_dir=cache_dir, admission_latency_factor=0.0))
+                              cache_dir=cache_dir, admission_latency_factor=0.0, kv_budget=args.kv_budget,
+                              kv_memory_fraction=args.kv_memory_fraction))
     check_ports(stack.cfg, moved_by="--port (the first of the stack's ports)")
     records, errors, lock, next_index = [], [], threading.Lock(), [0]
 

@@ -229,7 +229,8 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                               # each greedy output from an earlier arm's (the repeated-task case).
                               suffix_cache_tokens=None if args.shared_suffix_cache else 0,
                               # ... and a prefix cache would serve later arms' prompts from earlier arms' KV.
-                              is_prefix_caching=False))
+                              is_prefix_caching=False, kv_budget=args.kv_budget,
+                              kv_memory_fraction=args.kv_memory_fraction))
     # As `specinfer up` starts it: the verifier hosts the pool unless speculator processes are asked for.
     stack = Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
                           is_co_located=args.co_located or not args.num_speculators or not paths.ssms))

@@ -12,7 +12,7 @@ from specinfer.engine.runtime.load import (
     ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts, split_pool,
 )
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_IS_PREFIX_CACHING, parse_tree_width
+from specinfer.limits import CALIBRATION_TOKENS, DEFAULT_IS_PREFIX_CACHING, parse_tree_width
 from specinfer.model_source import resolve
 
 
@@ -56,8 +56,9 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     """Checks models and prompts before any weights load (configs, vocabularies, every prompt
     plus `--max-new-tokens` within the context), then loads the engine with a KV cache for the
     longest prompt, its new tokens and one token tree per SSM, and the tree flags as the shape of
-    `auto` mode; the SSMs' measured dtype is cached under `cache_dir` and told on stderr.
-    Returns (tokenizer, prompt ids, engine)."""
+    `auto` mode, and calibrates the load-aware policy where `auto` mode will use it. What is
+    measured (the SSMs' dtype, the LLM's cost model) is cached under `cache_dir`; every step of
+    the start-up is told on stderr. Returns (tokenizer, prompt ids, engine)."""
     from specinfer.engine.llm_engine import EngineConfig
     from specinfer.engine.scheduling.scheduler import SchedulerConfig
 
@@ -68,12 +69,20 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     # A request reserves one tree per SSM it speculates with (their merged tree is at most that);
     # `bench --samples N` runs N requests at once.
     per_request = needed + args.max_tree_nodes * (len(paths.ssms) + len(paths.model_free)) + 64
-    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=per_request * max(1, getattr(args, "samples", 1)),
+    is_load_aware = getattr(args, "mode", None) in (None, "auto") and bool(paths.ssms or paths.model_free)
+    num_tokens = per_request * max(1, getattr(args, "samples", 1))
+    if is_load_aware:  # room for the calibration's passes: one calibration fits every prompt
+        num_tokens = max(num_tokens, CALIBRATION_TOKENS)
+    report = lambda line: print(f"specinfer: {line}", file=sys.stderr, flush=True)  # noqa: E731
+    engine = load_engine(paths, args.dtype, args.device, max_kv_tokens=num_tokens,
                          ssm_dtype=args.ssm_dtype, cfg=EngineConfig(
                              default_shape=tree_shape(args), scheduler=SchedulerConfig(
                                  admission_timeout_s=0.0, is_prefix_caching=getattr(args, "prefix_caching", DEFAULT_IS_PREFIX_CACHING))),
                          parallel=tensor_parallel(args), exec_cfg=exec_config(args),
-                         cache_dir=cache_dir, report=lambda line: print(f"specinfer: {line}", file=sys.stderr))
+                         cache_dir=cache_dir, report=report, kv_reason="what the longest prompt, its new tokens and "
+                                                                       "its trees need")
+    if is_load_aware:  # each step's tree priced by the LLM's measured costs
+        engine.calibrate(cache_dir, report)
     return tokenizer, prompt_ids, engine
 
 

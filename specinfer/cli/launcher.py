@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_model_free_flag, add_prefix_caching_flag
+from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_kv_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT
@@ -62,6 +62,8 @@ class StackConfig:
     omp_wait_policy: str | None = None  # None: leave OpenMP's default (spinning waits)
     admission_latency_factor: float | None = None  # the gateway's (0 = a fixed limit); None: its default
     is_prefix_caching: bool = DEFAULT_IS_PREFIX_CACHING  # the verifier shares full prompt blocks across requests
+    kv_budget: tuple[int, int] = (0, 0)  # each verifier's KV cache: (tokens, bytes); (0, 0): sized from free memory
+    kv_memory_fraction: float | None = None  # the free memory's share a sized cache takes (None: the verifiers' default)
     chat_template: Path | None = None  # the gateway's --chat-template: a Jinja file overriding the LLM's
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
@@ -205,7 +207,8 @@ class Stack:
 
     def start(self) -> None:
         cfg = self.cfg
-        # the internal token: in the environment, never on a command line (visible to `ps`)
+        # the internal token: in the environment, never on a command line (visible to `ps`); the gateway
+        # logs warnings only (it logs every request at info), the model services tell their start-up too
         common_env = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": secrets.token_urlsafe(32),
                       "SPECINFER_AUTH_TOKEN_FILE": "", "SPECINFER_INSTANCE_ID": self.instance_id}
         if cfg.omp_wait_policy:
@@ -229,7 +232,7 @@ class Stack:
             args += _exec_args(cfg)
             if cfg.speculator_pipeline:
                 args += ["--pipeline", "on" if cfg.speculator_pipeline[i] else "off"]
-            env = dict(common_env)
+            env = dict(common_env, SPECINFER_LOG_LEVEL="info")
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + cfg.num_verifiers + i)
             self._spawn(f"speculator-{i}", "services.speculator", args, port, env)
@@ -244,11 +247,11 @@ class Stack:
             args += ["--ssm-dtype", cfg.ssm_dtype or cfg.dtype]
         if cfg.tensor_parallel > 1:
             args += ["--tensor-parallel", str(cfg.tensor_parallel)]
-        args += _exec_args(cfg) + (["--offload", "on"] if cfg.is_offloaded else [])
+        args += _exec_args(cfg) + (["--offload", "on"] if cfg.is_offloaded else []) + _kv_args(cfg)
         verifier_targets = []
         for i in range(cfg.num_verifiers):
             port = cfg.verifier_port + i
-            env = dict(common_env)
+            env = dict(common_env, SPECINFER_LOG_LEVEL="info")
             if cfg.metrics_base_port:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + i)
             self._spawn(verifier_name(cfg, i), "services.verifier", args + ["--port", str(port)], port, env)
@@ -355,6 +358,13 @@ def _split(items: tuple[Path, ...], num_groups: int) -> list[tuple[Path, ...]]:
     return [items] * num_groups
 
 
+def _kv_args(cfg: StackConfig) -> list[str]:
+    """The verifiers' KV-cache flags (their defaults: none)."""
+    tokens, num_bytes = cfg.kv_budget
+    args = ["--kv-budget", f"{tokens}" if tokens else f"{num_bytes}B"] if tokens or num_bytes else []
+    return args + (["--kv-memory-fraction", f"{cfg.kv_memory_fraction:g}"] if cfg.kv_memory_fraction else [])
+
+
 def _exec_args(cfg: StackConfig) -> list[str]:
     graphs = [] if cfg.cuda_graphs is None else ["--cuda-graphs", "on" if cfg.cuda_graphs else "off"]
     return ["--attention", cfg.attention] + graphs
@@ -393,6 +403,7 @@ def add_up_parser(sub) -> None:
     up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
     add_prefix_caching_flag(up)
     add_exec_flags(up)
+    add_kv_flags(up)
     up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up; its text is "
                                      "printed as it comes, then one line of statistics")
     up.add_argument("--json", action="store_true", help="print the reply to --prompt as one JSON object instead")
@@ -428,18 +439,15 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         from specinfer.chat_template import ChatTemplate
 
         ChatTemplate.from_file(chat_template, None, "--chat-template")
-    from specinfer.cli.commands import exec_config
-    from specinfer.engine.runtime.backend import resolve_exec
-    from specinfer.engine.runtime.load import resolve_device
-
-    resolve_exec(exec_config(args), resolve_device("auto"), args.tensor_parallel > 1)  # before any model is built or process starts
+    _check_exec(args)  # before any model is built or process starts
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
     from specinfer.engine.runtime.load import check_models
 
-    from specinfer.engine.runtime.parallel import check_divisible
-
     llm_cfg, _ = check_models(paths)
-    check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
+    if args.tensor_parallel != 1:  # one rank always divides the model
+        from specinfer.engine.runtime.parallel import check_divisible
+
+        check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
         llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free,
         is_co_located=args.co_located or not args.num_speculators or not paths.ssms, gateway_port=args.gateway_port,
@@ -450,7 +458,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"), chat_template=chat_template,
-        is_prefix_caching=args.prefix_caching,
+        is_prefix_caching=args.prefix_caching, kv_budget=args.kv_budget, kv_memory_fraction=args.kv_memory_fraction,
     )
     check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)
@@ -479,6 +487,22 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         if stack.children:
             stack.stop()
             print("specinfer: stack stopped", file=sys.stderr, flush=True)
+
+
+def _check_exec(args: argparse.Namespace) -> None:
+    """Explicit execution flags the device cannot honour fail before any process starts. Only
+    those can fail (the defaults fall back to what the device supports), so torch, which this
+    supervising process does not otherwise need, is imported only for them."""
+    from specinfer.cli.commands import exec_config
+    from specinfer.engine.runtime.exec_config import ExecConfig
+
+    chosen = exec_config(args)
+    if chosen == ExecConfig():
+        return
+    from specinfer.engine.runtime.backend import resolve_exec
+    from specinfer.engine.runtime.load import resolve_device
+
+    resolve_exec(chosen, resolve_device("auto"), args.tensor_parallel > 1)
 
 
 def _answer(target: str, prompt: str, max_tokens: int, is_json: bool) -> None:

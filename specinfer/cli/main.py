@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_model_free_flag, add_prefix_caching_flag
+from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_kv_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
 from specinfer.serving.shared_flags import resolve_declared
 from specinfer.engine.runtime.cpu import configure_cpu_runtime
@@ -138,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verifier-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
     b.add_argument("--speculator-threads", type=int, default=0, help="with --concurrency: torch threads (0 = default)")
     b.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], help="with --concurrency: OpenMP idle waits")
+    add_kv_flags(b)  # with --concurrency: the stack's verifiers' (in process, the cache fits the prompts)
 
     from specinfer.cli.launcher import add_up_parser
 

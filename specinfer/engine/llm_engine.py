@@ -16,6 +16,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable, Protocol
 
 from specinfer import limits
@@ -23,6 +24,7 @@ from specinfer.engine.scheduling.guard import SpeculationGuard
 from specinfer.engine.loop import (
     Drafts, DraftTree, Generation, GenerationResult, NoDrafts, StepObserver, WidthChoice, reserved_slots, run_step,
 )
+from specinfer.engine.runtime.calibration import calibrated_cost_model
 from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.verification.processors import RequestLogits
 from specinfer.engine.runtime.runner import ModelRunner
@@ -320,14 +322,21 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: GenerationParams) -> GenerationResult:
         return self.generate_batch([self.start(prompt_ids, params)])[0]
 
+    def calibrate(self, cache_dir: Path | None = None, report: Callable[[str], None] | None = None) -> CostModel:
+        """The load-aware policy's cost model of the LLM, now rather than on the first request: read
+        from `cache_dir` where this machine calibrated this model before, else timed (told to
+        `report`, default logged); then refined by every measured pass of the scheduler."""
+        if self.cost_model is None:
+            self.cost_model = calibrated_cost_model(self.verifier.runner, cache_dir, report)
+            self.scheduler.cost_model = self.cost_model
+        return self.cost_model
+
     def policy(self) -> LoadAwarePolicy:
-        """The load-aware policy (its cost model calibrated once, then refined by every measured
-        pass of the scheduler)."""
+        """The load-aware policy (its cost model calibrated once: `calibrate`)."""
         if self.load_policy is None:
-            if self.cost_model is None:
-                self.cost_model = CostModel.calibrate(self.verifier.runner)
-                self.scheduler.cost_model = self.cost_model
-            self.load_policy = LoadAwarePolicy(self.cost_model, self.cfg.max_tree_nodes, self.cfg.max_tree_depth)
+            names = self.source.all_names() if self.source is not None else []
+            self.load_policy = LoadAwarePolicy(self.calibrate(), self.cfg.max_tree_nodes, self.cfg.max_tree_depth,
+                                               free_members=tuple(n for n in names if n in limits.MODEL_FREE_NAMES))
         return self.load_policy
 
 

@@ -42,7 +42,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specinfer.pool.boost_data import BoostData, DataConfig, build_data, read_corpus
+from specinfer.pool.boost_data import BoostData, build_data, read_corpus
+from specinfer.pool.tuning_config import DataConfig, TrainConfig
 from specinfer.errors import UserError
 from specinfer.util import progress_bar, quiet_transformers, staged_dir, write_atomic, write_json
 
@@ -50,29 +51,6 @@ STATE_DIR = ".boost"
 RUN_FORMAT = 1
 SUMMARY_NAME = "summary.json"
 DONE_NAME = "boost.json"
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 200
-    batch_size: int = 16
-    lr: float = 1e-3
-    kl_weight: float = 0.0
-    warmup_steps: int = 10
-    min_lr_factor: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    checkpoint_every: int = 50
-    eval_batch_size: int = 16
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
-            raise UserError("--steps must be >= 0, --batch-size and --checkpoint-every >= 1")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise UserError(f"--lr must be a positive number, got {self.lr}")
-        if self.kl_weight < 0:
-            raise UserError(f"--kl-weight must be >= 0, got {self.kl_weight}")
 
 
 @dataclass(frozen=True)
@@ -396,37 +374,6 @@ def _rate(hits: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 # ---- command line ----------------------------------------------------------------------------
-
-
-def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
-    d, t = DataConfig(), TrainConfig()
-    p = subparsers.add_parser("boost-tune", help="collective boost-tuning of an SSM pool on the LLM's own outputs")
-    p.add_argument("--llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
-    p.add_argument("--ssm", type=Path, action="append", required=True,
-                   help="SSM checkpoint directory or .gguf file (repeatable; pool order: SSM 1 first); the tuned "
-                        "SSMs are written as checkpoint directories")
-    p.add_argument("--corpus", type=Path, nargs="+", required=True, help="text files, or directories (their *.py)")
-    p.add_argument("--exclude", type=Path, nargs="*", default=[], help="corpus files to leave out")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="training prompts")
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for the summary")
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="longest prompt (shortest: half)")
-    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens)
-    p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
-                   help="fraction of prompts continued by sampling instead of greedily")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="for the sampled continuations")
-    p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps per SSM")
-    p.add_argument("--batch-size", type=int, default=t.batch_size)
-    p.add_argument("--lr", type=float, default=t.lr)
-    p.add_argument("--kl-weight", type=float, default=t.kl_weight, help="weight of the KL term (0 = none)")
-    p.add_argument("--kl-top-k", type=int, default=32, help="LLM probabilities kept per position for the KL term")
-    p.add_argument("--warmup-steps", type=int, default=t.warmup_steps, help="linear warmup, then cosine decay")
-    p.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p
 
 
 def config_from_args(args: argparse.Namespace) -> BoostConfig:

@@ -211,18 +211,6 @@ def copy_tokenizer_files(src: Path, dst: Path) -> None:
 # ---- command line ----------------------------------------------------------------------------
 
 
-def add_make_ssm_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("make-ssm", help="cut an SSM from the LLM's own layers (optionally pruned)")
-    p.add_argument("--from-llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
-    p.add_argument("--layers", required=True,
-                   help="N = the first N layers, or indices like 0,1,7 or 0-2,7 (kept in ascending order)")
-    p.add_argument("--mlp-keep", type=float, default=1.0,
-                   help="fraction of MLP channels to keep per layer, by weight magnitude (default 1.0)")
-    p.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    return p
-
-
 def run_make_ssm(args: argparse.Namespace) -> int:
     out = make_ssm(args.from_llm, args.out, args.layers, args.mlp_keep, overwrite=args.overwrite)
     cfg = ModelConfig.from_dir(out)

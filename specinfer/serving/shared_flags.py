@@ -15,6 +15,7 @@ from typing import Mapping
 
 from specinfer.engine.runtime.exec_config import ATTENTION_BACKENDS, parse_cuda_graphs
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, MODEL_DTYPES, SSM_DTYPES
+from specinfer.limits import DEFAULT_KV_MEMORY_FRACTION_CPU, DEFAULT_KV_MEMORY_FRACTION_CUDA, parse_kv_budget
 from specinfer.serving.settings import Flag, add_flag, one_of, parse_bool, resolve_flags
 
 
@@ -53,6 +54,26 @@ def llm_dtype_flag() -> Flag:
 def ssm_dtype_flag(name: str = "--ssm-dtype") -> Flag:
     return Flag(name, "SPECINFER_SSM_DTYPE", one_of(SSM_DTYPES), DEFAULT_SSM_DTYPE,
                 "the SSMs' dtype: auto (the fastest on this machine, measured when they load) or a dtype")
+
+
+def kv_budget_flag() -> Flag:
+    return Flag("--kv-budget", ("SPECINFER_KV_BUDGET", "SPECINFER_KV_TOKENS"), parse_kv_budget, (0, 0),
+                "the LLM's KV cache: tokens (65536), bytes (2GiB, 512MB), or auto: --kv-memory-fraction of the "
+                "memory free once the weights are loaded, at most what --max-batch requests of the longest allowed "
+                "length use", shown_default="auto")
+
+
+def kv_memory_fraction_flag() -> Flag:
+    return Flag("--kv-memory-fraction", "SPECINFER_KV_MEMORY_FRACTION", float, None,
+                "with --kv-budget auto: the share of the memory free once the weights are loaded (host RAM, or the "
+                "GPU's) that the KV cache takes, as vLLM's --gpu-memory-utilization",
+                shown_default=f"{DEFAULT_KV_MEMORY_FRACTION_CUDA:g} on CUDA, {DEFAULT_KV_MEMORY_FRACTION_CPU:g} on CPU",
+                is_positive=True, high=1.0)
+
+
+def kv_flags() -> list[Flag]:
+    """The LLM's KV-cache size (`engine.runtime.memory.plan_kv`)."""
+    return [kv_budget_flag(), kv_memory_fraction_flag()]
 
 
 def exec_flags(llm: bool) -> list[Flag]:

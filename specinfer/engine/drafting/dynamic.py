@@ -20,8 +20,10 @@ token; a model-free member's empirical probability of the branch, with how much 
 it matched), calibrated online against measured acceptance by drafter, depth and confidence
 (`Calibration`). SSM and model-free candidates compete in one budget (SpecInfer's merge,
 Section 3.2, by value instead of union): a path several drafters propose is one node, valued by
-the best estimate. Before its first pass the SSM runs only if what it added on recent steps with
-model-free candidates as good as this step's is worth its levels (`SsmGain`): per step,
+the best estimate. Each SSM is calibrated on its own (a useless one among good ones is valued as
+useless), and before its first pass it runs only if the tokens its drafts alone got accepted on
+recent steps with model-free candidates as good as this step's pay for its passes (`MemberGain`):
+a member whose measured acceptance cannot pay for its cost drops out of the tree, and per step
 speculation goes down to the model-free members alone, or to no tree at all.
 
 Exactness (Section 4.3). Verification keeps exactly the LLM's own tokens (its argmax, or its
@@ -34,6 +36,7 @@ there. Plain Python around one softmax and top-k per expanded level.
 from __future__ import annotations
 
 import bisect
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,10 +48,12 @@ from specinfer.engine.drafting.tree import ScoredTree, TokenTree
 from specinfer.limits import DYNAMIC_EXPAND_TOP_K, DYNAMIC_EXPAND_WIDTH
 from specinfer.params import SamplingParams, TreeBudget
 
-# The SSMs' candidates are calibrated by their rank among their siblings: "ssm#r" (the r-th most
-# likely child) for greedy requests, "ssm~r" (the r-th of the coupled Gumbel-top-k) for sampled
-# ones. Model-free members' candidates go by the member's name and match length.
+# The SSMs' candidates are calibrated by SSM and by their rank among their siblings: "ssm0#r" (the
+# r-th most likely child of the pool's first SSM) for greedy requests, "ssm0~r" (the r-th of the
+# coupled Gumbel-top-k) for sampled ones. Model-free members' candidates go by the member's name
+# and match length.
 SSM = "ssm"
+_SSM_SOURCE = re.compile(r"^ssm(\d+)([#~])(\d+)$")
 REACH = "reach"  # the calibration of whole values (see Calibration.reach)
 CONFIDENCE_EDGES = (0.01, 0.03, 0.06, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.97)
 MAX_DEPTH_BUCKET = 4  # depths 4 and deeper share their statistics
@@ -57,17 +62,30 @@ CELL_WINDOW = 512.0  # observations a cell remembers (older ones fade: acceptanc
 PRIOR_COUPLED = (0.5, 0.15, 0.05)  # a coupled draft's acceptance by rank, before its confidence
 PRIOR_EXPAND = 0.6  # the best child's conditional acceptance at an expanded node, before any evidence
 MIN_RATE = 1e-3  # candidates less likely than this are not even kept as candidates
+DROPPED_SHARE = 0.9  # a member judged not worth its passes on this share of recent steps is out of the trees
 
 Feature = tuple[str, int, float]  # (drafter, depth, confidence): what a candidate's estimate is read from
+
+
+def ssm_source(member: int, is_greedy: bool, rank: int) -> str:
+    """The drafter name SSM `member`'s rank-`rank` candidates are calibrated under."""
+    return f"{SSM}{member}{'#' if is_greedy else '~'}{min(rank, len(PRIOR_COUPLED))}"
+
+
+def ssm_member(source: str) -> int | None:
+    """The SSM a candidate's drafter name belongs to; None for a model-free member's."""
+    match = _SSM_SOURCE.match(source)
+    return int(match.group(1)) if match else None
 
 
 def _prior(source: str, conf: float) -> float:
     """A cell's estimate before evidence: an SSM's probability at its word; a model-free member's
     branch probability, trusted more the longer its match (its name is suffixed with the match)."""
-    if source.startswith(SSM + "#") or source == REACH:
+    match = _SSM_SOURCE.match(source)
+    if source == REACH or (match and match.group(2) == "#"):
         return conf
-    if source.startswith(SSM + "~"):  # coupled: the rank-r Gumbel-max draft of the SSM's distribution
-        base = PRIOR_COUPLED[int(source[len(SSM) + 1:]) - 1]
+    if match:  # coupled: the rank-r Gumbel-max draft of the SSM's distribution
+        base = PRIOR_COUPLED[int(match.group(3)) - 1]
         return base + (1 - base) * conf
     num_matched = int(source.rsplit(":", 1)[-1]) if ":" in source else 1
     return conf * min(0.9, 0.3 + 0.2 * num_matched)
@@ -119,42 +137,84 @@ class Calibration:
         self.expand_rate += weight * (best_rate - self.expand_rate)
 
 
-class SsmGain:
-    """What the SSMs added to recent steps, by how much the model-free candidates already offered
-    (expected accepted tokens, bucketed): the extra expected tokens, nodes and levels. An SSM
-    left out of a bucket for `FORCE_EVERY` steps runs anyway, so a verdict cannot stick."""
+class MemberGain:
+    """What each pool member that runs passes (an SSM) added to recent steps it ran in: the tokens
+    verification accepted that only its drafts proposed (none of the model-free members' did),
+    the nodes only it proposed, and the levels it ran, by how much the model-free candidates
+    already offered (expected accepted tokens, bucketed). A member runs while that pays for its
+    share of the start and level costs (`is_worth`), so one whose measured acceptance cannot pay
+    for its cost drops out of the tree; left out of a bucket for `FORCE_EVERY` steps it runs
+    anyway, so a verdict cannot stick. Means over a window of recent runs, from an optimistic
+    prior worth `PRIOR_WEIGHT` runs (a member is tried before it is judged)."""
 
     BUCKETS = (0.3, 1.0, 2.0)
     FORCE_EVERY = 32
-    PRIOR = (1.5, 6.0, 3.0)
+    PRIOR = (1.5, 6.0, 3.0)  # accepted tokens, nodes, levels
+    PRIOR_WEIGHT = 2.0
+    WINDOW = 64.0  # runs a mean remembers
+
+    SKIP_WEIGHT = 0.05  # of the latest decision in a member's share of steps it sits out
 
     def __init__(self):
-        self._ema = [list(self.PRIOR) for _ in range(len(self.BUCKETS) + 1)]
-        self._skipped = [0] * (len(self.BUCKETS) + 1)
+        self._sums: dict[tuple[int, int], list[float]] = {}  # (member, bucket) -> [tokens, nodes, levels, runs]
+        self._skipped: dict[tuple[int, int], int] = {}
+        self._skip_share: dict[int, float] = {}  # member -> recent share of steps it sat out
         self._lock = threading.Lock()
 
     def _bucket(self, model_free_value: float) -> int:
         return bisect.bisect(self.BUCKETS, model_free_value)
 
-    def is_worth(self, model_free_value: float, model_free_nodes: int, budget: TreeBudget) -> bool:
-        b = self._bucket(model_free_value)
+    def mean(self, member: int, model_free_value: float) -> tuple[float, float, float, float]:
+        """(accepted tokens, nodes, levels, runs measured) of `member` at this model-free value."""
+        sums = self._sums.get((member, self._bucket(model_free_value)), [0.0, 0.0, 0.0, 0.0])
+        weight = sums[3] + self.PRIOR_WEIGHT
+        return (*((s + self.PRIOR_WEIGHT * p) / weight for s, p in zip(sums, self.PRIOR)), sums[3])
+
+    def is_worth(self, member: int, model_free_value: float, model_free_nodes: int, budget: TreeBudget,
+                 num_running: int = 1) -> bool:
+        """Whether `member` runs this step, one of `num_running` members sharing the start cost."""
+        key = (member, self._bucket(model_free_value))
         with self._lock:
-            gain, extra_nodes, levels = self._ema[b]
+            gain, extra_nodes, levels, _ = self.mean(member, model_free_value)
             base = 1 + budget.node_cost * model_free_nodes
-            with_ssm = (1 + model_free_value + gain) / (base + budget.node_cost * extra_nodes + budget.ssm_cost
-                                                        + budget.level_cost * levels)
-            if with_ssm > (1 + model_free_value) / base or self._skipped[b] + 1 >= self.FORCE_EVERY:
-                self._skipped[b] = 0
+            cost = budget.node_cost * extra_nodes + (budget.ssm_cost + budget.level_cost * levels) / max(1, num_running)
+            skipped = self._skipped.get(key, 0)
+            is_worth = (1 + model_free_value + gain) / (base + cost) > (1 + model_free_value) / base
+            share = self._skip_share.get(member, 0.0)
+            self._skip_share[member] = share + self.SKIP_WEIGHT * ((not is_worth) - share)
+            if is_worth or skipped + 1 >= self.FORCE_EVERY:
+                self._skipped[key] = 0
                 return True
-            self._skipped[b] += 1
+            self._skipped[key] = skipped + 1
             return False
 
-    def observe(self, model_free_value: float, gain: float, extra_nodes: int, levels: int, weight: float = 0.05
-                ) -> None:
+    def observe(self, member: int, model_free_value: float, accepted: int, nodes: int, levels: int) -> None:
+        """One verified step `member` ran in: what only its drafts got accepted and added."""
         with self._lock:
-            ema = self._ema[self._bucket(model_free_value)]
-            for i, value in enumerate((gain, extra_nodes, levels)):
-                ema[i] += weight * (value - ema[i])
+            sums = self._sums.setdefault((member, self._bucket(model_free_value)), [0.0, 0.0, 0.0, 0.0])
+            if sums[3] >= self.WINDOW:
+                for i in range(4):
+                    sums[i] *= 1 - 1 / self.WINDOW
+            for i, value in enumerate((accepted, nodes, levels, 1)):
+                sums[i] += value
+
+    def summary(self, member: int) -> dict:
+        """What `member` did over its measured runs (every bucket): runs, and per run the tokens
+        accepted that only its drafts proposed, the nodes only it added and its levels; and
+        whether it sits out steps now (`is_dropped`)."""
+        with self._lock:
+            sums = [sum(v[i] for k, v in self._sums.items() if k[0] == member) for i in range(4)]
+        runs = sums[3]
+        per_run = [round(x / runs, 3) if runs else 0.0 for x in sums[:3]]
+        return {"runs": round(runs, 1), "accepted_alone": per_run[0], "nodes_alone": per_run[1], "levels": per_run[2],
+                "dropped": self.is_dropped(member)}
+
+    def is_dropped(self, member: int) -> bool:
+        """Whether `member` is out of the trees now: judged not worth its cost on nearly every
+        recent step, whatever the model-free members offered (the runs that retry it aside; a
+        member that pays where the model-free drafts are weak sits out only the other steps)."""
+        with self._lock:
+            return self._skip_share.get(member, 0.0) > DROPPED_SHARE
 
 
 class Candidates:
@@ -224,17 +284,23 @@ class Candidates:
 
 @dataclass
 class BuiltTree:
-    """What a step's dynamic tree was built from: verification's outcome on it calibrates the drafters."""
+    """What a step's dynamic tree was built from: verification's outcome on it calibrates the
+    drafters, and tells each SSM that ran what its drafts alone brought (`MemberGain`)."""
 
     candidates: Candidates
     of: list[int]  # the step's tree node -> its candidate
     is_greedy: bool  # which calibration it feeds
+    model_free_value: float = 0.0  # what the model-free candidates offered (expected accepted tokens)
+    members: tuple[int, ...] = ()  # the SSMs that ran
+    num_levels: int = 0
 
 
-def learn(calibration: Calibration, built: BuiltTree, accepted: list[int], bonus: int) -> None:
+def learn(calibration: Calibration, built: BuiltTree, accepted: list[int], bonus: int,
+          gain: MemberGain | None = None) -> None:
     """Feeds a verified step to the calibration: every candidate whose parent verification
     reached, kept in the tree or not, was accepted exactly when its token is the LLM's there (its
-    argmax, or its sample: the noise fixes it whatever the tree)."""
+    argmax, or its sample: the noise fixes it whatever the tree); and to `gain`, per SSM that
+    ran, the accepted tokens and kept nodes that only its drafts (no model-free member's) proposed."""
     cands = built.candidates
     tree = cands.tree
     path = tree.find_path(accepted)
@@ -246,6 +312,15 @@ def learn(calibration: Calibration, built: BuiltTree, accepted: list[int], bonus
     on_path = set(path)
     samples.extend(((REACH, tree.depths[n], cands.value[n]), n in on_path) for n in built.of[1:])
     calibration.observe(samples)
+    if gain is None:
+        return
+    for m in built.members:
+        def alone(n: int) -> bool:
+            members = [ssm_member(f[0]) for f in cands.features[n]]
+            return m in members and None not in members
+
+        gain.observe(m, built.model_free_value, sum(map(alone, path[1:])), sum(map(alone, built.of[1:])),
+                     built.num_levels)
 
 
 @dataclass
@@ -264,7 +339,7 @@ class DynamicBuild:
     `root_position` is the root's position in the request (a sampled request's noise is by position)."""
 
     def __init__(self, root: int, root_position: int, budget: TreeBudget, params: SamplingParams,
-                 noise: SamplingNoise | None, calibration: Calibration, gain: SsmGain,
+                 noise: SamplingNoise | None, calibration: Calibration, gain: MemberGain,
                  scored: list[tuple[str, ScoredTree]], ssm_seqs: dict[int, Any], is_sampled: bool = True):
         self.budget, self.params, self.noise = budget, params, noise
         self.root_position = root_position
@@ -278,9 +353,9 @@ class DynamicBuild:
             self._add_model_free(tree, confidence, model_free_source(name, num_matched))
         chosen, self.model_free_value = self.cands.select(budget, 0, calibration.reach)
         self.num_model_free_nodes = len(chosen) - 1
-        self.ssm_seqs = ssm_seqs if ssm_seqs and budget.max_depth > 0 else {}
-        if self.ssm_seqs and not gain.is_worth(self.model_free_value, self.num_model_free_nodes, budget):
-            self.ssm_seqs = {}
+        ssm_seqs = ssm_seqs if budget.max_depth > 0 else {}
+        self.ssm_seqs = {m: seq for m, seq in ssm_seqs.items()
+                         if gain.is_worth(m, self.model_free_value, self.num_model_free_nodes, budget, len(ssm_seqs))}
         self.fed = {m: FedNodes([-1]) for m in self.ssm_seqs}
         self.frontier = [0] if self.ssm_seqs else []
 
@@ -310,7 +385,7 @@ class DynamicBuild:
         depth = self.num_levels + 1
         self.num_levels = depth
         best_rates = []
-        for rows in logits.values():
+        for m, rows in logits.items():
             if self.is_greedy:
                 probs = torch.softmax(rows.float(), dim=-1)
                 top = torch.topk(probs, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1)
@@ -323,8 +398,7 @@ class DynamicBuild:
                 tokens = torch.topk(order, min(DYNAMIC_EXPAND_TOP_K, probs.shape[-1]), dim=-1).indices
                 confs, tokens = probs.gather(-1, tokens).tolist(), tokens.tolist()
             for node, node_confs, node_tokens in zip(self.frontier, confs, tokens):
-                mark = "#" if self.is_greedy else "~"
-                sources = [f"{SSM}{mark}{min(r, len(PRIOR_COUPLED))}" for r in range(1, len(node_tokens) + 1)]
+                sources = [ssm_source(m, self.is_greedy, r) for r in range(1, len(node_tokens) + 1)]
                 rates = [self.calibration.rate(src, depth, c) for src, c in zip(sources, node_confs)]
                 best_rates.append(max(rates))
                 for src, conf, token, rate in zip(sources, node_confs, node_tokens, rates):
@@ -368,11 +442,8 @@ class DynamicBuild:
 
     def finish(self) -> tuple[TokenTree, BuiltTree]:
         """The step's tree, and what it was built from."""
-        chosen, total = self.cands.select(self.budget, self.num_levels, self.calibration.reach)
-        if self.ssm_seqs:
-            self.gain.observe(self.model_free_value, total - self.model_free_value,
-                              len(chosen) - 1 - self.num_model_free_nodes, self.num_levels)
+        chosen, _ = self.cands.select(self.budget, self.num_levels, self.calibration.reach)
         for fed in self.fed.values():
             fed.scratch_of.extend([-1] * (len(self.cands) - len(fed.scratch_of)))
         tree, of = self.cands.build(chosen)
-        return tree, BuiltTree(self.cands, of, self.is_greedy)
+        return tree, BuiltTree(self.cands, of, self.is_greedy, self.model_free_value, tuple(self.fed), self.num_levels)

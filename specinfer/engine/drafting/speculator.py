@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from specinfer.engine.scheduling.blocks import SequenceKV
-from specinfer.engine.drafting.dynamic import BuiltTree, Calibration, DynamicBuild, SsmGain, learn
+from specinfer.engine.drafting.dynamic import BuiltTree, Calibration, DynamicBuild, MemberGain, learn
 from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
 from specinfer.engine.verification.sampling import SamplingNoise, fresh_seed, perturbed, warp_logits
 from specinfer.engine.drafting.lookup import PromptLookup
@@ -207,9 +207,10 @@ class Speculator:
     def __init__(self, runners: list[ModelRunner], model_free: list[ModelFree] | None = None):
         self.runners = runners
         self.model_free = list(model_free or [])
-        # Dynamic trees learn how often each drafter's candidates are accepted, greedy and sampled apart.
+        # Dynamic trees learn how often each drafter's candidates are accepted, and what each SSM's
+        # drafts alone bring, greedy and sampled apart.
         self.calibration = {True: Calibration(), False: Calibration()}
-        self.ssm_gain = {True: SsmGain(), False: SsmGain()}
+        self.member_gain = {True: MemberGain(), False: MemberGain()}
 
     @property
     def num_members(self) -> int:
@@ -359,7 +360,8 @@ class Speculator:
         ssm_seqs = {} if p.is_model_free_only else {m: s for m, s in enumerate(p.states[:base]) if s is not None}
         is_greedy = p.params.is_greedy
         return DynamicBuild(self.root(p.states), self.root_position(p.states), budget, p.params, p.noise,
-                            self.calibration[is_greedy], self.ssm_gain[is_greedy], scored, ssm_seqs, p.shape.is_sampled)
+                            self.calibration[is_greedy], self.member_gain[is_greedy], scored, ssm_seqs,
+                            p.shape.is_sampled)
 
     @staticmethod
     def _expand(runner: ModelRunner, expansions: list[_Expansion]) -> list[SSMTree]:
@@ -403,7 +405,8 @@ class Speculator:
         caches are freed, not updated). Without it only the steps that did not end a request
         would be learnt from: the short ones."""
         if built is not None and built.dynamic is not None:
-            learn(self.calibration[built.dynamic.is_greedy], built.dynamic, accepted, bonus)
+            is_greedy = built.dynamic.is_greedy
+            learn(self.calibration[is_greedy], built.dynamic, accepted, bonus, self.member_gain[is_greedy])
 
     def commit_path(self, m: int, state: SSMState, st: SSMTree | None, accepted: list[int]) -> None:
         """SSM `m` commits what it computed of `accepted` in its last tree `st`; the rest is queued."""

@@ -9,11 +9,12 @@ dequantized from the file as they are read (`gguf.py`).
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
 
 from specinfer.engine.models.config import ModelConfig, family_of
 from specinfer.engine.models.gguf import GGUFTensors
@@ -22,6 +23,10 @@ from specinfer.errors import UserError
 from specinfer.model_source import ModelSource, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                  "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                  "BOOL": torch.bool}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own bound on its JSON header
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -53,9 +58,88 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise UserError(f"no *.safetensors weights in {model_dir}")
 
 
+class SafetensorsFile:
+    """A safetensors file read tensor by tensor into memory of its own, with plain reads: the
+    interface of safetensors' `safe_open` (`keys()`, `get_tensor(name)`, `get_slice(name)[rows]`
+    and `[:, columns]`), without its memory map.
+    A mapped file stays resident as long as any tensor read from it lives, so the tensors the
+    loader fuses (qkv, gate/up: half of a checkpoint) or casts to another dtype would stay in
+    memory twice, as their copy and as pages of the file; read this way, each is freed with its
+    last reference."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = None
+        self._entries: dict[str, dict] = {}
+        self._data_start = 0
+
+    def __enter__(self) -> "SafetensorsFile":
+        self._file = open(self.path, "rb")
+        try:
+            (size,) = struct.unpack("<Q", self._file.read(8))
+            if size > MAX_HEADER_BYTES:
+                raise ValueError(f"header of {size} bytes")
+            header = json.loads(self._file.read(size))
+            self._entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        except (struct.error, ValueError, UnicodeDecodeError) as exc:
+            self._file.close()
+            raise UserError(f"{self.path} is not a readable safetensors file ({exc})") from None
+        self._data_start = 8 + size
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._read(name)
+
+    def get_slice(self, name: str) -> "_Slice":
+        return _Slice(self, name)
+
+    def _read(self, name: str, rows: slice = slice(None)) -> torch.Tensor:
+        """The tensor, or the rows `rows` of it (only their bytes are read)."""
+        entry = self._entries[name]
+        dtype = _STORED_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise UserError(f"{self.path}: tensor {name!r} has dtype {entry.get('dtype')!r}, which is not supported")
+        start, end = entry["data_offsets"]
+        shape = list(entry["shape"])
+        row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
+        if math.prod(shape) * dtype.itemsize != end - start:
+            raise UserError(f"{self.path}: tensor {name!r} holds {end - start} bytes for shape {shape}")
+        if shape:
+            first, last, _ = rows.indices(shape[0])
+            shape[0] = max(0, last - first)
+            start, end = start + first * row_bytes, start + max(first, last) * row_bytes
+        tensor = torch.empty(shape, dtype=dtype)
+        if end > start:
+            self._file.seek(self._data_start + start)
+            if self._file.readinto(tensor.view(-1).view(torch.uint8).numpy()) != end - start:
+                raise UserError(f"{self.path} is truncated (tensor {name!r})")
+        return tensor
+
+
+class _Slice:
+    """`get_slice(name)[lo:hi]` (rows: only their bytes are read) or `[:, lo:hi]` (columns: the
+    tensor is read, and the columns copied out of it)."""
+
+    def __init__(self, f: SafetensorsFile, name: str):
+        self.f, self.name = f, name
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("rows must be a contiguous slice")
+        tensor = self.f._read(self.name, rows)
+        return tensor[(slice(None), *rest)].contiguous() if rest else tensor
+
+
 def open_checkpoint(model: str | Path | ModelSource, dtype: torch.dtype | None = None) -> Iterator:
     """The checkpoint's tensor files, each open while it is iterated: handles with `keys()`,
-    `get_tensor(name)` and `get_slice(name)` (safetensors' `safe_open`, or `GGUFTensors`, which
+    `get_tensor(name)` and `get_slice(name)` (`SafetensorsFile`, or `GGUFTensors`, which
     dequantizes a GGUF's tensors to `dtype` as they are read)."""
     source = resolve(model)
     if source.is_gguf:
@@ -63,7 +147,7 @@ def open_checkpoint(model: str | Path | ModelSource, dtype: torch.dtype | None =
             yield f
         return
     for path in safetensors_files(source.path):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
+        with SafetensorsFile(path) as f:
             yield f
 
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from specinfer.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -213,6 +214,7 @@ def longrope_attention_factor(rope: RopeConfig, max_position_embeddings: int) ->
 def decoder_weights(cfg, state: dict[str, torch.Tensor], names: LayerTensors) -> dict[str, torch.Tensor]:
     """HF tensors (with the `model.` prefix) -> the engine's fused layout; a missing tensor is a
     UserError naming it. `cfg` is the checkpoint's ModelConfig."""
+    import torch  # here alone: the rest of this module parses configs, which torch-free processes do
 
     def take(name: str) -> torch.Tensor:
         if name not in state:

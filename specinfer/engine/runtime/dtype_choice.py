@@ -18,22 +18,22 @@ time per pass; within `TIE_TOLERANCE` of
 it, the preferred dtype (the LLM's) wins. A candidate that fails or computes non-finite logits
 is dropped. The runner returned is built in the chosen dtype, its KV cache too.
 
-The choice is cached in `CACHE_FILE` under a cache directory, keyed by what decides it: the
-device (the CPU's model and instruction flags, or the CUDA device's name), torch's version and
-thread count, the attention backend, the candidates, the preferred dtype and the SSM's
-architecture (family, layers, sizes, heads, attention windows, vocabulary), so a later load
-measures nothing. Without a cache directory, or with one that cannot be written, every load
-measures again.
+When the repeats spread so far apart that the machine was busy, the candidates are timed again
+(`machine_cache.is_busy`), keeping each one's fastest pass.
+
+The choice is cached in `CACHE_FILE` under a cache directory (`machine_cache`), keyed by what
+decides it: the device (the CPU's model and instruction flags, or the CUDA device's name), torch's
+version and thread count, the attention backend, the candidates, the preferred dtype, the SSM's
+architecture (family, layers, sizes, heads, attention
+windows, vocabulary) and its weights' content (`weights_digest`: a
+boost-tuned SSM written where its untuned cut was is another SSM), so a later load measures
+nothing. A choice measured on a machine that stayed busy is used but not cached. Without a cache
+directory, or with one that cannot be written, every load measures again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import platform
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,13 +42,18 @@ from typing import Callable
 import torch
 
 from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime import machine_cache
 from specinfer.engine.runtime.exec_config import ExecConfig
+from specinfer.engine.runtime.machine_cache import (  # noqa: F401 (device_name, key_id: their names here too)
+    MAX_ATTEMPTS, device_name, key_id, machine_key, read_entry, weights_digest, write_entry,
+)
+from specinfer.engine.scheduling.policy import is_busy
 from specinfer.limits import AUTO_DTYPE, MODEL_DTYPES
 
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "ssm-dtype.json"
-CACHE_VERSION = 1  # bumped when the measurement changes, so older choices are measured again
+CACHE_VERSION = 2  # bumped when the measurement changes, so older choices are measured again
 TRIAL_SIZES = (1, 4, 8)  # new tokens per timed pass: one tree level's worth
 TRIAL_CONTEXT = 128  # committed tokens the timed passes attend to
 TRIAL_REPEATS = 3  # timed rounds per candidate and size (after one warm-up round); the fastest counts
@@ -71,6 +76,7 @@ class DtypeChoice:
     dtype: str
     ms_per_pass: dict[str, float]
     is_cached: bool = False  # read from the cache: measured by an earlier load
+    is_busy: bool = False  # measured while the machine stayed busy: not cached
 
     def describe(self) -> str:
         """'dtype bfloat16 (measured: bf16 0.61 ms, fp32 1.20 ms per pass)'."""
@@ -78,7 +84,9 @@ class DtypeChoice:
             return f"dtype {self.dtype} (no candidate could be measured)"
         timings = ", ".join(f"{SHORT_NAMES.get(d, d)} {ms:.2f} ms"
                             for d, ms in sorted(self.ms_per_pass.items(), key=lambda item: item[1]))
-        return f"dtype {self.dtype} ({'measured earlier' if self.is_cached else 'measured'}: {timings} per pass)"
+        how = "measured earlier" if self.is_cached else "measured while the machine was busy, not cached" \
+            if self.is_busy else "measured"
+        return f"dtype {self.dtype} ({how}: {timings} per pass)"
 
     def to_json(self) -> dict:
         return {"dtype": self.dtype, "ms_per_pass": dict(self.ms_per_pass), "cached": self.is_cached}
@@ -107,41 +115,17 @@ def candidates(device) -> list[str]:
     return ["float32"] + (["bfloat16"] if runs_bfloat16(dev) else [])
 
 
-def device_name(device, cpuinfo: str | None = None) -> str:
-    """The CUDA device's name, or the CPU's model with a digest of its instruction flags (one
-    model name may cover CPUs with and without bf16 instructions). `cpuinfo` replaces
-    /proc/cpuinfo."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev.index if dev.index is not None else torch.cuda.current_device())
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            cpuinfo = ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    model = fields.get("model name") or platform.processor() or platform.machine() or "unknown cpu"
-    flags = fields.get("flags") or fields.get("Features") or ""
-    return f"{model} (flags {hashlib.sha256(flags.encode()).hexdigest()[:12]})" if flags else model
-
-
 def cache_key(cfg: ModelConfig, device, attention: str, prefer: str, cands: list[str],
-              cpuinfo: str | None = None) -> dict:
-    """Everything the choice depends on, as plain JSON."""
-    dev = torch.device(device)
+              cpuinfo: str | None = None, weights: str = "") -> dict:
+    """Everything the choice depends on, as plain JSON (`weights`: the SSM's `weights_digest`)."""
     return {
         "version": CACHE_VERSION,
-        "device": dev.type,
-        "device_name": device_name(dev, cpuinfo),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+        **machine_key(device, cpuinfo),
         "attention": attention,
         "prefer": prefer,
         "candidates": list(cands),
         "model": {name: _plain(getattr(cfg, name)) for name in ARCHITECTURE_FIELDS},
+        "weights": weights,
     }
 
 
@@ -150,52 +134,22 @@ def _plain(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def key_id(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-
-
 # ---- the cache -----------------------------------------------------------------------------------
 def read_cached(cache_dir: Path | None, key: dict) -> DtypeChoice | None:
     """The cached choice for `key`, or None (no cache, no entry, or an unreadable file)."""
-    if cache_dir is None:
-        return None
+    entry = read_entry(cache_dir, CACHE_FILE, key)
     try:
-        entries = json.loads((Path(cache_dir) / CACHE_FILE).read_text())
-        entry = entries[key_id(key)]
         dtype, ms = entry["dtype"], {str(d): float(t) for d, t in entry["ms_per_pass"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
-    if dtype not in key["candidates"] or entry.get("key") != key:
+    if dtype not in key["candidates"]:
         return None
     return DtypeChoice(dtype, ms, is_cached=True)
 
 
 def write_cached(cache_dir: Path | None, key: dict, choice: DtypeChoice) -> bool:
-    """Adds `choice` to the cache file (written whole, then renamed into place); False when there
-    is no cache directory or it cannot be written."""
-    if cache_dir is None:
-        return False
-    path = Path(cache_dir) / CACHE_FILE
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            entries = json.loads(path.read_text())
-            entries = entries if isinstance(entries, dict) else {}
-        except (OSError, ValueError):
-            entries = {}
-        entries[key_id(key)] = {"dtype": choice.dtype, "ms_per_pass": choice.ms_per_pass, "key": key}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(entries, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)
-        return True
-    except OSError as exc:
-        log.debug("SSM dtype choice not cached in %s: %s", path, exc)
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-        return False
+    """Adds `choice` to the cache file; False when there is no cache directory or it cannot be written."""
+    return write_entry(cache_dir, CACHE_FILE, key, {"dtype": choice.dtype, "ms_per_pass": choice.ms_per_pass})
 
 
 # ---- measuring -----------------------------------------------------------------------------------
@@ -227,12 +181,31 @@ def trial_shapes(cfg: ModelConfig) -> tuple[list[int], int]:
 
 
 def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelConfig,
-            timer: TimePass = time_pass, repeats: int = TRIAL_REPEATS, min_seconds: float = TRIAL_MIN_S,
-            max_repeats: int = TRIAL_MAX_REPEATS, max_seconds: float = TRIAL_MAX_S) -> dict[str, float]:
+            timer: TimePass | None = None, repeats: int = TRIAL_REPEATS, min_seconds: float = TRIAL_MIN_S,
+            max_repeats: int = TRIAL_MAX_REPEATS, max_seconds: float = TRIAL_MAX_S) -> tuple[dict[str, float], bool]:
     """Milliseconds per pass of each candidate that works: the mean over the trial sizes of the
     fastest of at least `repeats` timed passes (more, up to `max_repeats`, until `min_seconds` of
-    passes were timed; fewer, at least one, once `max_seconds` were). `make_runner(dtype)` builds
-    a runner whose KV holds the trial context and the largest trial level."""
+    passes were timed; fewer, at least one, once `max_seconds` were), all timed again while their
+    repeats spread as on a busy machine (up to `MAX_ATTEMPTS` times); and whether the machine stayed
+    busy. `make_runner(dtype)` builds a runner whose KV holds the trial context and the largest
+    trial level."""
+    sizes, _ = trial_shapes(cfg)
+    runners, works = _trial_runners(make_runner, cands, cfg)
+    if not runners:
+        return {}, False
+    best = {dtype: {n: float("inf") for n in sizes} for dtype in runners}
+    for _ in range(MAX_ATTEMPTS):
+        samples = _timed_rounds(runners, works, sizes, timer, repeats, min_seconds, max_repeats, max_seconds)
+        for (dtype, n), times in samples.items():
+            best[dtype][n] = min([best[dtype][n], *times])
+        busy = is_busy(samples)
+        if not busy:
+            break
+    return {dtype: round(1000 * sum(per.values()) / len(per), 4) for dtype, per in best.items()}, busy
+
+
+def _trial_runners(make_runner: Callable[[str], object], cands: list[str], cfg: ModelConfig) -> tuple[dict, dict]:
+    """Each candidate that works: its runner, and its trial passes by size over the trial context."""
     from specinfer.engine.runtime.runner import Work
 
     sizes, context = trial_shapes(cfg)
@@ -257,32 +230,39 @@ def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelCo
         except (RuntimeError, TypeError, NotImplementedError) as exc:
             log.info("SSM dtype %s dropped: %s", dtype, exc)
             works.pop(dtype, None)
-    if not runners:
-        return {}
-    best = {dtype: {n: float("inf") for n in sizes} for dtype in runners}
+    return runners, works
+
+
+def _timed_rounds(runners: dict, works: dict, sizes: list[int], timer: TimePass, repeats: int, min_seconds: float,
+                  max_repeats: int, max_seconds: float) -> dict[tuple[str, int], list[float]]:
+    """A warm-up round, then timed rounds (see `measure`), candidates interleaved so that a busy
+    moment hits them alike; every timed pass by (candidate, size)."""
+    samples: dict[tuple[str, int], list[float]] = {(dtype, n): [] for dtype in runners for n in sizes}
     order = list(runners)
     timed, r = 0.0, 0  # r: rounds run, the warm-up included
     while r <= max_repeats:
-        for dtype in order[r % len(order):] + order[: r % len(order)]:  # interleaved: a busy moment hits all alike
+        for dtype in order[r % len(order):] + order[: r % len(order)]:
             for n in sizes:
-                seconds = timer(runners[dtype], works[dtype][n])
+                seconds = (timer or time_pass)(runners[dtype], works[dtype][n])
                 if r:  # the first round is a warm-up
-                    best[dtype][n] = min(best[dtype][n], seconds)
+                    samples[(dtype, n)].append(seconds)
                     timed += seconds
         r += 1
         if (r > 1 and timed >= max_seconds) or (r > repeats and timed >= min_seconds):
             break
-    return {dtype: round(1000 * sum(per.values()) / len(per), 4) for dtype, per in best.items()}
+    return samples
 
 
 def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exec_cfg: ExecConfig,
-                 prefer: str = "float32", cache_dir: Path | None = None, timer: TimePass = time_pass,
-                 cpuinfo: str | None = None) -> DtypeChoice:
-    """The cached choice for this machine and architecture, else one measured now (and cached)."""
+                 prefer: str = "float32", cache_dir: Path | None = None, timer: TimePass | None = None,
+                 cpuinfo: str | None = None, weights_id: str = "", report: Callable[[str], None] | None = None
+                 ) -> DtypeChoice:
+    """The cached choice for this machine and SSM (`weights_id`: its `weights_digest`), else one
+    measured now (told to `report` first: it takes a moment) and cached unless the machine stayed busy."""
     from specinfer.engine.runtime.runner import ModelRunner
 
     cands = candidates(device)
-    key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo)
+    key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo, weights_id)
     cached = read_cached(cache_dir, key)
     if cached is not None:
         return cached
@@ -293,17 +273,22 @@ def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exe
         return ModelRunner.from_weights(cfg, weights, dtype, device, max_kv_tokens=context + max(sizes),
                                         exec_cfg=trial_exec)
 
-    ms = measure(make_runner, cands, cfg, timer)
+    if report is not None:
+        report(f"measuring which dtype runs it fastest here ({', '.join(cands)})")
+    is_loaded = machine_cache.is_loaded(device)
+    ms, busy = measure(make_runner, cands, cfg, timer)
+    busy = busy or is_loaded
     if not ms:  # nothing ran: the preferred dtype, whose load reports what is wrong
         return DtypeChoice(prefer if prefer in MODEL_DTYPES else "float32", {})
-    choice = DtypeChoice(pick(ms, prefer), ms)
-    write_cached(cache_dir, key, choice)
+    choice = DtypeChoice(pick(ms, prefer), ms, is_busy=busy)
+    if not busy:
+        write_cached(cache_dir, key, choice)
     return choice
 
 
 def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int, exec_cfg: ExecConfig | None = None,
              prefer: str = "float32", cache_dir: Path | None = None, report: Callable[[str], None] | None = None,
-             timer: TimePass = time_pass):
+             timer: TimePass | None = None):
     """An SSM's runner in `dtype`; with "auto", in the dtype `choose_dtype` picks (preferring
     `prefer`, the LLM's, on ties), reported on one line through `report` (default: logged) and
     kept as the runner's `dtype_choice`."""
@@ -317,8 +302,10 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
     cfg = ModelConfig.from_dir(model_dir)
     ex = resolve_exec(exec_cfg or ExecConfig(), device)
     weights = engine_weights(cfg, load_state_dict(model_dir))
-    choice = choose_dtype(cfg, weights, device, ex, prefer, cache_dir, timer)
+    tell = report or log.info
+    choice = choose_dtype(cfg, weights, device, ex, prefer, cache_dir, timer, weights_id=weights_digest(
+        model_dir, cache_dir), report=lambda line: tell(f"SSM {Path(model_dir).name}: {line}"))
     runner = ModelRunner.from_weights(cfg, weights, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
     runner.dtype_choice = choice
-    (report or log.info)(f"SSM {Path(model_dir).name}: {choice.describe()}")
+    tell(f"SSM {Path(model_dir).name}: {choice.describe()}")
     return runner

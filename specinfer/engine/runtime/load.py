@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.memory import KvPlan
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
 from specinfer.model_source import resolve
@@ -123,11 +125,14 @@ def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
 
 
 def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, ssm_dtype: str | None = None,
-                cfg=None, parallel=None, exec_cfg=None, cache_dir: Path | None = None, report=None):
+                cfg=None, parallel=None, exec_cfg=None, cache_dir: Path | None = None, report=None,
+                kv_reason: str = "as asked"):
     """Loads the LLM and SSM runners with KV caches sized for `max_kv_tokens` tokens each, into
     an in-process engine configured by `cfg` (an `EngineConfig`; its defaults when None).
     `exec_cfg` (an `ExecConfig`) picks the attention backend and CUDA graphs of the LLM and the
     SSMs alike, and whether the LLM's weights are offloaded (never the SSMs': they are small).
+    Loading is told to `report` (default: logged): the LLM, its KV cache (why that size:
+    `kv_reason`), each SSM's measured dtype.
 
     The SSMs may run in another dtype than the LLM: they only propose tokens, and verification
     against the LLM keeps the output exact whatever they compute in. `ssm_dtype` "auto" (None:
@@ -145,6 +150,15 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     exec_cfg = exec_cfg or ExecConfig()
     is_parallel = parallel is not None and parallel.is_parallel
     resolve_exec(exec_cfg, device, is_parallel)  # a flag that cannot apply fails before any weights load
+    from specinfer.engine.models.checkpoint import safetensors_files
+    from specinfer.model_source import resolve
+
+    source = resolve(paths.llm)
+    if not source.is_gguf:  # no weights (or pickle only) is a one-line error, before any line of progress
+        safetensors_files(source.path)
+    tell = report or log.info
+    tell(f"loading the LLM {paths.llm} ({dtype} on {device})")
+    started = time.perf_counter()
     llm = load_runner(paths.llm, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens, parallel=parallel,
                       exec_cfg=exec_cfg)
     from specinfer.engine.drafting.speculator import model_free_member
@@ -153,6 +167,9 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     ssms = [load_ssm(p, ssm_dtype or dtype, device, max_kv_tokens, ssm_exec, prefer=dtype, cache_dir=cache_dir,
                      report=report)
             for p in paths.ssms]
+    per_token = sum(2 * r.kv.k[:, 0].numel() * r.kv.k.element_size() for r in [llm, *ssms])
+    tell(f"models loaded in {time.perf_counter() - started:.1f}s; "
+         f"{KvPlan(llm.kv.num_slots, per_token, kv_reason).describe()}")
     return Engine.from_runners(llm, ssms, cfg or EngineConfig(),
                                model_free=[model_free_member(n) for n in paths.model_free],
                                grammars=load_grammars(paths.llm, llm.cfg))
@@ -218,30 +235,3 @@ def check_context(llm_cfg: ModelConfig, ssm_cfgs: list[ModelConfig], prompt_ids:
             f"prompt of {longest} tokens plus --max-new-tokens {max_new_tokens} exceeds the model context of {context}"
         )
     return longest + max_new_tokens
-
-
-_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_kv_budget(text: str) -> tuple[int, int]:
-    """'65536' or '65536 tokens' -> (tokens, 0); '2GiB', '512MB', '1e9B' -> (0, bytes)."""
-    raw = str(text).strip().lower().replace(" ", "")
-    if raw.endswith("tokens"):
-        raw = raw[: -len("tokens")]
-    unit = next((u for u in sorted(_BYTE_UNITS, key=len, reverse=True) if raw.endswith(u)), None)
-    number = raw[: -len(unit)] if unit else raw
-    try:
-        value = float(number)
-    except ValueError:
-        raise UserError(f"KV budget {text!r}: use a token count (65536) or bytes (2GiB, 512MB)") from None
-    if value <= 0:
-        raise UserError(f"KV budget {text!r} must be positive")
-    return (0, int(value * _BYTE_UNITS[unit])) if unit else (int(value), 0)
-
-
-def kv_budget_tokens(tokens: int, num_bytes: int, cfg: ModelConfig, dtype: str) -> int:
-    """The KV budget in tokens; a byte budget is divided by what one token's K and V take."""
-    if not num_bytes:
-        return tokens
-    element_size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    return max(1, num_bytes // cfg.kv_bytes_per_token(element_size))

@@ -23,7 +23,13 @@ batch grows, down to none. Plain decoding is the other arm: the policy speculate
     (1 + accepted) / T  >  1 / (t_llm(B) + t_step)
 
 with accepted, nodes and levels the decayed averages of the last speculative steps at this load
-(greedy and sampled apart: they accept at very different rates).
+(greedy and sampled apart: they accept at very different rates). The drafts decide per step
+whether the SSMs run at all (`dynamic.MemberGain`), so speculation is also priced as the steps
+without SSM levels went (the model-free members' drafts alone, `free_stats`, from the same prior
+as the others where the pool has model-free members): a pool member whose passes do not pay drops
+out of the trees, and must not take the free members' speculation with it by making every
+speculative step look as slow as one that runs it (the prior's SSM levels, priced at a costly
+SSM's measured level, would otherwise decode a fresh pool plainly until probes told otherwise).
 
 A choice cannot stick. Costs are refitted with weights that halve every `half_life_s` of
 (injectable) clock time, and while plain decoding wins, speculation is probed with two steps
@@ -38,11 +44,12 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass
 
-from specinfer.limits import DYNAMIC_MAX_DEPTH, DYNAMIC_MAX_NODES
+from specinfer.limits import CALIBRATION_CONTEXT, CALIBRATION_SIZES, DYNAMIC_MAX_DEPTH, DYNAMIC_MAX_NODES
 from specinfer.params import TreeBudget
 
 PRIOR_GREEDY = (1.5, 6.0, 3.0)  # (accepted tokens, nodes, SSM levels) of a speculative step before any evidence
@@ -56,11 +63,28 @@ COST_HALF_LIFE_S = 2.0  # drafting-cost observations this old weigh half
 OUTLIER_FACTOR = 4.0  # a drafting time counts at most this many times what the fit predicts
 
 
+BUSY_SPREAD = 1.5  # repeats whose median is this many times their fastest: the machine was busy
+
+
+def is_busy(samples: dict | list[list[float]]) -> bool:
+    """Whether the repeats of any one timed measurement (at least three) spread past BUSY_SPREAD:
+    their median over their fastest. A busy neighbour slows some repeats and never speeds one up."""
+    cells = samples.values() if isinstance(samples, dict) else samples
+    return any(len(s) >= 3 and min(s) > 0 and statistics.median(s) / min(s) > BUSY_SPREAD for s in cells)
+
+
+def _time_pass(runner, work) -> float:
+    start = time.perf_counter()
+    runner.run([work])
+    return time.perf_counter() - start
+
+
 @dataclass
 class CostModel:
     """LLM forward seconds as a piecewise-linear function of the tokens in the pass."""
 
     points: list[tuple[int, float]]  # (tokens, seconds), tokens ascending
+    is_busy: bool = False  # calibrated while the machine stayed busy
 
     def seconds(self, num_tokens: float) -> float:
         xs = [p[0] for p in self.points]
@@ -74,18 +98,20 @@ class CostModel:
         return y0 + (y1 - y0) * (num_tokens - x0) / max(1e-9, x1 - x0)
 
     @classmethod
-    def calibrate(cls, runner, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256), context: int = 256,
-                  repeats: int = 5) -> "CostModel":
+    def calibrate(cls, runner, sizes=CALIBRATION_SIZES, context: int = CALIBRATION_CONTEXT,
+                  repeats: int = 5, timer=None, max_attempts: int = 1, max_seconds: float = math.inf
+                  ) -> "CostModel":
         """Times one forward pass per size over a `context`-token prefix. The fastest of several
         repeats: start-up shares the CPU with other processes, and a slow outlier would inflate
-        every larger size (costs are made monotone below)."""
+        every larger size (costs are made monotone below). While the repeats of a size spread as
+        on a busy machine (`is_busy`), all sizes are timed again, up to `max_attempts` times;
+        `is_busy` on the result says whether the machine stayed busy. Past `max_seconds` (a loaded
+        machine) no further round starts once one was timed. `timer(runner, work)` returns a
+        pass's seconds (default: the wall time of `runner.run`)."""
         from specinfer.engine.runtime.runner import Work
 
-        # Within the free KV slots and the model's own context (a small model may hold fewer
-        # positions than the default prefix plus the largest size).
-        room = min(runner.allocator.num_free * runner.allocator.block_size, runner.max_context)
-        context = max(1, min(context, room // 2))
-        sizes = [n for n in sizes if context + n <= room] or [1]
+        timer = timer or _time_pass
+        context, sizes = cls.fit_shape(runner, sizes, context)
         seq = runner.new_sequence()
         try:
             seq.ensure_capacity(context + max(sizes))
@@ -93,15 +119,33 @@ class CostModel:
             works = {n: Work(seq, [0] * n, list(range(context, context + n)), list(range(-1, n - 1)), "all")
                      for n in sizes}
             best = {n: float("inf") for n in sizes}
-            for repeat in range(repeats + 1):  # sizes interleaved, so a busy moment hits them alike
-                for n in sizes:
-                    start = time.perf_counter()
-                    runner.run([works[n]])
-                    if repeat:  # the first round is a warm-up
-                        best[n] = min(best[n], time.perf_counter() - start)
-            return cls([(n, best[n]) for n in sizes]).monotone()
+            deadline = time.perf_counter() + max_seconds
+            for _ in range(max(1, max_attempts)):
+                samples = {n: [] for n in sizes}
+                for repeat in range(repeats + 1):  # sizes interleaved, so a busy moment hits them alike
+                    for n in sizes:
+                        seconds = timer(runner, works[n])
+                        if repeat:  # the first round is a warm-up
+                            samples[n].append(seconds)
+                            best[n] = min(best[n], seconds)
+                    if repeat and time.perf_counter() > deadline:
+                        break
+                busy = is_busy(samples)
+                if not busy or time.perf_counter() > deadline:
+                    break
+            model = cls([(n, best[n]) for n in sizes]).monotone()
+            model.is_busy = busy
+            return model
         finally:
             seq.free()
+
+    @staticmethod
+    def fit_shape(runner, sizes, context: int) -> tuple[int, list[int]]:
+        """(context, sizes) that fit the free KV slots and the model's own context (a small model
+        may hold fewer positions than the default prefix plus the largest size)."""
+        room = min(runner.allocator.num_free * runner.allocator.block_size, runner.max_context)
+        context = max(1, min(context, room // 2))
+        return context, [n for n in sizes if context + n <= room] or [1]
 
     def monotone(self) -> "CostModel":
         """Costs never fall with more tokens: each size costs at most what any larger one does
@@ -204,8 +248,9 @@ class LoadAwarePolicy:
 
     def __init__(self, cost: CostModel, max_nodes: int = DYNAMIC_MAX_NODES, max_depth: int = DYNAMIC_MAX_DEPTH,
                  level_seconds: float | None = None, clock=time.monotonic, probe_interval_s: float = PROBE_INTERVAL_S,
-                 half_life_s: float = COST_HALF_LIFE_S):
+                 half_life_s: float = COST_HALF_LIFE_S, free_members: tuple[str, ...] = ()):
         self.cost = cost
+        self.free_members = frozenset(free_members)  # the pool's model-free members (their drafts cost no pass)
         self.max_nodes, self.max_depth = max_nodes, max_depth
         # Until measured, an SSM level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
@@ -218,6 +263,7 @@ class LoadAwarePolicy:
         self.clock, self.probe_interval_s, self.half_life_s = clock, probe_interval_s, half_life_s
         self._fitted_at: float | None = None
         self._stats: dict[tuple[bool, tuple[str, ...], int], StepStats] = {}
+        self._free_stats: dict[tuple[bool, tuple[str, ...], int], StepStats] = {}  # steps without SSM levels
         self._created_at = clock()
         self._speculated_at = self._created_at  # when a speculative step was last chosen
         self._probe_left = 0  # steps left in the running probe
@@ -238,11 +284,40 @@ class LoadAwarePolicy:
             stats = self._stats[key] = StepStats(accepted, nodes, levels)
         return stats
 
+    def has_free_members(self, pool: tuple[str, ...]) -> bool:
+        """Whether this pool (() : the whole pool) has model-free members."""
+        return bool(self.free_members & set(pool)) if pool else bool(self.free_members)
+
+    def free_stats(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> StepStats | None:
+        """The speculative steps of this pool without SSM levels measured at this load (else at the
+        nearest smaller one, else the prior); None for a pool without model-free members (its
+        steps without SSM levels have no drafts at all)."""
+        if not self.has_free_members(pool):
+            return None
+        key = (is_greedy, pool, batch_bucket(batch_size))
+        stats = self._free_stats.get(key)
+        if stats is None:
+            loads = [b for g, p, b in self._free_stats if g == is_greedy and p == pool and b < key[2]]
+            prior = self._free_stats[(is_greedy, pool, max(loads))] if loads else None
+            accepted, nodes, _ = ((prior.accepted, prior.nodes, 0.0) if prior is not None
+                                  else PRIOR_GREEDY if is_greedy else PRIOR_SAMPLED)
+            stats = self._free_stats[key] = StepStats(accepted, nodes, 0.0)
+        return stats
+
+    def _rate(self, batch: int, stats: StepStats, free: StepStats | None, draft_scale: float = 1.0,
+              is_optimistic: bool = False) -> float:
+        """Tokens per second of speculation: as its steps went, or as those without SSM levels went
+        where that is better; `draft_scale` scales the drafting cost, `is_optimistic` adds the
+        acceptance's uncertainty."""
+        def rate(s: StepStats, levels: float) -> float:
+            accepted = s.optimistic() if is_optimistic else s.accepted
+            return (1 + accepted) / (self.cost.seconds(batch * (1 + s.nodes)) + self.step_overhead_s
+                                     + draft_scale * self._draft_seconds(levels))
+
+        return max(rate(stats, stats.levels), rate(free, 0.0) if free is not None else 0.0)
+
     def _draft_seconds(self, levels: float) -> float:
         return self.fixed_seconds + self.ssm_start_s * min(1.0, levels) + self.level_seconds * levels
-
-    def _step_seconds(self, batch: int, nodes: float, levels: float) -> float:
-        return self.cost.seconds(batch * (1 + nodes)) + self.step_overhead_s + self._draft_seconds(levels)
 
     def budget(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> TreeBudget:
         """What a node and an SSM level cost, as shares of a speculative step at this load."""
@@ -271,9 +346,9 @@ class LoadAwarePolicy:
             if budget.node_cost >= 1.0:  # no node can pay: one brings a token at most, for a step's time
                 return ()
             plain_rate = 1.0 / (self.cost.seconds(batch) + self.step_overhead_s)
-            step_s = self._step_seconds(batch, stats.nodes, stats.levels)
+            free = self.free_stats(batch, is_greedy, pool)
             now = self.clock()
-            if (1 + stats.accepted) / step_s > plain_rate or self._probe_left:
+            if self._rate(batch, stats, free) > plain_rate or self._probe_left:
                 self._probe_left = max(0, self._probe_left - 1)
                 self._speculated_at = now
                 return budget
@@ -282,28 +357,30 @@ class LoadAwarePolicy:
             # Probes take at most PROBE_SHARE of the time, however slow their steps are (a loaded
             # machine), and only where speculation could still win.
             interval = max(self.probe_interval_s, self._probe_seconds / PROBE_SHARE)
-            if now - self._speculated_at >= interval and self._could_win(batch, stats, plain_rate, now):
+            if now - self._speculated_at >= interval and self._could_win(batch, stats, free, plain_rate, now):
                 self._probe_left, self._probe_started = NUM_PROBE_STEPS - 1, now
                 self._speculated_at = now
                 return budget
             return ()
 
-    def _could_win(self, batch: int, stats: StepStats, plain_rate: float, now: float) -> bool:
+    def _could_win(self, batch: int, stats: StepStats, free: StepStats | None, plain_rate: float, now: float
+                   ) -> bool:
         """Whether speculation could beat plain decoding on an optimistic estimate: its acceptance
         plus its uncertainty, and a drafting cost that halves every `half_life_s` since it was
         last measured (a cost measured under a neighbour that has left). The LLM's costs need no
         optimism: every pass refreshes them."""
         age = now - (self._fitted_at if self._fitted_at is not None else self._created_at)
         fade = 0.5 ** (max(0.0, age) / self.half_life_s)
-        step_s = (self.cost.seconds(batch * (1 + stats.nodes)) + self.step_overhead_s
-                  + fade * self._draft_seconds(stats.levels))
-        return (1 + stats.optimistic()) / step_s > plain_rate
+        return self._rate(batch, stats, free, draft_scale=fade, is_optimistic=True) > plain_rate
 
     def observe_step(self, num_accepted: int, num_nodes: int, num_levels: int, batch_size: int = 1,
                      is_greedy: bool = True, pool: tuple[str, ...] = ()) -> None:
         """One verified speculative step: tokens accepted, nodes beyond the root, SSM levels."""
         with self._lock:
             self.stats(max(1, batch_size), is_greedy, pool).observe(num_accepted, num_nodes, num_levels)
+            free = self.free_stats(max(1, batch_size), is_greedy, pool) if num_levels == 0 else None
+            if free is not None:
+                free.observe(num_accepted, num_nodes, 0)
 
     def observe_plain_step(self, seconds: float, weight: float = 0.05) -> None:
         """The wall time (speculate to record) of a plain step alone in its pass: what it took beyond

@@ -1,0 +1,62 @@
+"""The settings of boost-tuning (`specinfer.pool.boost_tune`, `specinfer.pool.boost_data`).
+
+Torch-free, so the command line's parser can show their defaults without loading a model library.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specinfer.errors import UserError
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    num_prompts: int = 256
+    eval_prompts: int = 32
+    prompt_tokens: int = 96  # prompts are prompt_tokens // 2 .. prompt_tokens tokens long
+    continuation_tokens: int = 64
+    sampled_fraction: float = 0.0
+    temperature: float = 1.0  # for the sampled continuations
+    kl_top_k: int = 0  # 0: no LLM distributions are kept (no KL term)
+    eval_fraction: float = 0.1
+    gen_batch_size: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.eval_prompts < 1:
+            raise UserError("--num-prompts and --eval-prompts must be >= 1")
+        if self.prompt_tokens < 2 or self.continuation_tokens < 1:
+            raise UserError("--prompt-tokens must be >= 2 and --continuation-tokens >= 1")
+        if not 0.0 <= self.sampled_fraction <= 1.0:
+            raise UserError(f"--sampled-fraction must be in [0, 1], got {self.sampled_fraction}")
+        if self.temperature <= 0.0:
+            raise UserError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise UserError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
+        if self.kl_top_k < 0 or self.gen_batch_size < 1:
+            raise UserError("--kl-top-k must be >= 0 and the generation batch size >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16
+    lr: float = 1e-3
+    kl_weight: float = 0.0
+    warmup_steps: int = 10
+    min_lr_factor: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    checkpoint_every: int = 50
+    eval_batch_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.steps < 0 or self.batch_size < 1 or self.checkpoint_every < 1:
+            raise UserError("--steps must be >= 0, --batch-size and --checkpoint-every >= 1")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise UserError(f"--lr must be a positive number, got {self.lr}")
+        if self.kl_weight < 0:
+            raise UserError(f"--kl-weight must be >= 0, got {self.kl_weight}")
