@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -346,3 +347,23 @@ def test_up_with_two_verifiers_serves_through_both(tiny_pair, tmp_path):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_up_prompt_goes_as_a_chat_message_unless_raw(tmp_path, capsys):
+    from specinfer.cli.launcher import prompt_text
+
+    chat = tmp_path / "chat"
+    chat.mkdir()
+    (chat / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}"}))
+    assert prompt_text("Hi?", chat, None, False) == "<user>Hi?</><assistant>"
+    assert prompt_text("Hi?", chat, None, True) == "Hi?"
+    override = tmp_path / "t.jinja"
+    override.write_text("[{{ messages[0]['content'] }}]")
+    assert prompt_text("Hi?", chat, override, False) == "[Hi?]"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "tokenizer_config.json").write_text("{}")
+    assert prompt_text("Hi?", plain, None, False) == "Hi?"
+    assert "no chat template" in capsys.readouterr().err

@@ -404,8 +404,11 @@ def add_up_parser(sub) -> None:
     add_prefix_caching_flag(up)
     add_exec_flags(up)
     add_kv_flags(up)
-    up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up; its text is "
-                                     "printed as it comes, then one line of statistics")
+    up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, as a chat message "
+                                     "in the model's chat template; its text is printed as it comes, then one line "
+                                     "of statistics")
+    up.add_argument("--raw", action="store_true",
+                    help="send --prompt as plain completion text instead of a chat message")
     up.add_argument("--json", action="store_true", help="print the reply to --prompt as one JSON object instead")
     up.add_argument("--max-tokens", type=int, default=64)
     up.add_argument("--once", action="store_true", help="exit after answering --prompt")
@@ -460,6 +463,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"), chat_template=chat_template,
         is_prefix_caching=args.prefix_caching, kv_budget=args.kv_budget, kv_memory_fraction=args.kv_memory_fraction,
     )
+    prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None
     check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)
     stopping = []
@@ -471,7 +475,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         http = f", OpenAI-compatible API at http://{cfg.host}:{cfg.http_port}/v1" if cfg.http_port else ""
         print(f"specinfer: stack is up; gateway at {target}{http} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         if args.prompt:
-            _answer(target, args.prompt, args.max_tokens, args.json)
+            _answer(target, prompt, args.max_tokens, args.json)
             if args.once:
                 return 0
         while not stopping:
@@ -503,6 +507,20 @@ def _check_exec(args: argparse.Namespace) -> None:
     from specinfer.engine.runtime.load import resolve_device
 
     resolve_exec(chosen, resolve_device("auto"), args.tensor_parallel > 1)
+
+
+def prompt_text(prompt: str, llm: Path, chat_template: Path | None, is_raw: bool) -> str:
+    """What `up --prompt` sends: the prompt as one user message in the chat template the gateway
+    uses (its --chat-template, else the model's), or as it is with `--raw` or a model without one."""
+    from specinfer.chat_template import ChatRenderer, ChatTemplate
+
+    if is_raw:
+        return prompt
+    template = ChatTemplate.from_file(chat_template, llm) if chat_template else ChatTemplate.from_dir(llm)
+    if template is None:
+        print("specinfer: the model has no chat template: --prompt goes as plain text", file=sys.stderr, flush=True)
+        return prompt
+    return ChatRenderer(template).render([{"role": "user", "content": prompt}])
 
 
 def _answer(target: str, prompt: str, max_tokens: int, is_json: bool) -> None:
