@@ -93,15 +93,32 @@ DEFAULT_SESSION_TTL_S = 24 * 3600  # a session's
 
 # ---- gateway admission (services/gateway/admission.py) ----------------------------------------
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64  # hard cap on requests running through one gateway
-DEFAULT_MIN_RUNNING = 4  # the measured limit never goes below this
-DEFAULT_INITIAL_RUNNING = 8  # the limit before anything is measured
-DEFAULT_ADMISSION_LATENCY_FACTOR = 3.0  # admit while time per output token <= this x the unloaded one
+DEFAULT_MIN_RUNNING = 1  # the measured limit never goes below this
+DEFAULT_INITIAL_RUNNING = 1  # the limit before anything is measured (it rises by probing)
+# An admitted request's latency stays within (latency factor + queue factor) x its unloaded one:
+# running, each token takes at most the latency factor times as long as alone; it waits in the
+# queue at most the queue factor times its unloaded run (a longer predicted wait is refused at once).
+DEFAULT_ADMISSION_LATENCY_FACTOR = 1.5  # admit while time per output token <= this x the unloaded one
+DEFAULT_ADMISSION_QUEUE_FACTOR = 0.25  # queue while the predicted wait <= this x the unloaded run
 DEFAULT_MAX_QUEUED_REQUESTS = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
-DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot
+DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot, whatever the prediction
+ADMISSION_TOKEN_S_WEIGHT = 0.05  # the present time per token: an average of the samples, this weight on the newest
+VERIFIER_LOAD_POLL_S = 0.5  # how often a gateway asks each serving verifier what it serves (Verifier.Info)
 ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses
 ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
 ADMISSION_MIN_LOAD_VARIANCE = 0.05  # the load must have varied this much for a fit
 ADMISSION_SAMPLES_PER_PROBE = 32  # new samples between two probing raises of the limit
+
+# ---- draining on SIGTERM (specinfer/serving/drain.py) --------------------------------------------
+# --grace-s: the whole time a service has between SIGTERM and a kill (compose's stop_grace_period
+# and Kubernetes' terminationGracePeriodSeconds are set from the same value). The drain lasts as
+# long as the requests in flight are predicted to need (tokens left at the measured speed, times
+# the safety factor, plus the slack), within the grace less the handover margin.
+DEFAULT_GRACE_S = 30.0
+DRAIN_SAFETY_FACTOR = 1.5
+DRAIN_SLACK_S = 1.0
+DRAIN_HANDOVER_S = 2.0  # the end of the grace kept for handing over what is left, and exiting
+DRAIN_HANDOVER_SHARE = 0.2  # ... at most this share of a short grace
 
 # ---- routing over several verifiers (services/gateway/routing.py, verifier_pool.py) --------------
 DEFAULT_KV_BLOCK_SIZE = 16  # tokens per KV block: the verifiers' paged cache, and the gateway's prefix hashes
