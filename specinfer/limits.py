@@ -102,7 +102,7 @@ DEFAULT_ADMISSION_LATENCY_FACTOR = 1.5  # admit while time per output token <= t
 DEFAULT_ADMISSION_QUEUE_FACTOR = 0.25  # queue while the predicted wait <= this x the unloaded run
 DEFAULT_MAX_QUEUED_REQUESTS = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
 DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot, whatever the prediction
-ADMISSION_TOKEN_S_WEIGHT = 0.05  # the present time per token: an average of the samples, this weight on the newest
+PACE_WINDOW = 32  # the present time per token: the median of this many recent samples
 VERIFIER_LOAD_POLL_S = 0.5  # how often a gateway asks each serving verifier what it serves (Verifier.Info)
 ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses
 ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
@@ -111,14 +111,17 @@ ADMISSION_SAMPLES_PER_PROBE = 32  # new samples between two probing raises of th
 
 # ---- draining on SIGTERM (specinfer/serving/drain.py) --------------------------------------------
 # --grace-s: the whole time a service has between SIGTERM and a kill (compose's stop_grace_period
-# and Kubernetes' terminationGracePeriodSeconds are set from the same value). The drain lasts as
-# long as the requests in flight are predicted to need (tokens left at the measured speed, times
-# the safety factor, plus the slack), within the grace less the handover margin.
+# and Kubernetes' terminationGracePeriodSeconds are set from the same value). A drain lasts until
+# the requests in flight are done, and at most the grace less the handover margin: what is still
+# running then is handed over. One predicted (tokens left at the measured speed) to need more than
+# DRAIN_HOPELESS_FACTOR times that is handed over at once; the plan adds a safety factor and slack.
 DEFAULT_GRACE_S = 30.0
 DRAIN_SAFETY_FACTOR = 1.5
 DRAIN_SLACK_S = 1.0
+DRAIN_HOPELESS_FACTOR = 2.0
 DRAIN_HANDOVER_S = 2.0  # the end of the grace kept for handing over what is left, and exiting
 DRAIN_HANDOVER_SHARE = 0.2  # ... at most this share of a short grace
+DRAIN_POLL_S = 0.1  # how often a drain checks whether its requests are done
 
 # ---- routing over several verifiers (services/gateway/routing.py, verifier_pool.py) --------------
 DEFAULT_KV_BLOCK_SIZE = 16  # tokens per KV block: the verifiers' paged cache, and the gateway's prefix hashes

@@ -88,16 +88,20 @@ def unloaded_token_s(fitted: tuple[float, float] | None, points: tuple[LoadPoint
 
 
 class TokenPace:
-    """The present time per output token: an exponential average of the samples, so it follows
-    the load as it changes (used to predict when requests in flight finish)."""
+    """The present time per output token: the median of the most recent samples, so it follows
+    the load as it changes and one slow step (a prompt read alongside) does not move it."""
 
-    def __init__(self, weight: float = limits.ADMISSION_TOKEN_S_WEIGHT):
-        self.weight = weight
-        self.value: float | None = None
+    def __init__(self, window: int = limits.PACE_WINDOW):
+        self.samples: deque[float] = deque(maxlen=window)
 
     def observe(self, token_s: float) -> None:
         if math.isfinite(token_s) and token_s > 0:
-            self.value = token_s if self.value is None else self.value + self.weight * (token_s - self.value)
+            self.samples.append(token_s)
+
+    @property
+    def value(self) -> float | None:
+        ordered = sorted(self.samples)
+        return ordered[len(ordered) // 2] if ordered else None
 
 
 class LatencyModel:

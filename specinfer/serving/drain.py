@@ -1,17 +1,17 @@
 """Draining on SIGTERM: finish the work in flight, hand over what cannot finish in time.
 
 A service that stops (a rolling update, a scale-down) first reports NOT_SERVING and takes no new
-request; then it lets its requests in flight finish. How long that takes is known: each request
-has so many tokens left to generate, at the speed the service measures now. The drain lasts as
-long as they need, with a safety margin, and never more than the service's grace setting
-(`--grace-s`: the whole time its orchestrator allows between SIGTERM and a kill; compose's
-`stop_grace_period` and Kubernetes' `terminationGracePeriodSeconds` are set from it). A request
-that cannot finish within it is handed over at once instead of being cut at the end: a verifier
-ends its stream UNAVAILABLE, and the gateway continues it on another verifier from the tokens so
-far (exact, greedy or sampled: SpecInfer's verification depends on the context only, arXiv
-2305.09781 Section 4); a gateway leaves it resumable, and another gateway takes it over
-(ResumeStream). Whatever the prediction missed is handed over the same way shortly before the
-grace ends, so nothing is cut by the kill.
+request; then it lets its requests in flight finish, and exits as soon as they have. Its grace
+setting (`--grace-s`) is the whole time its orchestrator allows between SIGTERM and a kill
+(compose's `stop_grace_period` and Kubernetes' `terminationGracePeriodSeconds` are set from it).
+How long the requests need is known: each has so many tokens left, at the speed the service
+measures now. One predicted to need far more than the grace is handed over at once rather than
+cut at the end; the others run, and whatever is still running shortly before the grace ends (the
+handover margin) is handed over then, so nothing is cut by the kill. Handing over keeps the
+request exact: a verifier ends its stream UNAVAILABLE, and the gateway continues it on another
+verifier from the tokens so far (SpecInfer's verification depends on the context only, greedy or
+sampled with the request's seed: arXiv 2305.09781 Section 4); a gateway leaves it resumable, and
+another gateway takes it over (ResumeStream).
 
 Plain Python: the gateway imports this too.
 """
@@ -47,9 +47,9 @@ class Drainable(Protocol):
 
 @dataclass(frozen=True)
 class DrainPlan:
-    finish_by_s: float  # from the drain's start: what is still running then is handed over
-    grace_s: float  # the server's grace period: finish_by_s plus the time to hand over
-    hand_over_now: tuple[Hashable, ...]  # requests that cannot finish within the cap
+    finish_by_s: float  # from the drain's start: when the requests are predicted done (within the grace)
+    hand_over_by_s: float  # what is still running then is handed over: the grace less the handover margin
+    hand_over_now: tuple[Hashable, ...]  # requests predicted to need far more than the grace
 
 
 def handover_margin(cap_s: float) -> float:
@@ -58,39 +58,45 @@ def handover_margin(cap_s: float) -> float:
 
 
 def plan_drain(in_flight: list[tuple[Hashable, int]], token_s: float | None, cap_s: float) -> DrainPlan:
-    """Each request's predicted time to finish (its tokens left at `token_s`, times a safety
-    factor, plus slack); those that cannot finish by the cap less the handover margin are handed
-    over now, and the drain lasts until the slowest of the others is predicted done."""
-    margin = handover_margin(cap_s)
-    latest = max(0.0, cap_s - margin)
-    if not in_flight:
-        return DrainPlan(0.0, 0.0, ())
-    if token_s is None or token_s <= 0:  # no measurement: give them all the time there is
-        return DrainPlan(latest, latest + margin, ())
-    etas = {key: num_left * token_s * limits.DRAIN_SAFETY_FACTOR + limits.DRAIN_SLACK_S for key, num_left in in_flight}
-    now = tuple(key for key, eta in etas.items() if eta > latest)
-    finish_by = max((eta for eta in etas.values() if eta <= latest), default=0.0)
-    return DrainPlan(finish_by, min(cap_s, finish_by + margin), now)
+    """Each request's predicted time to finish (its tokens left at `token_s`): one that needs more
+    than DRAIN_HOPELESS_FACTOR times the time there is goes at once; the others are predicted done
+    by the slowest one's time (times a safety factor, plus slack), within the time there is."""
+    latest = max(0.0, cap_s - handover_margin(cap_s))
+    if not in_flight or token_s is None or token_s <= 0:  # nothing to wait for, or no measurement yet
+        return DrainPlan(latest if in_flight else 0.0, latest, ())
+    needs = {key: num_left * token_s for key, num_left in in_flight}
+    now = tuple(key for key, need in needs.items() if need > limits.DRAIN_HOPELESS_FACTOR * latest)
+    rest = [need * limits.DRAIN_SAFETY_FACTOR + limits.DRAIN_SLACK_S for key, need in needs.items() if key not in now]
+    return DrainPlan(min(latest, max(rest, default=0.0)), latest, now)
 
 
-def begin_drain(work: Drainable, cap_s: float, sleep: Callable[[float], None] = time.sleep) -> float:
+def begin_drain(work: Drainable, cap_s: float, clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> DrainPlan:
     """Stops taking requests, hands over at once what cannot finish within `cap_s`, and starts a
-    thread that hands over what is still running when the plan says it should be done. Returns
-    the grace period the server's stop should be given."""
+    thread that hands over what is still running at the plan's `hand_over_by_s`. The server's
+    stop gets `cap_s`: it ends as soon as the requests are done."""
     work.stop_taking()
-    plan = plan_drain(work.in_flight(), work.token_s(), cap_s)
-    log.info("draining: %d request(s) in flight, done in %.1f s (grace %.1f s of at most %.1f s), %d handed over now",
-             len(work.in_flight()), plan.finish_by_s, plan.grace_s, cap_s, len(plan.hand_over_now))
+    in_flight = work.in_flight()
+    plan = plan_drain(in_flight, work.token_s(), cap_s)
+    log.info("draining: %d request(s) in flight, predicted done in %.1f s; the rest handed over at %.1f s "
+             "(grace %.1f s); %d handed over now", len(in_flight), plan.finish_by_s, plan.hand_over_by_s, cap_s,
+             len(plan.hand_over_now))
     if plan.hand_over_now:
         work.hand_over(list(plan.hand_over_now))
+    if in_flight:
+        threading.Thread(target=_hand_over_late, args=(work, clock() + plan.hand_over_by_s, clock, sleep),
+                         name="drain-handover", daemon=True).start()
+    return plan
 
-    def hand_over_the_rest() -> None:
-        sleep(plan.finish_by_s)
-        left = [key for key, _ in work.in_flight()]
-        if left:
-            log.warning("drain: %d request(s) still running after %.1f s: handed over", len(left), plan.finish_by_s)
-            work.hand_over(left)
 
-    if plan.grace_s > 0:
-        threading.Thread(target=hand_over_the_rest, name="drain-handover", daemon=True).start()
-    return plan.grace_s
+def _hand_over_late(work: Drainable, deadline: float, clock: Callable[[], float],
+                    sleep: Callable[[float], None]) -> None:
+    """Waits for the requests to be done; at `deadline`, hands over those still running."""
+    while clock() < deadline:
+        if not work.in_flight():
+            return
+        sleep(min(limits.DRAIN_POLL_S, max(0.0, deadline - clock())))
+    left = [key for key, _ in work.in_flight()]
+    if left:
+        log.warning("drain: %d request(s) still running at the end of the grace: handed over", len(left))
+        work.hand_over(left)

@@ -275,8 +275,9 @@ class RunningServer:
         if self._on_drain:
             self._on_drain()
         cap_s = self.grace_s if grace_s is None else grace_s
-        done = self.server.stop(begin_drain(self.work, cap_s) if self.work is not None else cap_s)
-        done.wait()
+        if self.work is not None:
+            begin_drain(self.work, cap_s)
+        self.server.stop(cap_s).wait()  # done as soon as the requests are
         if self._on_stop:
             self._on_stop()
         self._stopped.set()
