@@ -48,7 +48,7 @@ OVERLOAD_STREAMS, OVERLOAD_TOKENS = 96, 64  # overload: streams sent at once to 
 MAX_REFUSAL_S = 0.5  # overload: every refusal (p99) within this
 MAX_LATENCY_RATIO = 2.0  # overload: admitted requests' p99 latency within this x the unloaded one
 DRAIN_STREAMS, DRAIN_TOKENS = 3, 200  # sigterm, verifier_drain: streams in flight when the signal comes
-VERIFIER_GRACE_S = 8.0  # verifier_drain: the draining verifier's --grace-s (short: its streams are handed over)
+VERIFIER_GRACE_S = 8.0  # the verifiers' --grace-s (short: verifier_drain's streams are handed over)
 LONG_TOKENS = 500  # a "long" request: greedy, EOS ignored, under the gateway's 512-token limit
 PROMPT = "def fibonacci(n):\n    "
 STALL_S = 5.0  # speculator_stall: how long the speculator process is stopped
@@ -132,10 +132,11 @@ class Stack:
     """Redis, one speculator, one verifier and one gateway, each its own process and port; the
     scenarios that need them add more (a second verifier, a gateway with other settings)."""
 
-    def __init__(self, llm: Path, ssm: Path, workdir: Path, startup_timeout_s: float):
+    def __init__(self, llm: Path, ssm: Path, workdir: Path, startup_timeout_s: float, log_level: str = "warning"):
         self.llm, self.ssm, self.dir, self.startup_timeout_s = llm, ssm, workdir, startup_timeout_s
         py = sys.executable
-        self.common = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": AUTH_TOKEN, "PYTHONPATH": str(REPO)}
+        self.log_level = log_level
+        self.common = {"SPECINFER_LOG_LEVEL": log_level, "SPECINFER_AUTH_TOKEN": AUTH_TOKEN, "PYTHONPATH": str(REPO)}
         rport, sport = free_port(), free_port()
         (workdir / "redis").mkdir(exist_ok=True)
         self.redis = Proc("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
@@ -144,7 +145,7 @@ class Stack:
         self.speculator = Proc("speculator", [py, "-m", "services.speculator", "--ssm", str(ssm), "--host", "127.0.0.1",
                                               "--port", str(sport), "--threads", "1"],
                                self.common, sport, workdir / "speculator.log")
-        self.verifier = self.verifier_proc("verifier")
+        self.verifier = self.verifier_proc("verifier", {"SPECINFER_GRACE_S": str(VERIFIER_GRACE_S)})
         self.metrics_port = self.verifier.metrics_port
         self.gateway = self._gateway_proc(free_port())
         self.extras: list[Proc] = []  # started by scenarios; stopped at the end
@@ -166,7 +167,7 @@ class Stack:
         metrics = free_port()
         base = {"SPECINFER_MAX_CONCURRENT_REQUESTS": str(MAX_CONCURRENT), "SPECINFER_ADMISSION_LATENCY_FACTOR": "0",
                 "SPECINFER_ADMISSION_QUEUE_TIMEOUT_S": "30"} if env is None else env
-        full = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": AUTH_TOKEN, "PYTHONPATH": str(REPO),
+        full = {"SPECINFER_LOG_LEVEL": self.log_level, "SPECINFER_AUTH_TOKEN": AUTH_TOKEN, "PYTHONPATH": str(REPO),
                 "SPECINFER_GATEWAY_HOST": "127.0.0.1", "SPECINFER_GATEWAY_PORT": str(port),
                 "SPECINFER_VERIFIER_ADDR": addresses, "SPECINFER_MODEL_DIR": str(self.llm),
                 "SPECINFER_REDIS_URL": f"redis://127.0.0.1:{self.redis.port}/0", "SPECINFER_METRICS_PORT": str(metrics),
@@ -643,7 +644,7 @@ class Chaos:
         its grace it hands over (its stream ends UNAVAILABLE) and the gateway continues it on the
         other verifier: every stream finishes, with the uninterrupted output."""
         ref, s = self.reference(), self.stack
-        second, gateway = self._pair({"SPECINFER_GRACE_S": str(VERIFIER_GRACE_S)})
+        second, gateway = self._pair({"SPECINFER_GRACE_S": str(VERIFIER_GRACE_S)})  # as the stack's own
         victim = None
         try:
             outs, threads = self._streams(s.gw(gateway), DRAIN_STREAMS, "vdrain")
@@ -1031,6 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="oversize: the slowest refusal allowed (gRPC reads the whole message first, so on a "
                         "loaded machine this is mostly loopback transfer time)")
     p.add_argument("--keep", action="store_true", help="keep the work directory (logs, AOF)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="the services' log level (their logs are in the work directory)")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -1049,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
             llm, ssm = args.llm.resolve(), args.ssm.resolve()
         else:
             llm, ssm = tiny_models(workdir / "models")
-        stack = Stack(llm, ssm, workdir, startup_timeout_s=300)
+        stack = Stack(llm, ssm, workdir, startup_timeout_s=300, log_level=args.log_level)
         started = time.monotonic()
         stack.start()
         print(f"stack up in {time.monotonic() - started:.1f}s (logs in {workdir})", file=sys.stderr)

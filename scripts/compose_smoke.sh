@@ -475,29 +475,28 @@ print(json.dumps({"ok": ok, "groups": result, "verifier_prefix_hits": hits, "sum
 check_verifier_failover() {  # streams on one verifier; `docker kill` of it; each finishes on the other, identically
   local check="verifier killed: every stream finishes, identical"
   in_service gateway "$routing_lib"'
+# One request of 4 greedy samples: admitted together, and on one verifier (the samples of a request share it).
 prompt, n, num = "def fibonacci(n):\n", 300, 4
-request = lambda: pb.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True)
-baseline = list(stub.Generate(request(), timeout=300).token_ids)  # uninterrupted, both verifiers up
+request = lambda samples: pb.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, n=samples)
+baseline = list(stub.Generate(request(1), timeout=300).token_ids)  # uninterrupted, both verifiers up
 before = routed()
-outs, errors, started = [[] for _ in range(num)], [None] * num, threading.Semaphore(0)
-def run(i):
+outs, errors, ready = [[] for _ in range(num)], [], threading.Event()
+def run():
     try:
-        for msg in stub.GenerateStream(request(), timeout=300):
-            outs[i].extend(msg.token_ids)
-            if len(outs[i]) >= 8 and len(outs[i]) - len(msg.token_ids) < 8:
-                started.release()
+        for msg in stub.GenerateStream(request(num), timeout=300):
+            outs[msg.index].extend(msg.token_ids)
+            if min(len(o) for o in outs) >= 8:
+                ready.set()
     except grpc.RpcError as exc:
-        errors[i] = exc.code().name
-threads = [threading.Thread(target=run, args=(i,)) for i in range(num)]
-for t in threads:
-    t.start()
-for _ in range(num):
-    started.acquire(timeout=120)
+        errors.append(exc.code().name)
+    ready.set()
+thread = threading.Thread(target=run)
+thread.start()
+ready.wait(120)
 after = routed()
 where = sorted({k[0] for k in after if after[k] > before.get(k, 0)})
 print("READY", where[0] if len(where) == 1 else ",".join(where), flush=True)
-for t in threads:
-    t.join(300)
+thread.join(300)
 failovers = sum(series(metrics(), "specinfer_gateway_verifier_failovers_total").values())
 print(json.dumps({"identical": sum(o == baseline for o in outs), "streams": num, "tokens": len(baseline),
                   "errors": errors, "verifiers": where, "failovers": failovers}), flush=True)
