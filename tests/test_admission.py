@@ -322,3 +322,19 @@ def wait_for(predicate, timeout_s: float = 5.0) -> bool:
             return False
         time.sleep(0.005)
     return True
+
+
+def test_the_refusals_of_a_burst_are_told_to_come_back_in_turns():
+    """Two slots finishing in 1 s and 2 s (10 ms a token): the refusals after them are told 1 s,
+    2 s, then a round later (their mean run, 1.5 s, on top), not all the same moment."""
+    adm = Admission(AdmissionConfig(max_running=2, latency_factor=0, queue_factor=0, queue_timeout_s=30), Clock())
+    paced(adm, 0.01)
+    adm.model.add(1, 0.01)  # the unloaded time per token is known: the bound is 0, nothing queues
+    adm.acquire(10, num_new_tokens=100)
+    adm.acquire(10, num_new_tokens=200)
+    hints = []
+    for _ in range(4):
+        with pytest.raises(CapacityError) as refused:
+            adm.acquire(10, num_new_tokens=10)
+        hints.append(refused.value.retry_after_s)
+    assert hints == pytest.approx([1.0, 2.0, 2.5, 3.5])

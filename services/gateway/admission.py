@@ -123,6 +123,7 @@ class Admission:
         self._kv_capacity_tokens = 0  # 0 = unknown
         self._kv_since_report = 0  # worst-case KV admitted since the verifiers last reported
         self._is_closed = False
+        self._num_refused = 0  # refusals since the last admission (their retry hints take turns)
         self._num_samples = 0
         self._probed_at = -limits.ADMISSION_SAMPLES_PER_PROBE
         self._limit = cfg.max_running if not cfg.is_adaptive else max(cfg.min_running, min(
@@ -236,14 +237,23 @@ class Admission:
                 return self._admit(ticket)
             self._probe(is_demanded=True)
             bound = self._bound(ticket, timeout_s)
-            if len(self._queue) >= self.cfg.max_queued:
-                wait = self._predicted_wait(len(self._queue))
-                raise CapacityError(self._refusal("and its queue is full", wait), retry_after_s=wait or bound)
             wait = self._predicted_wait(len(self._queue))
+            if len(self._queue) >= self.cfg.max_queued:
+                raise CapacityError(self._refusal("and its queue is full", wait),
+                                    retry_after_s=self._hint(len(self._queue), bound))
             if wait is not None and wait > bound:
                 raise CapacityError(self._refusal(f"and a slot is predicted in {wait:.1f} s, past this request's "
-                                                  f"{bound:.1f} s bound", wait), retry_after_s=wait)
+                                                  f"{bound:.1f} s bound", wait),
+                                    retry_after_s=self._hint(len(self._queue), bound))
             return self._wait_in_queue(ticket, bound)
+
+    def _hint(self, position: int, bound: float) -> float:
+        """When a refused request should come back: the predicted wait of its place in line (its
+        place in the queue, behind the requests refused since the last admission, so that a burst's
+        refusals come back in turns, not all at once); its bound when the pace is unknown."""
+        later = self._predicted_wait(position + self._num_refused)
+        self._num_refused += 1
+        return later if later is not None else max(bound, 1.0)
 
     def _wait_in_queue(self, ticket: Ticket, bound: float) -> Ticket:
         me = object()
@@ -254,9 +264,10 @@ class Admission:
                 self._check_open()
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    wait = self._predicted_wait(self._queue.index(me))
-                    raise CapacityError(self._refusal(f"after queueing for {bound:.1f} s", wait),
-                                        retry_after_s=wait or bound or 1.0)
+                    position = self._queue.index(me)
+                    raise CapacityError(self._refusal(f"after queueing for {bound:.1f} s",
+                                                      self._predicted_wait(position)),
+                                        retry_after_s=self._hint(position, bound))
                 self._cond.wait(min(remaining, 0.25))
             return self._admit(ticket)
         finally:
@@ -290,6 +301,7 @@ class Admission:
         return kv_free is None or not self._tickets or ticket.num_kv_tokens <= kv_free - self._kv_since_report
 
     def _admit(self, ticket: Ticket) -> Ticket:
+        self._num_refused = 0
         self._tickets.add(ticket)
         self._kv_since_report += ticket.num_kv_tokens
         return ticket
