@@ -86,6 +86,7 @@ def _methods() -> list[Method]:
         Method("verifier", vf + "ReleaseSession", "unary_unary",
                (pb.ReleaseSessionRequest(session_id="fuzz-session"),)),
         Method("verifier", vf + "Info", "unary_unary", (pb.InfoRequest(),)),
+        Method("verifier", vf + "Load", "unary_unary", (pb.InfoRequest(),)),
         Method("speculator", sp + "Speculate", "stream_stream", (_start(), _feedback(), _feedback())),
         Method("speculator", sp + "Info", "unary_unary", (pb.InfoRequest(),)),
     ]
