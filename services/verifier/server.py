@@ -31,11 +31,11 @@ from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
 from specinfer.errors import UnavailableError, UserError
 from specinfer.logprobs import space_for
-from specinfer.serving.capacity import LatencyModel, TokenPace, VerifierLoad
 from specinfer.serving.convert import (
     finish_to_proto, load_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto,
     stats_to_proto,
 )
+from specinfer.serving.capacity import LatencyModel, TokenPace, VerifierLoad
 from specinfer.serving.grpc_server import RunningServer, model_service_main, remaining_timeout, start_model_service
 from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics
 from specinfer.serving.tracing import server_span
