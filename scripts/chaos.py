@@ -866,6 +866,7 @@ class Chaos:
         refusal_p99 = percentile([t.seconds for t in refused], 99) if refused else 0.0
         latency_p99 = percentile([t.seconds for t in admitted], 99) if admitted else float("nan")
         hints = [t.retry_after for t in refused]
+        known = sorted(h for h in hints if h is not None)
         r.figures = {"streams": len(burst), "tokens": OVERLOAD_TOKENS, "admitted": len(admitted),
                      "refused": len(refused), "admitted_failed": len(failed),
                      "codes": dict(Counter(t.code for t in burst)),
@@ -873,7 +874,7 @@ class Chaos:
                      "refusal_s_p99": round(refusal_p99, 3), "refusal_s_max": round(max((t.seconds for t in refused),
                                                                                       default=0.0), 3),
                      "refusals_with_retry_after": sum(h is not None for h in hints),
-                     "retry_after_s": sorted(Counter(h for h in hints if h is not None).items()),
+                     "retry_after_s_min_median_max": [min(known), known[len(known) // 2], max(known)] if known else [],
                      "unloaded_s": [round(t.seconds, 2) for t in unloaded], "unloaded_median_s": round(solo_s, 2),
                      "admitted_s": sorted(round(t.seconds, 2) for t in admitted),
                      "admitted_p99_s": round(latency_p99, 2), "admitted_p99_over_unloaded": round(latency_p99 / solo_s, 2),

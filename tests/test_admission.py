@@ -338,3 +338,12 @@ def test_the_refusals_of_a_burst_are_told_to_come_back_in_turns():
             adm.acquire(10, num_new_tokens=10)
         hints.append(refused.value.retry_after_s)
     assert hints == pytest.approx([1.0, 2.0, 2.5, 3.5])
+
+
+def test_a_few_samples_at_a_new_load_do_not_move_the_limit():
+    """Three steps at 2 running (prompts still being read) say nothing yet about the slope."""
+    adm = Admission(AdmissionConfig(max_running=64, min_running=1, latency_factor=1.5))
+    adm.set_verifiers([view([(1, 0.010, 100), (2, 0.0105, 3)])])
+    assert adm.limit == 1
+    adm.set_verifiers([view([(1, 0.010, 100), (2, 0.0105, 30)])])  # now it can tell: barely slower
+    assert adm.limit == 3  # one past what was measured

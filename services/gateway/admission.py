@@ -169,7 +169,9 @@ class Admission:
         s = _Verifiers(views=list(views))
         if views and all(c is not None for c in caps):
             s.latency_cap = sum(max(0, min(c, b or c) - v.num_others) for c, b, v in zip(caps, batches, views))
-            s.reach = sum(max(0, max(p.num_running for p in v.load.points) + 1 - v.num_others) for v in views)
+            s.reach = sum(max(0, max(p.num_running for p in v.load.points
+                                     if p.num_samples >= limits.ADMISSION_MIN_POINT_SAMPLES) + 1 - v.num_others)
+                          for v in views)
         if views and all(batches):
             s.batch_cap = sum(max(0, b - v.num_others) for b, v in zip(batches, views))
         s.kv_capacity = max((v.load.kv_capacity_tokens for v in views), default=0)

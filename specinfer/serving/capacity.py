@@ -50,7 +50,10 @@ class VerifierLoad:
 
 def fit_points(points: tuple[LoadPoint, ...] | list[LoadPoint]) -> tuple[float, float] | None:
     """(a, b) of `token_s = a + b * num_running` by least squares over the samples the points
-    sum up; None while there are too few of them or the load has not varied enough."""
+    sum up; None while there are too few of them or the load has not varied enough. A load with
+    fewer than ADMISSION_MIN_POINT_SAMPLES samples is left out: the first steps at a new load
+    (prompts read alongside them) would tilt the line."""
+    points = [p for p in points if p.num_samples >= limits.ADMISSION_MIN_POINT_SAMPLES]
     n = sum(p.num_samples for p in points)
     if n < limits.ADMISSION_MIN_SAMPLES:
         return None
