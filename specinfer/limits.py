@@ -105,6 +105,7 @@ DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot, whatever the
 PACE_WINDOW = 32  # the present time per token: the median of this many recent samples
 VERIFIER_LOAD_POLL_S = 0.5  # how often a gateway asks each serving verifier what it serves (Verifier.Info)
 ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses
+ADMISSION_SAMPLE_MAX_AGE_S = 60.0  # ... none older than this (a shared machine's load changes)
 ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
 ADMISSION_MIN_POINT_SAMPLES = 8  # a verifier's reported load level counts in the fit with this many samples
 ADMISSION_MIN_LOAD_VARIANCE = 0.05  # the load must have varied this much for a fit

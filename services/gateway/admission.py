@@ -15,8 +15,9 @@ more requests adds no throughput, only latency. So admission follows measurement
   (too few samples, all at one load, no slowdown measured), the gateway's own measurement of the
   same (every running request's time between verified steps, per output token) decides, and
   while neither can, the limit rises by one per few new samples as long as requests are waiting:
-  each raise is a probe whose samples the next fit uses. A fit that says less lowers it at once;
-  one that says more raises it at once only up to one past the loads it was measured at.
+  each raise is a probe whose samples the next fit uses, up to what the fit allows. A fit that
+  says less lowers it at once. (A fit says nothing past the loads it was measured at, and on a
+  shared machine those measurements age fast: the limit rises only by measured steps.)
 - A request that does not fit waits in a FIFO queue, but only if it is predicted to start soon
   enough: the requests running each have so many tokens left, at the present time per token, so
   the moment a slot frees for each place in the queue is known. A request whose predicted wait
@@ -101,7 +102,6 @@ class _Verifiers:
     """What the verifiers' reports say, summed (None: not every serving verifier can tell)."""
 
     latency_cap: int | None = None  # requests they serve within the latency factor, for this gateway
-    reach: int = 0  # one more than the loads they measured (what the fit is trusted up to), for this gateway
     batch_cap: int | None = None  # requests their batches hold, for this gateway
     kv_capacity: int = 0  # the largest verifier's whole cache, tokens (0 = unknown)
     kv_free: int | None = None  # the most free KV one reports, tokens
@@ -114,7 +114,7 @@ class Admission:
     def __init__(self, cfg: AdmissionConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
         self.clock = clock
-        self.model = LatencyModel()  # this gateway's own measurement (where the verifiers' cannot tell)
+        self.model = LatencyModel(clock=clock)  # this gateway's own measurement (where the verifiers' cannot tell)
         self.pace = TokenPace()  # the present time per token, for predicting waits
         self._cond = threading.Condition()
         self._queue: deque[object] = deque()
@@ -169,9 +169,6 @@ class Admission:
         s = _Verifiers(views=list(views))
         if views and all(c is not None for c in caps):
             s.latency_cap = sum(max(0, min(c, b or c) - v.num_others) for c, b, v in zip(caps, batches, views))
-            s.reach = sum(max(0, max(p.num_running for p in v.load.points
-                                     if p.num_samples >= limits.ADMISSION_MIN_POINT_SAMPLES) + 1 - v.num_others)
-                          for v in views)
         if views and all(batches):
             s.batch_cap = sum(max(0, b - v.num_others) for b, v in zip(batches, views))
         s.kv_capacity = max((v.load.kv_capacity_tokens for v in views), default=0)
@@ -183,9 +180,8 @@ class Admission:
         s.token_s = max((t for t in present if t), default=None)
         with self._cond:
             self._verifiers, self._kv_since_report = s, 0
-            if self.cfg.is_adaptive and s.latency_cap is not None:  # down at once; up as far as they measured
-                target = min(s.latency_cap, max(self._limit, s.reach))
-                self._limit = max(self.cfg.min_running, min(self.cfg.max_running, target))
+            if self.cfg.is_adaptive and s.latency_cap is not None and s.latency_cap < self._limit:  # down at once
+                self._limit = max(self.cfg.min_running, s.latency_cap)
             self._cond.notify_all()
 
     def observe_step(self, step_s: float, num_running: int) -> None:

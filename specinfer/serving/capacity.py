@@ -17,8 +17,10 @@ Plain Python: the gateway imports this too.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from specinfer import limits
 
@@ -108,25 +110,41 @@ class TokenPace:
 
 
 class LatencyModel:
-    """Least squares of time per token against load over the most recent samples only (a sliding
-    window: a verdict from another phase is forgotten completely, not just down-weighted)."""
+    """Least squares of time per token against load over the most recent samples only: a sliding
+    window of at most `window` samples, none older than `max_age_s` (a verdict from another phase,
+    or from before an idle spell on a shared machine, is forgotten completely, not down-weighted)."""
 
-    def __init__(self, window: int = limits.ADMISSION_SAMPLE_WINDOW):
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+    def __init__(self, window: int = limits.ADMISSION_SAMPLE_WINDOW, max_age_s: float = limits.ADMISSION_SAMPLE_MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.samples: deque[tuple[int, float]] = deque()
+        self._times: deque[float] = deque()
+        self.window, self.max_age_s, self.clock = window, max_age_s, clock
         self.sx = self.sy = self.sxx = self.sxy = 0.0  # running sums over the window
 
     def add(self, num_running: int, token_s: float) -> None:
         if num_running <= 0 or not math.isfinite(token_s) or token_s <= 0:
             return
-        if len(self.samples) == self.samples.maxlen:
-            x, y = self.samples[0]
-            self.sx, self.sy, self.sxx, self.sxy = self.sx - x, self.sy - y, self.sxx - x * x, self.sxy - x * y
+        now = self.clock()
+        self._expire(now)
+        if len(self.samples) == self.window:
+            self._drop_oldest()
         x = int(num_running)
         self.samples.append((x, token_s))
+        self._times.append(now)
         self.sx, self.sy, self.sxx, self.sxy = self.sx + x, self.sy + token_s, self.sxx + x * x, self.sxy + x * token_s
+
+    def _drop_oldest(self) -> None:
+        x, y = self.samples.popleft()
+        self._times.popleft()
+        self.sx, self.sy, self.sxx, self.sxy = self.sx - x, self.sy - y, self.sxx - x * x, self.sxy - x * y
+
+    def _expire(self, now: float) -> None:
+        while self._times and now - self._times[0] > self.max_age_s:
+            self._drop_oldest()
 
     def points(self) -> tuple[LoadPoint, ...]:
         """The window summed by load, lightest first."""
+        self._expire(self.clock())
         sums: dict[int, list[float]] = {}
         for n, y in list(self.samples):
             acc = sums.setdefault(n, [0.0, 0])
@@ -136,6 +154,7 @@ class LatencyModel:
 
     def fit(self) -> tuple[float, float] | None:
         """(a, b) of `token_s = a + b * num_running`, or None while the load has not varied enough."""
+        self._expire(self.clock())
         n = len(self.samples)
         if n < limits.ADMISSION_MIN_SAMPLES:
             return None
