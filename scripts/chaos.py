@@ -853,6 +853,8 @@ class Chaos:
                 burst = list(pool.map(one, range(OVERLOAD_STREAMS)))
             seconds = time.monotonic() - started
             info = gw.Info(pb.InfoRequest(), timeout=10, metadata=AUTH_METADATA)
+            # The unloaded latency before and after the burst: a shared machine's pace drifts.
+            unloaded += [timed_stream(gw, long_request(rid("solo"), OVERLOAD_TOKENS)) for _ in range(3)]
         finally:
             s.stop_extra(proc)
         self._overload_figures(r, unloaded, burst, seconds, info)

@@ -233,7 +233,6 @@ class Admission:
                 return self._admit(ticket)
             if not self._queue and self._fits(ticket):
                 return self._admit(ticket)
-            self._probe(is_demanded=True)
             bound = self._bound(ticket, timeout_s)
             wait = self._predicted_wait(len(self._queue))
             if len(self._queue) >= self.cfg.max_queued:
@@ -333,13 +332,14 @@ class Admission:
         mean_run = token_s * sum(t.num_new_tokens for t in self._tickets) / len(self._tickets)
         return finishes[i] + rounds * mean_run
 
-    def _probe(self, is_demanded: bool = False) -> None:
-        """Demand at the limit raises it by one per few new samples, while the fit allows more or
-        cannot tell (all samples at one load, or no slowdown): the new load level is measured
-        before the next raise, so a transient fit cannot open the gates at once."""
+    def _probe(self) -> None:
+        """Demand at the limit raises it by one per few new samples of the requests running, while
+        the fit allows more or cannot tell (all samples at one load, or no slowdown): the new load
+        level is measured before the next raise, so a transient fit cannot open the gates at once
+        (and a burst gets in only what has been measured to serve it well)."""
         if not self.cfg.is_adaptive:
             return
-        is_demanded = is_demanded or bool(self._queue) or len(self._tickets) >= self._limit
+        is_demanded = bool(self._queue) or len(self._tickets) >= self._limit
         cap = self._measured_cap()
         if not is_demanded or self._limit >= self.cfg.max_running or (cap is not None and cap <= self._limit):
             return
