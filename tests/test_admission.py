@@ -267,7 +267,14 @@ def test_while_a_verifier_cannot_tell_the_limit_probes_upward_one_at_a_time():
     tickets = [adm.acquire(10, timeout_s=0) for _ in range(start)]
     for _ in range(200):
         adm.observe_step(0.01, adm.num_running)
-    assert start < adm.limit <= start + 200 // 32
+    assert adm.limit == start  # requests one after another are no demand for more
+    for _ in range(200):
+        try:
+            tickets.append(adm.acquire(10, timeout_s=0))  # a client that does not fit: demand
+        except CapacityError:
+            pass
+        adm.observe_step(0.01, adm.num_running)
+    assert start < adm.limit <= start + 1 + 200 // 32  # the first raise at once (samples were there), then one per 32
     for t in tickets:
         adm.release(t)
 

@@ -102,7 +102,9 @@ def exporter() -> InMemorySpanExporter:
 def gateway(fake_server, tok_dir, tokenizer, exporter):
     registry = new_registry()
     tracer = setup_tracing("specinfer-gateway", None, exporter=exporter)
-    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir), tracer, registry, tokenizer=tokenizer)
+    # A fixed limit: these tests run requests side by side (admission's own tests build their gateways).
+    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir, admission=AdmissionConfig(latency_factor=0)),
+               tracer, registry, tokenizer=tokenizer)
     gw.registry = registry
     yield gw
     gw.stop(0)
@@ -1029,5 +1031,6 @@ def test_concurrent_streams_are_independent(stub, fake, tokenizer, script):
         t.start()
     for t in threads:
         t.join()
+    assert len(results) == len(threads)  # every stream ended (a thread that failed leaves no result)
     for prompt, ids in results.items():
         assert ids == expected_tokens(cycle_successor(script), tokenizer.encode(prompt)[-1], 12)

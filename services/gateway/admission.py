@@ -124,6 +124,7 @@ class Admission:
         self._kv_since_report = 0  # worst-case KV admitted since the verifiers last reported
         self._is_closed = False
         self._num_refused = 0  # refusals since the last admission (their retry hints take turns)
+        self._is_demanded = False  # a request did not fit since the last raise (requests one after another do not)
         self._num_samples = 0
         self._probed_at = -limits.ADMISSION_SAMPLES_PER_PROBE
         self._limit = cfg.max_running if not cfg.is_adaptive else max(cfg.min_running, min(
@@ -233,6 +234,7 @@ class Admission:
                 return self._admit(ticket)
             if not self._queue and self._fits(ticket):
                 return self._admit(ticket)
+            self._is_demanded = True  # more asked than runs: the limit may probe upward
             bound = self._bound(ticket, timeout_s)
             wait = self._predicted_wait(len(self._queue))
             if len(self._queue) >= self.cfg.max_queued:
@@ -333,19 +335,20 @@ class Admission:
         return finishes[i] + rounds * mean_run
 
     def _probe(self) -> None:
-        """Demand at the limit raises it by one per few new samples of the requests running, while
+        """Demand past the limit raises it by one per few new samples of the requests running, while
         the fit allows more or cannot tell (all samples at one load, or no slowdown): the new load
         level is measured before the next raise, so a transient fit cannot open the gates at once
         (and a burst gets in only what has been measured to serve it well)."""
         if not self.cfg.is_adaptive:
             return
-        is_demanded = bool(self._queue) or len(self._tickets) >= self._limit
+        is_demanded = bool(self._queue) or (self._is_demanded and len(self._tickets) >= self._limit)
         cap = self._measured_cap()
         if not is_demanded or self._limit >= self.cfg.max_running or (cap is not None and cap <= self._limit):
             return
         if self._num_samples - self._probed_at >= max(limits.ADMISSION_SAMPLES_PER_PROBE, 2 * self._limit):
             self._limit += 1
             self._probed_at = self._num_samples
+            self._is_demanded = False  # the next raise waits for demand the new limit does not meet
             self._cond.notify_all()
 
     def _refusal(self, how: str, wait_s: float | None) -> str:
