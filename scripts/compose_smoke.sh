@@ -14,19 +14,24 @@
 #    (docker/offline/wheelhouse.sh, for the CPU image and for Phoenix), the CPU image
 #    (WHEELHOUSE_ONLY=1, no network), Redis, Phoenix (wheels only, no network) and Prometheus
 #    (Debian's package: the one build that reads a Debian mirror).
-# 3. Tiny demo models into the stack's models volume, `docker compose up` with
-#    docker/compose.offline.yml, and a wait until every service is healthy.
+# 3. Tiny demo models into the stack's models volume, `docker compose up --scale verifier=2` with
+#    docker/compose.offline.yml, and a wait until every service (both verifiers) is healthy.
 # 4. Checks: a greedy request through the published gateway port equals
 #    `specinfer generate --mode incremental` on the same prompt and models; the request is in the
 #    gateway's and the verifier's /metrics; its trace in Phoenix (REST API on the published port)
 #    has spans of the gateway, the verifier and the speculator; headless Chromium (Debian's
 #    `chromium`, installed if missing) renders Phoenix's view of that trace, which must show the
-#    spans, and saves a screenshot; every Prometheus target is up (/api/v1/targets); after
-#    `docker kill` of the speculator a request still finishes identically, with fell_back (the
-#    speculator is started again after); Redis (AOF) keeps the finished request across
-#    `docker compose restart redis`; after more traffic (a streamed request, a refused one, a call
-#    to the verifier without the internal token) every PromQL expression of the Grafana
-#    dashboards (docker/grafana/dashboards/*.json) returns data from the stack's Prometheus.
+#    spans, and saves a screenshot; every Prometheus target is up (/api/v1/targets), both
+#    verifiers among them; requests of two prefix groups go, after each group's first, to the
+#    verifier that holds their prefix (the gateway's routing counter, one request at a time, and
+#    that verifier's prefix cache hits); after `docker kill` of the speculator a request still
+#    finishes identically, with fell_back (the speculator is started again after); after
+#    `docker kill` of the verifier running a request's four greedy samples, each finishes on the
+#    other verifier with the uninterrupted output (it is started again after); Redis (AOF) keeps
+#    the finished request across `docker compose restart redis`; after more traffic (a streamed
+#    request, a refused one, a call to the verifier without the internal token) every PromQL
+#    expression of the Grafana dashboards (docker/grafana/dashboards/*.json) returns data from the
+#    stack's Prometheus, and the per-verifier panels show both verifiers.
 # 5. `docker compose down -v` (unless SPECINFER_SMOKE_KEEP_UP=1).
 #
 # It prints a table and a last line with the result; exit 0 only if every check holds, 3 if no
@@ -727,10 +732,23 @@ while True:
         break
     time.sleep(5)
 bad = [f"{n}: unknown variable in {e}" for n, e in unresolved] + [f"{n}: no data for {e}" for n, e in pending]
+
+def values(expr):
+    url = base + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return [float(r["value"][1]) for r in json.load(resp)["data"]["result"]]
+
+# Both verifiers on the panels that show each one (the killed one is back by now).
+shown = {name: values(promql(expr)) for name, expr in queries
+         if name in ("Requests running, by verifier (A)", "Verifiers serving (A)")}
+if len(shown.get("Requests running, by verifier (A)", [])) != 2:
+    bad.append(f"Requests running, by verifier: {len(shown.get('Requests running, by verifier (A)', []))} verifiers")
+if max(shown.get("Verifiers serving (A)", [0])) != 2:
+    bad.append(f"Verifiers serving: {shown.get('Verifiers serving (A)')}")
 if bad:
     print(f"{len(bad)} of {len(queries)} without data: " + "; ".join(bad))
     sys.exit(1)
-print(f"{len(queries)} expressions in {len(paths)} dashboard(s), windows {window}")
+print(f"{len(queries)} expressions in {len(paths)} dashboard(s), windows {window}; both verifiers shown")
 PY
 )
   rc=$?
