@@ -124,7 +124,7 @@ class Admission:
         self._kv_since_report = 0  # worst-case KV admitted since the verifiers last reported
         self._is_closed = False
         self._num_refused = 0  # refusals since the last admission (their retry hints take turns)
-        self._is_demanded = False  # a request did not fit since the last raise (requests one after another do not)
+        self._is_demanded = False  # a request was refused since the last raise (a brief wait in the queue is no reason)
         self._num_samples = 0
         self._probed_at = -limits.ADMISSION_SAMPLES_PER_PROBE
         self._limit = cfg.max_running if not cfg.is_adaptive else max(cfg.min_running, min(
@@ -234,7 +234,6 @@ class Admission:
                 return self._admit(ticket)
             if not self._queue and self._fits(ticket):
                 return self._admit(ticket)
-            self._is_demanded = True  # more asked than runs: the limit may probe upward
             bound = self._bound(ticket, timeout_s)
             wait = self._predicted_wait(len(self._queue))
             if len(self._queue) >= self.cfg.max_queued:
@@ -252,6 +251,7 @@ class Admission:
         refusals come back in turns, not all at once); its bound when the pace is unknown."""
         later = self._predicted_wait(position + self._num_refused)
         self._num_refused += 1
+        self._is_demanded = True  # a request was turned away: the limit may probe upward
         return later if later is not None else max(bound, 1.0)
 
     def _wait_in_queue(self, ticket: Ticket, bound: float) -> Ticket:
