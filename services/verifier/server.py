@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from typing import Callable
 
 from opentelemetry import trace
 
@@ -102,7 +101,12 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             raise UserError("prefix_group: not with a session_id")
         timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
         key = self._enter()
-        should_stop = _abandon_when(context, time.monotonic() + timeout_s, lambda: self._check_handed_over(key))
+        abandon = _abandon_when(context, time.monotonic() + timeout_s)
+
+        def should_stop() -> None:  # also once the request was handed over (draining)
+            abandon()
+            self._check_handed_over(key)
+
         try:
             with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
                              session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
@@ -188,9 +192,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return response
 
 
-def _abandon_when(context, deadline: float, check: Callable[[], None] = lambda: None):
-    """Raises, while a step waits for the LLM, once the client went away or the deadline passed
-    (or when `check` raises: the request was handed over)."""
+def _abandon_when(context, deadline: float):
+    """Raises, while a step waits for the LLM, once the client went away or the deadline passed."""
     cancelled = threading.Event()
     context.add_callback(cancelled.set)
 
@@ -199,7 +202,6 @@ def _abandon_when(context, deadline: float, check: Callable[[], None] = lambda: 
             raise ConnectionAbortedError("request cancelled by the client")
         if time.monotonic() > deadline:
             raise TimeoutError("deadline exceeded while verifying")
-        check()
 
     return should_stop
 

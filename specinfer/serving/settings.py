@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, MIN_MESSAGE_BYTES
+from specinfer.limits import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES
+from specinfer.limits import MIN_MESSAGE_BYTES
 from specinfer.limits import INITIAL_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS, MIN_CONNECT_TIMEOUT_MS
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT  # noqa: F401 (their names here too)
-from specinfer.limits import DEFAULT_GRACE_S  # noqa: F401 (its name here too)
 from specinfer.util import CACHE_DIR_ENV
 
 T = TypeVar("T")
