@@ -480,9 +480,11 @@ print(json.dumps({"ok": ok, "groups": result, "verifier_prefix_hits": hits, "sum
 check_verifier_failover() {  # streams on one verifier; `docker kill` of it; each finishes on the other, identically
   local check="verifier killed: every stream finishes, identical"
   in_service gateway "$routing_lib"'
-# One request of 4 greedy samples: admitted together, and on one verifier (the samples of a request share it).
-prompt, n, num = "def fibonacci(n):\n", 300, 4
-request = lambda samples: pb.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, n=samples)
+# One request of 16 greedy samples: admitted together, and on one verifier (the samples of a request
+# share it); decoded plainly, so that they are still running when the verifier is killed (the demo
+# models are tiny, with a context of 256 tokens).
+prompt, n, num = "def fibonacci(n):\n", 200, 16
+request = lambda samples: pb.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, n=samples, speculate=False)
 baseline = list(stub.Generate(request(1), timeout=300).token_ids)  # uninterrupted, both verifiers up
 before = routed()
 outs, errors, ready = [[] for _ in range(num)], [], threading.Event()
@@ -490,7 +492,7 @@ def run():
     try:
         for msg in stub.GenerateStream(request(num), timeout=300):
             outs[msg.index].extend(msg.token_ids)
-            if min(len(o) for o in outs) >= 8:
+            if min(len(o) for o in outs) >= 4:
                 ready.set()
     except grpc.RpcError as exc:
         errors.append(exc.code().name)
@@ -506,13 +508,16 @@ failovers = sum(series(metrics(), "specinfer_gateway_verifier_failovers_total").
 print(json.dumps({"identical": sum(o == baseline for o in outs), "streams": num, "tokens": len(baseline),
                   "errors": errors, "verifiers": where, "failovers": failovers}), flush=True)
 ' >"$out/failover.out" 2>"$out/failover.err" &
-  local client=$! target="" victim="" id deadline=$((SECONDS + 300))
+  local client=$! target="" victim="" id deadline=$((SECONDS + 300)) addresses=()
+  for id in $(compose ps -q verifier); do  # looked up beforehand: the kill follows READY at once
+    addresses+=("$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$id"):50052=$id")
+  done
   while [ -z "$target" ] && kill -0 "$client" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
     target=$(awk '$1 == "READY" {print $2}' "$out/failover.out")
-    sleep 0.2
+    [ -n "$target" ] || sleep 0.05
   done
-  for id in $(compose ps -q verifier); do
-    [ "$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$id"):50052" = "$target" ] && victim=$id
+  for id in "${addresses[@]}"; do
+    [ "${id%%=*}" = "$target" ] && victim=${id#*=}
   done
   if [ -z "$victim" ]; then
     wait "$client"; row "$check" FAIL "streams not on one verifier: ${target:-none} ($(tail -1 "$out/failover.err"))"; return 1
