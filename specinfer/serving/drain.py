@@ -1,7 +1,8 @@
 """Draining on SIGTERM: finish the work in flight, hand over what cannot finish in time.
 
 A service that stops (a rolling update, a scale-down) first reports NOT_SERVING and takes no new
-request; then it lets its requests in flight finish, and exits as soon as they have. Its grace
+request (it still answers, refusing one UNAVAILABLE, so that a client goes elsewhere at once);
+then it lets its requests in flight finish, and exits as soon as they have. Its grace
 setting (`--grace-s`) is the whole time its orchestrator allows between SIGTERM and a kill
 (compose's `stop_grace_period` and Kubernetes' `terminationGracePeriodSeconds` are set from it).
 How long the requests need is known: each has so many tokens left, at the speed the service
@@ -19,7 +20,6 @@ Plain Python: the gateway imports this too.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol
@@ -70,11 +70,12 @@ def plan_drain(in_flight: list[tuple[Hashable, int]], token_s: float | None, cap
     return DrainPlan(min(latest, max(rest, default=0.0)), latest, now)
 
 
-def begin_drain(work: Drainable, cap_s: float, clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep) -> DrainPlan:
-    """Stops taking requests, hands over at once what cannot finish within `cap_s`, and starts a
-    thread that hands over what is still running at the plan's `hand_over_by_s`. The server's
-    stop gets `cap_s`: it ends as soon as the requests are done."""
+def drain(work: Drainable, cap_s: float, clock: Callable[[], float] = time.monotonic,
+          sleep: Callable[[float], None] = time.sleep) -> DrainPlan:
+    """Stops taking requests, hands over at once what cannot finish within `cap_s`, waits until
+    the others are done, and hands over what is still running at the plan's `hand_over_by_s`.
+    The server keeps answering meanwhile (a new request is refused by `work` itself, UNAVAILABLE;
+    health says NOT_SERVING); its stop afterwards needs only the handover margin."""
     work.stop_taking()
     in_flight = work.in_flight()
     plan = plan_drain(in_flight, work.token_s(), cap_s)
@@ -83,20 +84,11 @@ def begin_drain(work: Drainable, cap_s: float, clock: Callable[[], float] = time
              len(plan.hand_over_now))
     if plan.hand_over_now:
         work.hand_over(list(plan.hand_over_now))
-    if in_flight:
-        threading.Thread(target=_hand_over_late, args=(work, clock() + plan.hand_over_by_s, clock, sleep),
-                         name="drain-handover", daemon=True).start()
-    return plan
-
-
-def _hand_over_late(work: Drainable, deadline: float, clock: Callable[[], float],
-                    sleep: Callable[[float], None]) -> None:
-    """Waits for the requests to be done; at `deadline`, hands over those still running."""
-    while clock() < deadline:
-        if not work.in_flight():
-            return
+    deadline = clock() + plan.hand_over_by_s
+    while work.in_flight() and clock() < deadline:
         sleep(min(limits.DRAIN_POLL_S, max(0.0, deadline - clock())))
     left = [key for key, _ in work.in_flight()]
     if left:
         log.warning("drain: %d request(s) still running at the end of the grace: handed over", len(left))
         work.hand_over(left)
+    return plan

@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_gr
 
 from specinfer.errors import EXIT_CANNOT_BIND, BindError, CapacityError, NotFoundError, UnavailableError, UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
-from specinfer.serving.drain import Drainable, begin_drain
+from specinfer.serving.drain import Drainable, drain, handover_margin
 from specinfer.serving.metrics import RpcMetrics, new_registry
 from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
 from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, bind_problem, message_options
@@ -275,8 +275,9 @@ class RunningServer:
         if self._on_drain:
             self._on_drain()
         cap_s = self.grace_s if grace_s is None else grace_s
-        if self.work is not None:
-            begin_drain(self.work, cap_s)
+        if self.work is not None:  # the requests finish (or are handed over) while the server still answers
+            drain(self.work, cap_s)
+            cap_s = handover_margin(cap_s)  # for the handed-over streams' last message
         self.server.stop(cap_s).wait()  # done as soon as the requests are
         if self._on_stop:
             self._on_stop()
