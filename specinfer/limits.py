@@ -110,6 +110,7 @@ ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
 ADMISSION_MIN_POINT_SAMPLES = 8  # a verifier's reported load level counts in the fit with this many samples
 ADMISSION_MIN_LOAD_VARIANCE = 0.05  # the load must have varied this much for a fit
 ADMISSION_SAMPLES_PER_PROBE = 32  # new samples between two probing raises of the limit
+ADMISSION_PROBE_DELAY_S = 1.0  # refusals raise the limit only this long after the first (not within one burst)
 
 # ---- draining on SIGTERM (specinfer/serving/drain.py) --------------------------------------------
 # --grace-s: the whole time a service has between SIGTERM and a kill (compose's stop_grace_period

@@ -25,10 +25,13 @@ def expected_cap(a: float, b: float, factor: float) -> int:
 
 def drive(adm: Admission, step_s, num_rounds: int, rng: random.Random, demand: int = 64) -> list[int]:
     """A busy service: `demand` clients keep asking; running requests report steps and end at
-    random. Returns the limit after each round."""
+    random, a tenth of a second a round (on the admission's clock, when it is a `Clock`).
+    Returns the limit after each round."""
     tickets = []
     limits_seen = []
     for _ in range(num_rounds):
+        if isinstance(adm.clock, Clock):
+            adm.clock.now += 0.1
         while len(tickets) < demand:
             try:
                 tickets.append(adm.acquire(10, timeout_s=0))
@@ -60,7 +63,7 @@ def test_latency_model_recovers_a_line_and_needs_varied_load():
 
 def test_limit_converges_to_the_measured_capacity():
     a, b, factor = 0.010, 0.005, 3.0  # unloaded step 15 ms; 3x = 45 ms at 7 running
-    adm = Admission(AdmissionConfig(max_running=64, min_running=1, latency_factor=factor))
+    adm = Admission(AdmissionConfig(max_running=64, min_running=1, latency_factor=factor), Clock())
     seen = drive(adm, lambda n: a + b * n, 400, random.Random(0))
     cap = expected_cap(a, b, factor)
     assert cap == 7
@@ -73,7 +76,7 @@ def test_limit_forgets_a_noisy_phase_and_comes_back():
     phase's capacity; once the verifier is fast again, old samples fade and the limit climbs back
     instead of sticking."""
     for seed in range(3):
-        adm = Admission(AdmissionConfig(max_running=64, min_running=2, latency_factor=3.0))
+        adm = Admission(AdmissionConfig(max_running=64, min_running=2, latency_factor=3.0), Clock())
         rng = random.Random(seed)
         drive(adm, lambda n: 0.010 + 0.005 * n, 300, rng)
         noisy = drive(adm, lambda n: 0.010 + 0.050 * n, 300, rng)
@@ -84,7 +87,7 @@ def test_limit_forgets_a_noisy_phase_and_comes_back():
 
 
 def test_no_slowdown_measured_means_the_limit_grows_with_demand():
-    adm = Admission(AdmissionConfig(max_running=20, min_running=1, latency_factor=3.0))
+    adm = Admission(AdmissionConfig(max_running=20, min_running=1, latency_factor=3.0), Clock())
     seen = drive(adm, lambda n: 0.01, 300, random.Random(2))
     assert seen[-1] == 20  # a flat curve (a GPU far from compute-bound): up to the hard cap
 
@@ -247,7 +250,7 @@ def test_the_limit_is_what_the_verifiers_serve_less_what_other_gateways_run_ther
     14 running, less the 3 another gateway runs on the first; a batch capacity of 4 caps the
     second. Where this gateway's own samples (flat: a fast verifier) would let it run 20, the
     verifiers' measurements hold it down at once; they never raise it by themselves."""
-    adm = Admission(AdmissionConfig(max_running=20, min_running=1, latency_factor=3.0))
+    adm = Admission(AdmissionConfig(max_running=20, min_running=1, latency_factor=3.0), Clock())
     drive(adm, lambda n: 0.01, 300, random.Random(5))
     assert adm.limit == 20
     measured = curve(0.010, 0.005, range(1, 9))
@@ -261,20 +264,30 @@ def test_the_limit_is_what_the_verifiers_serve_less_what_other_gateways_run_ther
 
 
 def test_while_a_verifier_cannot_tell_the_limit_probes_upward_one_at_a_time():
-    adm = Admission(AdmissionConfig(max_running=64, min_running=1, latency_factor=1.5))
+    """Refusals are demand, but not within the burst that brought them (a second later); then one
+    raise per 32 samples of the requests running."""
+    clock = Clock()
+    adm = Admission(AdmissionConfig(max_running=64, min_running=1, latency_factor=1.5), clock)
     adm.set_verifiers([view([(1, 0.01, 40)])])  # one load only: no slope
     start = adm.limit
     tickets = [adm.acquire(10, timeout_s=0) for _ in range(start)]
     for _ in range(200):
         adm.observe_step(0.01, adm.num_running)
     assert adm.limit == start  # requests one after another are no demand for more
-    for _ in range(200):
-        try:
-            tickets.append(adm.acquire(10, timeout_s=0))  # a client that does not fit: demand
-        except CapacityError:
-            pass
-        adm.observe_step(0.01, adm.num_running)
-    assert start < adm.limit <= start + 1 + 200 // 32  # the first raise at once (samples were there), then one per 32
+
+    def busy(num_steps: int, step_s: float) -> None:
+        for _ in range(num_steps):
+            try:
+                tickets.append(adm.acquire(10, timeout_s=0))  # a client that does not fit: demand
+            except CapacityError:
+                pass
+            adm.observe_step(0.01, adm.num_running)
+            clock.now += step_s
+
+    busy(200, 0.0)
+    assert adm.limit == start  # one burst: all at the same moment on this clock
+    busy(200, 0.01)  # the demand lasts: after a second (100 steps), a raise per 32 samples
+    assert start < adm.limit <= start + 1 + 100 // 32
     for t in tickets:
         adm.release(t)
 

@@ -125,6 +125,7 @@ class Admission:
         self._is_closed = False
         self._num_refused = 0  # refusals since the last admission (their retry hints take turns)
         self._is_demanded = False  # a request was refused since the last raise (a brief wait in the queue is no reason)
+        self._demanded_at = self._refused_at = -math.inf  # the first refusal of this run of them, the last one
         self._num_samples = 0
         self._probed_at = -limits.ADMISSION_SAMPLES_PER_PROBE
         self._limit = cfg.max_running if not cfg.is_adaptive else max(cfg.min_running, min(
@@ -251,7 +252,10 @@ class Admission:
         refusals come back in turns, not all at once); its bound when the pace is unknown."""
         later = self._predicted_wait(position + self._num_refused)
         self._num_refused += 1
-        self._is_demanded = True  # a request was turned away: the limit may probe upward
+        now = self.clock()  # a request was turned away: the limit may probe upward, not within this burst
+        if now - self._refused_at > limits.ADMISSION_PROBE_DELAY_S:  # the first refusal after a quiet spell
+            self._demanded_at = now
+        self._is_demanded, self._refused_at = True, now
         return later if later is not None else max(bound, 1.0)
 
     def _wait_in_queue(self, ticket: Ticket, bound: float) -> Ticket:
@@ -337,11 +341,16 @@ class Admission:
     def _probe(self) -> None:
         """Demand past the limit raises it by one per few new samples of the requests running, while
         the fit allows more or cannot tell (all samples at one load, or no slowdown): the new load
-        level is measured before the next raise, so a transient fit cannot open the gates at once
-        (and a burst gets in only what has been measured to serve it well)."""
+        level is measured before the next raise, so a transient fit cannot open the gates at once.
+        Refusals count as demand only ADMISSION_PROBE_DELAY_S after the first of a run of them: a
+        burst gets in only what has been measured to serve it well (its later requests do not take
+        a raise its earlier ones caused), while demand that lasts raises the limit at the pace of
+        the samples."""
         if not self.cfg.is_adaptive:
             return
-        is_demanded = bool(self._queue) or (self._is_demanded and len(self._tickets) >= self._limit)
+        is_refusing = (self._is_demanded and len(self._tickets) >= self._limit
+                       and self.clock() - self._demanded_at >= limits.ADMISSION_PROBE_DELAY_S)
+        is_demanded = bool(self._queue) or is_refusing
         cap = self._measured_cap()
         if not is_demanded or self._limit >= self.cfg.max_running or (cap is not None and cap <= self._limit):
             return
