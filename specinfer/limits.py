@@ -102,6 +102,7 @@ DEFAULT_ADMISSION_LATENCY_FACTOR = 1.5  # admit while time per output token <= t
 DEFAULT_ADMISSION_QUEUE_FACTOR = 0.25  # queue while the predicted wait <= this x the unloaded run
 DEFAULT_MAX_QUEUED_REQUESTS = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
 DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot, whatever the prediction
+ADMISSION_MIN_QUEUE_WAIT_S = 0.1  # a request may always wait this long (the queue factor of a short one is less)
 PACE_WINDOW = 32  # the present time per token: the median of this many recent samples
 VERIFIER_LOAD_POLL_S = 0.5  # how often a gateway asks each serving verifier what it serves (Verifier.Info)
 ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses

@@ -377,3 +377,23 @@ def test_samples_older_than_a_minute_are_forgotten():
     assert m.fit() is not None
     clock.now = 61.0
     assert m.fit() is None and m.points() == ()
+
+
+def test_a_short_request_may_wait_for_a_slot_that_is_about_to_free():
+    """A quarter of a 10-token request's unloaded run is 2.5 ms; a slot that frees in 50 ms is
+    still worth waiting for (ADMISSION_MIN_QUEUE_WAIT_S), one in 1 s is not."""
+    clock = Clock()
+    adm = Admission(AdmissionConfig(max_running=1, latency_factor=0, queue_timeout_s=30), clock)
+    paced(adm, 0.001)
+    adm.model.add(1, 0.001)
+    running = adm.acquire(10, num_new_tokens=1000)
+    with pytest.raises(CapacityError, match="predicted in 1.0 s"):
+        adm.acquire(10, num_new_tokens=10)
+    running.num_done = 950  # 50 ms left
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(adm.acquire(10, num_new_tokens=10)))
+    waiter.start()
+    assert wait_for(lambda: adm.num_queued == 1)
+    adm.release(running)
+    waiter.join(5)
+    assert got and adm.num_running == 1

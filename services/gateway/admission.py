@@ -311,11 +311,13 @@ class Admission:
 
     def _bound(self, ticket: Ticket, timeout_s: float | None) -> float:
         """The longest this request may wait: the queue timeout, its deadline, and `queue_factor`
-        times its own unloaded run time (when that is known)."""
+        times its own unloaded run time (when that is known; at least ADMISSION_MIN_QUEUE_WAIT_S,
+        so that a short request does not miss the slot of one that is ending)."""
         bound = self.cfg.queue_timeout_s if timeout_s is None else min(timeout_s, self.cfg.queue_timeout_s)
         alone = self._unloaded_token_s()
-        if alone is not None and ticket.num_new_tokens:
-            bound = min(bound, self.cfg.queue_factor * ticket.num_new_tokens * alone)
+        if alone is not None and ticket.num_new_tokens:  # never less than a request's release takes
+            bound = min(bound, max(limits.ADMISSION_MIN_QUEUE_WAIT_S,
+                                   self.cfg.queue_factor * ticket.num_new_tokens * alone))
         return max(0.0, bound)
 
     def _unloaded_token_s(self) -> float | None:

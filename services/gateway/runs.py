@@ -168,6 +168,8 @@ class RequestRun:
     def _request_stop(self, reason: str) -> None:
         if reason == "cancelled" or not self._stop_reason:
             self._stop_reason = reason
+        if self.ticket is not None:  # its slot frees in a moment: admission predicts no wait for it
+            self.ticket.num_done = self.ticket.num_new_tokens
         if self._stream is not None:
             self._stream.cancel()
         self.cond.notify_all()
