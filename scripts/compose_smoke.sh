@@ -14,19 +14,24 @@
 #    (docker/offline/wheelhouse.sh, for the CPU image and for Phoenix), the CPU image
 #    (WHEELHOUSE_ONLY=1, no network), Redis, Phoenix (wheels only, no network) and Prometheus
 #    (Debian's package: the one build that reads a Debian mirror).
-# 3. Tiny demo models into the stack's models volume, `docker compose up` with
-#    docker/compose.offline.yml, and a wait until every service is healthy.
+# 3. Tiny demo models into the stack's models volume, `docker compose up --scale verifier=2` with
+#    docker/compose.offline.yml, and a wait until every service (both verifiers) is healthy.
 # 4. Checks: a greedy request through the published gateway port equals
 #    `specinfer generate --mode incremental` on the same prompt and models; the request is in the
 #    gateway's and the verifier's /metrics; its trace in Phoenix (REST API on the published port)
 #    has spans of the gateway, the verifier and the speculator; headless Chromium (Debian's
 #    `chromium`, installed if missing) renders Phoenix's view of that trace, which must show the
-#    spans, and saves a screenshot; every Prometheus target is up (/api/v1/targets); after
-#    `docker kill` of the speculator a request still finishes identically, with fell_back (the
-#    speculator is started again after); Redis (AOF) keeps the finished request across
-#    `docker compose restart redis`; after more traffic (a streamed request, a refused one, a call
-#    to the verifier without the internal token) every PromQL expression of the Grafana
-#    dashboards (docker/grafana/dashboards/*.json) returns data from the stack's Prometheus.
+#    spans, and saves a screenshot; every Prometheus target is up (/api/v1/targets), both
+#    verifiers among them; requests of two prefix groups go, after each group's first, to the
+#    verifier that holds their prefix (the gateway's routing counter, one request at a time, and
+#    that verifier's prefix cache hits); after `docker kill` of the speculator a request still
+#    finishes identically, with fell_back (the speculator is started again after); after
+#    `docker kill` of the verifier running a request's four greedy samples, each finishes on the
+#    other verifier with the uninterrupted output (it is started again after); Redis (AOF) keeps
+#    the finished request across `docker compose restart redis`; after more traffic (a streamed
+#    request, a refused one, a call to the verifier without the internal token) every PromQL
+#    expression of the Grafana dashboards (docker/grafana/dashboards/*.json) returns data from the
+#    stack's Prometheus, and the per-verifier panels show both verifiers.
 # 5. `docker compose down -v` (unless SPECINFER_SMOKE_KEEP_UP=1).
 #
 # It prints a table and a last line with the result; exit 0 only if every check holds, 3 if no
@@ -300,10 +305,13 @@ wait_healthy() {  # wait_healthy SECONDS [SERVICE...]: running and healthy (defa
   while :; do
     pending=()
     for svc in "${services[@]}"; do
-      local id state
-      id=$(compose ps -q "$svc" 2>/dev/null | head -1)
-      state=$([ -n "$id" ] && docker inspect -f '{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$id")
-      [ "$state" = running/healthy ] || pending+=("$svc:${state:-none}")
+      local ids id state
+      ids=$(compose ps -q "$svc" 2>/dev/null)
+      [ -n "$ids" ] || pending+=("$svc:none")
+      for id in $ids; do  # every replica (the verifier runs two)
+        state=$(docker inspect -f '{{.State.Status}}/{{if .State.Health}}{{.State.Health.Status}}{{end}}' "$id")
+        [ "$state" = running/healthy ] || pending+=("$svc:${state:-none}")
+      done
     done
     [ ${#pending[@]} = 0 ] && return 0
     local job
@@ -350,7 +358,7 @@ start_stack() {
   allow_forwarding  # the run above created the stack's network
   log "docker compose up"
   stack_started=$SECONDS
-  compose up -d --no-build >"$smoke_home/up.log" 2>&1 || { tail -20 "$smoke_home/up.log"; row "stack healthy" FAIL "compose up"; return 1; }
+  compose up -d --no-build --scale verifier=2 >"$smoke_home/up.log" 2>&1 || { tail -20 "$smoke_home/up.log"; row "stack healthy" FAIL "compose up"; return 1; }
   if ! wait_healthy 600; then
     row "stack healthy" FAIL "timed out after $(elapsed $((SECONDS - t0)))"
     return 1
@@ -358,6 +366,7 @@ start_stack() {
   local models_rc
   models_rc=$(docker inspect -f '{{.State.ExitCode}}' "$(compose ps -aq models | head -1)")
   [ "$models_rc" = 0 ] || { row "stack healthy" FAIL "models job exited $models_rc"; return 1; }
+  [ "$(compose ps -q verifier | grep -c .)" = 2 ] || { row "stack healthy" FAIL "not two verifiers"; return 1; }
   row "stack healthy" ok "$(compose ps --format '{{.Service}}' | sort | tr '\n' ' ')in $(elapsed $((SECONDS - t0)))"
 }
 
@@ -400,12 +409,131 @@ check_metrics() {
   local tokens gw vf
   tokens=$(json "$out/first.json" 'len(d["token_ids"])')
   gw=$(in_service gateway "$fetch" http://127.0.0.1:9464/metrics | awk '$1 == "specinfer_gateway_output_tokens_total" {print int($2)}')
-  vf=$(in_service verifier "$fetch" http://127.0.0.1:9464/metrics | awk '$1 == "specinfer_output_tokens_total" {print int($2)}')
+  # Summed over the verifier replicas: the request went to one of them.
+  vf=$(for id in $(compose ps -q verifier); do docker exec "$id" python -c "$fetch" http://127.0.0.1:9464/metrics; done \
+    | awk '$1 == "specinfer_output_tokens_total" {n += $2} END {print int(n)}')
   if [ "${gw:-0}" -ge "$tokens" ] && [ "${vf:-0}" -ge "$tokens" ]; then
     row "request in /metrics (gateway, verifier)" ok "output tokens: gateway ${gw}, verifier ${vf}"
   else
     row "request in /metrics (gateway, verifier)" FAIL "output tokens: gateway ${gw:-none}, verifier ${vf:-none}, want >= $tokens"
   fi
+}
+
+# Two verifiers: a client inside the gateway's container (its gRPC port on 127.0.0.1, its /metrics
+# and the verifiers' on the compose network) tells which verifier each call went to, and why, from
+# the gateway's routing counter (one request at a time: the counter's step is that request's).
+routing_lib='import json, sys, threading, time, urllib.request
+import grpc
+from specinfer.v1 import specinfer_pb2 as pb, specinfer_pb2_grpc as pbg
+stub = pbg.GatewayStub(grpc.insecure_channel("127.0.0.1:50051"))
+def metrics(host="127.0.0.1"):
+    return urllib.request.urlopen(f"http://{host}:9464/metrics", timeout=10).read().decode()
+def series(text, name):
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, value = line.rsplit(" ", 1)
+            labels = head[len(name):].strip("{}")
+            key = tuple(sorted(tuple(kv.split("=", 1)) for kv in labels.split(",") if kv))
+            out[tuple((k, v.strip(chr(34))) for k, v in key)] = float(value)
+    return out
+def routed():
+    return {(dict(k)["verifier"], dict(k)["reason"]): v
+            for k, v in series(metrics(), "specinfer_gateway_routed_requests_total").items()}
+def step(before, after):
+    moved = [k for k in after if after[k] - before.get(k, 0) >= 1]
+    return moved[0] if len(moved) == 1 else None
+'
+
+check_routing() {  # two prefix groups: after its first request, each goes where its prefix is cached
+  local check="routing: prefix groups to their cache"
+  in_service gateway "$routing_lib"'
+groups = {"alpha": "# alpha: a module of small helpers\n", "beta": "class Beta:\n    # counts things\n"}
+for i in range(6):
+    groups["alpha"] += f"def alpha_{i}(x):\n    return x * {i} + 1\n"
+    groups["beta"] += f"    def count_{i}(self, y):\n        return y + {i}\n"
+result, hits = {}, {}
+for name, prefix in groups.items():
+    result[name] = []
+    for i in range(4):
+        before = routed()
+        stub.Generate(pb.GenerateRequest(prompt=prefix + f"# question {i}\n", max_tokens=4), timeout=120)
+        result[name].append(step(before, routed()))
+for name, calls in result.items():
+    if calls[0]:
+        host = calls[0][0].rsplit(":", 1)[0]
+        hits[name] = sum(series(metrics(host), "specinfer_prefix_cache_hits_total").values())
+ok = all(c[0] and all(x == (c[0][0], "cache") for x in c[1:]) for c in result.values()) and all(hits.values())
+summary = "; ".join(f"{g}: first to {c[0][0] if c[0] else None}, then {[x[1] if x else None for x in c[1:]]}"
+                    for g, c in result.items()) + f"; prefix cache hits there {hits}"
+print(json.dumps({"ok": ok, "groups": result, "verifier_prefix_hits": hits, "summary": summary}))
+' >"$out/routing.json" 2>"$out/routing.err" || { tail -5 "$out/routing.err"; row "$check" FAIL "the client failed"; return 1; }
+  local summary
+  summary=$(json "$out/routing.json" 'd["summary"]')
+  if [ "$(json "$out/routing.json" 'd["ok"]')" = True ]; then
+    row "$check" ok "$summary"
+  else
+    row "$check" FAIL "$summary"
+  fi
+}
+
+check_verifier_failover() {  # streams on one verifier; `docker kill` of it; each finishes on the other, identically
+  local check="verifier killed: every stream finishes, identical"
+  in_service gateway "$routing_lib"'
+# One request of 16 greedy samples: admitted together, and on one verifier (the samples of a request
+# share it); decoded plainly, so that they are still running when the verifier is killed (the demo
+# models are tiny, with a context of 256 tokens).
+prompt, n, num = "def fibonacci(n):\n", 200, 16
+request = lambda samples: pb.GenerateRequest(prompt=prompt, max_tokens=n, ignore_eos=True, n=samples, speculate=False)
+baseline = list(stub.Generate(request(1), timeout=300).token_ids)  # uninterrupted, both verifiers up
+before = routed()
+outs, errors, ready = [[] for _ in range(num)], [], threading.Event()
+def run():
+    try:
+        for msg in stub.GenerateStream(request(num), timeout=300):
+            outs[msg.index].extend(msg.token_ids)
+            if min(len(o) for o in outs) >= 4:
+                ready.set()
+    except grpc.RpcError as exc:
+        errors.append(exc.code().name)
+    ready.set()
+thread = threading.Thread(target=run)
+thread.start()
+ready.wait(120)
+after = routed()
+where = sorted({k[0] for k in after if after[k] > before.get(k, 0)})
+print("READY", where[0] if len(where) == 1 else ",".join(where), flush=True)
+thread.join(300)
+failovers = sum(series(metrics(), "specinfer_gateway_verifier_failovers_total").values())
+print(json.dumps({"identical": sum(o == baseline for o in outs), "streams": num, "tokens": len(baseline),
+                  "errors": errors, "verifiers": where, "failovers": failovers}), flush=True)
+' >"$out/failover.out" 2>"$out/failover.err" &
+  local client=$! target="" victim="" id deadline=$((SECONDS + 300)) addresses=()
+  for id in $(compose ps -q verifier); do  # looked up beforehand: the kill follows READY at once
+    addresses+=("$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$id"):50052=$id")
+  done
+  while [ -z "$target" ] && kill -0 "$client" 2>/dev/null && [ $SECONDS -lt $deadline ]; do
+    target=$(awk '$1 == "READY" {print $2}' "$out/failover.out")
+    [ -n "$target" ] || sleep 0.05
+  done
+  for id in "${addresses[@]}"; do
+    [ "${id%%=*}" = "$target" ] && victim=${id#*=}
+  done
+  if [ -z "$victim" ]; then
+    wait "$client"; row "$check" FAIL "streams not on one verifier: ${target:-none} ($(tail -1 "$out/failover.err"))"; return 1
+  fi
+  docker kill "$victim" >/dev/null
+  wait "$client" || { tail -5 "$out/failover.err"; row "$check" FAIL "the client failed"; return 1; }
+  local identical streams
+  identical=$(json "$out/failover.out" 'd["identical"]')
+  streams=$(json "$out/failover.out" 'd["streams"]')
+  if [ "$identical" = "$streams" ] && [ "$(json "$out/failover.out" 'd["failovers"] >= 1')" = True ]; then
+    row "$check" ok "$streams streams on $target, killed: $identical identical ($(json "$out/failover.out" 'd["tokens"]') tokens), $(json "$out/failover.out" 'int(d["failovers"])') failovers"
+  else
+    row "$check" FAIL "$(tail -1 "$out/failover.out")"
+  fi
+  # Both verifiers again for what follows (and for a stack kept up).
+  compose start verifier >/dev/null 2>&1 && wait_healthy 300 verifier || log "the killed verifier did not come back"
 }
 
 # Phoenix and Prometheus as a user reaches them: their ports published on 127.0.0.1.
@@ -495,7 +623,7 @@ wanted = {"gateway", "verifier", "speculator", "prometheus"}
 down = [f"{job}:{h}" for job, healths in sorted(jobs.items()) for h in healths if h != "up"]
 print(" ".join(f"{job}={len(h)}" for job, h in sorted(jobs.items())), "down:", " ".join(down) or "none",
       "missing:", " ".join(sorted(wanted - set(jobs))) or "none")
-sys.exit(0 if targets and not down and wanted <= set(jobs) else 1)
+sys.exit(0 if targets and not down and wanted <= set(jobs) and len(jobs["verifier"]) == 2 else 1)
 PY
 ) && { ok=1; break; }
     sleep 3
@@ -609,10 +737,23 @@ while True:
         break
     time.sleep(5)
 bad = [f"{n}: unknown variable in {e}" for n, e in unresolved] + [f"{n}: no data for {e}" for n, e in pending]
+
+def values(expr):
+    url = base + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return [float(r["value"][1]) for r in json.load(resp)["data"]["result"]]
+
+# Both verifiers on the panels that show each one (the killed one is back by now).
+shown = {name: values(promql(expr)) for name, expr in queries
+         if name in ("Requests running, by verifier (A)", "Verifiers serving (A)")}
+if len(shown.get("Requests running, by verifier (A)", [])) != 2:
+    bad.append(f"Requests running, by verifier: {len(shown.get('Requests running, by verifier (A)', []))} verifiers")
+if max(shown.get("Verifiers serving (A)", [0])) != 2:
+    bad.append(f"Verifiers serving: {shown.get('Verifiers serving (A)')}")
 if bad:
     print(f"{len(bad)} of {len(queries)} without data: " + "; ".join(bad))
     sys.exit(1)
-print(f"{len(queries)} expressions in {len(paths)} dashboard(s), windows {window}")
+print(f"{len(queries)} expressions in {len(paths)} dashboard(s), windows {window}; both verifiers shown")
 PY
 )
   rc=$?
@@ -665,7 +806,9 @@ check_greedy && {
   check_trace
   check_trace_view
   check_targets
+  check_routing
   check_speculator_killed
+  check_verifier_failover
   check_redis_restart
   check_dashboards
 }

@@ -4,13 +4,26 @@
 with code 2, and the gRPC interceptor maps it to INVALID_ARGUMENT.
 """
 
+import math
+
 
 class UserError(ValueError):
     """Input the caller can fix (bad path, bad flag, bad prompt)."""
 
 
 class CapacityError(RuntimeError):
-    """The KV cache or the request queue is full (gRPC RESOURCE_EXHAUSTED)."""
+    """The KV cache or the request queue is full (gRPC RESOURCE_EXHAUSTED). `retry_after_s`: when
+    a retry is predicted to be admitted (None: unknown); the gRPC trailers carry it as
+    `retry-after` (whole seconds) and `grpc-retry-pushback-ms`, HTTP as `Retry-After`."""
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_whole_s(self) -> int | None:
+        """The hint in whole seconds (HTTP's Retry-After has no fractions), at least 1."""
+        return None if self.retry_after_s is None else max(1, math.ceil(self.retry_after_s))
 
 
 class NotFoundError(LookupError):

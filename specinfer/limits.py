@@ -99,15 +99,40 @@ DEFAULT_SESSION_TTL_S = 24 * 3600  # a session's
 
 # ---- gateway admission (services/gateway/admission.py) ----------------------------------------
 DEFAULT_MAX_CONCURRENT_REQUESTS = 64  # hard cap on requests running through one gateway
-DEFAULT_MIN_RUNNING = 4  # the measured limit never goes below this
-DEFAULT_INITIAL_RUNNING = 8  # the limit before anything is measured
-DEFAULT_ADMISSION_LATENCY_FACTOR = 3.0  # admit while time per output token <= this x the unloaded one
+DEFAULT_MIN_RUNNING = 1  # the measured limit never goes below this
+DEFAULT_INITIAL_RUNNING = 1  # the limit before anything is measured (it rises by probing)
+# An admitted request's latency stays within (latency factor + queue factor) x its unloaded one:
+# running, each token takes at most the latency factor times as long as alone; it waits in the
+# queue at most the queue factor times its unloaded run (a longer predicted wait is refused at once).
+DEFAULT_ADMISSION_LATENCY_FACTOR = 1.5  # admit while time per output token <= this x the unloaded one
+DEFAULT_ADMISSION_QUEUE_FACTOR = 0.25  # queue while the predicted wait <= this x the unloaded run
 DEFAULT_MAX_QUEUED_REQUESTS = 64  # requests waiting for a slot before RESOURCE_EXHAUSTED
-DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot
+DEFAULT_ADMISSION_QUEUE_TIMEOUT_S = 5.0  # longest wait for a slot, whatever the prediction
+ADMISSION_MIN_QUEUE_WAIT_S = 0.1  # a request may always wait this long (the queue factor of a short one is less)
+PACE_WINDOW = 32  # the present time per token: the median of this many recent samples
+VERIFIER_LOAD_POLL_S = 0.5  # how often a gateway asks each serving verifier what it serves (Verifier.Info)
 ADMISSION_SAMPLE_WINDOW = 256  # the most recent step samples the latency fit uses
+ADMISSION_SAMPLE_MAX_AGE_S = 60.0  # ... none older than this (a shared machine's load changes)
 ADMISSION_MIN_SAMPLES = 16  # samples before the latency fit is trusted
+ADMISSION_MIN_POINT_SAMPLES = 8  # a verifier's reported load level counts in the fit with this many samples
 ADMISSION_MIN_LOAD_VARIANCE = 0.05  # the load must have varied this much for a fit
 ADMISSION_SAMPLES_PER_PROBE = 32  # new samples between two probing raises of the limit
+ADMISSION_PROBE_DELAY_S = 1.0  # refusals raise the limit only this long after the first (not within one burst)
+
+# ---- draining on SIGTERM (specinfer/serving/drain.py) --------------------------------------------
+# --grace-s: the whole time a service has between SIGTERM and a kill (compose's stop_grace_period
+# and Kubernetes' terminationGracePeriodSeconds are set from the same value). A drain lasts until
+# the requests in flight are done, and at most the grace less the handover margin: what is still
+# running then is handed over. One predicted (tokens left at the measured speed) to need more than
+# DRAIN_HOPELESS_FACTOR times that is handed over at once; the plan adds a safety factor and slack.
+DEFAULT_GRACE_S = 30.0
+DRAIN_SAFETY_FACTOR = 1.5
+DRAIN_SLACK_S = 1.0
+DRAIN_HOPELESS_FACTOR = 2.0
+DRAIN_HANDOVER_S = 2.0  # the end of the grace kept for handing over what is left, and exiting
+DRAIN_HANDOVER_SHARE = 0.2  # ... at most this share of a short grace
+DRAIN_POLL_S = 0.1  # how often a drain checks whether its requests are done
+LAUNCHER_GRACE_S = 15.0  # `specinfer up` on Ctrl-C / SIGTERM: its services' grace, and how long it waits for them
 
 # ---- routing over several verifiers (services/gateway/routing.py, verifier_pool.py) --------------
 DEFAULT_KV_BLOCK_SIZE = 16  # tokens per KV block: the verifiers' paged cache, and the gateway's prefix hashes

@@ -11,6 +11,24 @@ import torch
 from util import perturbed_copy, save_text_pair, save_tiny_llama
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true",
+                     help="also run the tests marked slow (minutes each: the chaos suite's stack-level scenarios)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes long; runs only with --run-slow (scripts/chaos.py runs them all)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 # Tiny models gain nothing from intra-op threads, and on a shared, noisy CI machine OpenMP
 # threads that wait on each other make small ops orders of magnitude slower.
 torch.set_num_threads(1)

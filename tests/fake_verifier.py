@@ -70,6 +70,7 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         self.calls: list[FakeCall] = []
         self.released: list[str] = []
         self.refuse: Callable[[pb.VerifierGenerateRequest], str | None] = lambda request: None
+        self.load = pb.VerifierLoad()  # what Load reports (a test sets capacity and measured pace)
         self._lock = threading.Lock()
         self._called = threading.Condition(self._lock)  # notified on every new call
 
@@ -78,6 +79,7 @@ class FakeVerifier(pb_grpc.VerifierServicer):
             self.calls.clear()
             self.released.clear()
         self.refuse = lambda request: None
+        self.load = pb.VerifierLoad()
         self.delay_s, self.tokens_per_step = delay_s, tokens_per_step
 
     def wait_for_calls(self, n: int, timeout_s: float = 2.0) -> list[FakeCall]:
@@ -119,10 +121,13 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         self.released.append(request.session_id)
         return pb.ReleaseSessionResponse(released=True)
 
+    def Load(self, request, context):
+        return self.load
+
     def Info(self, request, context):
         return pb.VerifierInfo(model=self.model, vocab_size=self.vocab_size, max_context=self.max_context,
                                default_shape=pb.TreeShape(widths=[1, 1, 3, 1], max_nodes=64), num_speculators=2,
-                               kv_capacity_tokens=65536)
+                               kv_capacity_tokens=65536, load=self.load)
 
 
 def start_fake_verifier(fake: FakeVerifier, port: int = 0) -> RunningServer:

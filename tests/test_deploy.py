@@ -608,6 +608,28 @@ def test_k8s_grpc_services_probe_their_own_port():
         assert container["envFrom"][0]["configMapRef"]["name"] == "specinfer-config"
 
 
+def test_orchestrators_grace_periods_follow_the_services_grace_setting():
+    """SIGTERM to kill is the services' --grace-s: they drain within it (handing over what cannot
+    finish shortly before it ends), so compose's stop_grace_period and every pod's
+    terminationGracePeriodSeconds (plus any preStop sleep, which the period also counts) are it."""
+    from specinfer.limits import DEFAULT_GRACE_S
+
+    compose = load_compose()
+    env = compose["x-common-env"]
+    assert env["SPECINFER_GRACE_S"] == f"${{SPECINFER_GRACE_S:-{DEFAULT_GRACE_S:g}}}"
+    for name in SPECINFER_SERVICES:
+        assert compose["services"][name]["stop_grace_period"] == f"${{SPECINFER_GRACE_S:-{DEFAULT_GRACE_S:g}}}s", name
+    grace = float(k8s_object("ConfigMap", "specinfer-config")["data"]["SPECINFER_GRACE_S"])
+    assert grace == DEFAULT_GRACE_S
+    for path, doc in k8s_workloads():
+        pod = doc["spec"]["template"]["spec"]
+        if not any(c.get("command", [""])[:2] == ["python", "-m"] for c in pod["containers"]):
+            continue  # not a SpecInfer service
+        sleeps = [int(as_argv(c["lifecycle"]["preStop"]["exec"]["command"])[-1]) for c in pod["containers"]
+                  if "preStop" in c.get("lifecycle", {})]
+        assert pod["terminationGracePeriodSeconds"] == grace + max(sleeps, default=0), (path.name, pod)
+
+
 def test_k8s_verifier_gets_a_gpu_and_peers_are_headless():
     verifier = k8s_object("Deployment", "verifier")["spec"]["template"]["spec"]["containers"][0]
     assert int(verifier["resources"]["limits"]["nvidia.com/gpu"]) >= 1

@@ -18,6 +18,7 @@ import pytest
 from opentelemetry import trace
 
 from fake_verifier import FakeVerifier, cycle_successor, expected_tokens, start_fake_verifier
+from services.gateway.admission import AdmissionConfig
 from services.gateway.config import GatewayConfig
 from services.gateway.routing import Candidate
 from services.gateway.server import serve
@@ -33,6 +34,7 @@ CORPUS = ["the quick brown fox jumps over the lazy dog. ", "hello world, hello g
 LIMITS = RequestLimits(max_prompt_tokens=64, max_new_tokens=256, default_max_new_tokens=16,
                        max_concurrent_requests=16, max_stop_sequences=4, max_tree_depth=8)
 POOL = PoolConfig(health_poll_s=0.05)
+FIXED = AdmissionConfig(latency_factor=0)  # every request runs at once: these tests are about failover
 
 
 def _metric(registry, name: str, labels: dict | None = None) -> float:
@@ -66,7 +68,7 @@ class _Fleet:
         self.ports = [s.port for s in self.servers]
         self.registry = new_registry()
         cfg = GatewayConfig(port=0, verifier_addr=",".join(f"127.0.0.1:{p}" for p in self.ports), limits=LIMITS,
-                            grace_s=0, model_dir=tok_dir, pool=POOL)
+                            grace_s=0, model_dir=tok_dir, pool=POOL, admission=FIXED)
         self.gateway = serve(cfg, trace.NoOpTracer(), self.registry, tokenizer=tokenizer)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.gateway.port}")
         self.stub = pb_grpc.GatewayStub(self.channel)
@@ -210,7 +212,7 @@ def test_a_request_that_moves_to_another_real_verifier_mid_stream_outputs_what_i
     limits = RequestLimits(max_prompt_tokens=64, max_new_tokens=400, default_max_new_tokens=16,
                            max_concurrent_requests=16, max_stop_sequences=4, max_tree_depth=8)
     cfg = GatewayConfig(port=0, verifier_addr=",".join(f"127.0.0.1:{v.port}" for v in verifiers), limits=limits,
-                        grace_s=0, model_dir=llm, pool=POOL)
+                        grace_s=0, model_dir=llm, pool=POOL, admission=FIXED)
     gateway = serve(cfg, trace.NoOpTracer(), registry)
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     stub = pb_grpc.GatewayStub(channel)

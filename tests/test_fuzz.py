@@ -86,6 +86,7 @@ def _methods() -> list[Method]:
         Method("verifier", vf + "ReleaseSession", "unary_unary",
                (pb.ReleaseSessionRequest(session_id="fuzz-session"),)),
         Method("verifier", vf + "Info", "unary_unary", (pb.InfoRequest(),)),
+        Method("verifier", vf + "Load", "unary_unary", (pb.InfoRequest(),)),
         Method("speculator", sp + "Speculate", "stream_stream", (_start(), _feedback(), _feedback())),
         Method("speculator", sp + "Info", "unary_unary", (pb.InfoRequest(),)),
     ]
@@ -136,6 +137,15 @@ def _set_extreme(msg, rng: random.Random) -> None:
     field = rng.choice(fields)
     repeated = (field.is_repeated if hasattr(field, "is_repeated")  # protobuf >= 6: `label` is deprecated
                 else field.label == FieldDescriptor.LABEL_REPEATED)
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:  # a map: one odd entry
+        key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+        entries = getattr(msg, field.name)
+        k = rng.choice(_EXTREMES[key.cpp_type])
+        if value.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            _set_extreme(entries[k], rng)
+        else:
+            entries[k] = rng.choice(_EXTREMES[value.cpp_type])
+        return
     if field.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
         _set_extreme(getattr(msg, field.name).add() if repeated else getattr(msg, field.name), rng)
         return

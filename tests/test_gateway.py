@@ -102,7 +102,9 @@ def exporter() -> InMemorySpanExporter:
 def gateway(fake_server, tok_dir, tokenizer, exporter):
     registry = new_registry()
     tracer = setup_tracing("specinfer-gateway", None, exporter=exporter)
-    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir), tracer, registry, tokenizer=tokenizer)
+    # A fixed limit: these tests run requests side by side (admission's own tests build their gateways).
+    gw = serve(gateway_config(fake_server[1].port, model_dir=tok_dir, admission=AdmissionConfig(latency_factor=0)),
+               tracer, registry, tokenizer=tokenizer)
     gw.registry = registry
     yield gw
     gw.stop(0)
@@ -276,43 +278,47 @@ def test_not_found(stub, fake):
     assert fake.calls == []
 
 
-def test_admission_queues_briefly_then_refuses(fake_server, tok_dir, tokenizer):
-    """Past the limit a request waits in a FIFO queue; it runs when a slot frees, and is refused
-    with RESOURCE_EXHAUSTED when its wait ends or the queue is full."""
+def test_admission_queues_what_starts_soon_and_refuses_the_rest_at_once(fake_server, tok_dir, tokenizer):
+    """Past the limit a request waits in a FIFO queue while it is predicted to start within its
+    bound (the running request's tokens left at the measured pace); it runs when the slot frees.
+    A full queue, or a predicted wait past the request's deadline, is refused at once with
+    RESOURCE_EXHAUSTED and a retry hint in the trailers."""
     fake, server = fake_server
     fake.reset(delay_s=0.05)
-    admission = AdmissionConfig(latency_factor=0, max_queued=1, queue_timeout_s=0.6)
+    admission = AdmissionConfig(latency_factor=0, max_queued=1, queue_timeout_s=60, queue_factor=1000)
     gw = serve(gateway_config(server.port, model_dir=tok_dir, limits=replace(LIMITS, max_concurrent_requests=1),
                               admission=admission), trace.NoOpTracer(), new_registry(), tokenizer=tokenizer)
     pool = ThreadPoolExecutor(2)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
             s = pb_grpc.GatewayStub(ch)
-            first = s.GenerateStream(gen_request(max_tokens=200), timeout=10)
-            next(first)
+            first = s.GenerateStream(gen_request(max_tokens=200), timeout=60)
+            assert wait_until(lambda: gw.core.admission.token_s() is not None, 5.0)  # the pace is measured
 
-            def generate(max_tokens: int):
+            def generate(max_tokens: int, timeout_s: float = 30):
                 try:
-                    return s.Generate(gen_request(max_tokens=max_tokens), timeout=5)
+                    return s.Generate(gen_request(max_tokens=max_tokens), timeout=timeout_s)
                 except grpc.RpcError as exc:
                     return exc
 
-            # How long a queued request waits is `Admission`'s (test_admission.py, on a fake clock);
-            # here: a full queue refuses at once, a queued request is refused when its wait ends.
             queued = pool.submit(generate, 5)
             assert wait_until(lambda: gw.core.admission.num_queued == 1, 10)
-            err = status_of(lambda: s.Generate(gen_request(max_tokens=5), timeout=5))  # the queue is full
+            err = status_of(lambda: s.Generate(gen_request(max_tokens=5), timeout=30))  # the queue is full
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.details()
-            err = queued.result(10)
-            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "after queueing for 0.6 s" in err.details()
-
-            queued = pool.submit(generate, 3)
-            assert wait_until(lambda: gw.core.admission.num_queued == 1, 10)
+            hints = dict(err.trailing_metadata())
+            assert int(hints["retry-after"]) >= 1 and int(hints["grpc-retry-pushback-ms"]) > 0
             first.cancel()  # frees the slot: the queued request runs
             resp = queued.result(10)
             assert not isinstance(resp, grpc.RpcError), resp
-            assert len(resp.token_ids) == 3
-            assert gw.core.admission.num_running == 0 and gw.core.admission.num_queued == 0
+            assert len(resp.token_ids) == 5
+
+            second = s.GenerateStream(gen_request(max_tokens=200), timeout=60)
+            assert next(second).request_id and gw.core.admission.num_running == 1
+            err = generate(5, timeout_s=1.0)  # its deadline ends long before the slot frees
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "predicted" in err.details(), err
+            assert int(dict(err.trailing_metadata())["retry-after"]) >= 2
+            second.cancel()
+            assert wait_until(lambda: gw.core.admission.num_running == 0 and gw.core.admission.num_queued == 0, 5)
     finally:
         pool.shutdown(wait=False)
         gw.stop(0)
@@ -1039,5 +1045,6 @@ def test_concurrent_streams_are_independent(stub, fake, tokenizer, script):
         t.start()
     for t in threads:
         t.join()
+    assert len(results) == len(threads)  # every stream ended (a thread that failed leaves no result)
     for prompt, ids in results.items():
         assert ids == expected_tokens(cycle_successor(script), tokenizer.encode(prompt)[-1], 12)

@@ -274,6 +274,7 @@ def test_overload_is_429(guarded):
             c.completions.create(model=model, prompt="import os", max_tokens=2)
         stream.close()
     assert err.value.status_code == 429 and err.value.body["type"] == "rate_limit_error"
+    assert int(err.value.response.headers["retry-after"]) >= 1  # when to come back, in whole seconds
 
 
 def test_verifier_down_is_503(text_pair):

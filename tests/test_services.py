@@ -209,3 +209,27 @@ def test_request_picks_its_ssm_pool_by_name(tiny_pair, engine, greedy_prompts):
             generate(stub, prompt, 4, ssm_names=["no-such-ssm"])
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no-such-ssm" in err.value.details()
         assert servicer.engine.verifier.runner.allocator.num_used == 0  # the rejected request left nothing behind
+
+
+def test_the_verifier_reports_what_it_serves(stack, executor):
+    """Load (and Info's `load`): its batch capacity, requests running, free KV, and its measured
+    time per output token by load, which the gateways admit by."""
+    stub, servicer = stack.verifier_stub, stack.verifier_servicer
+    idle = stub.Load(pb.InfoRequest(), timeout=5)
+    assert idle.max_batch == servicer.engine.scheduler.cfg.max_batch and idle.num_running == 0
+    allocator = servicer.engine.verifier.runner.allocator
+    assert idle.kv_free_tokens == allocator.num_free * allocator.block_size > 0
+    assert not idle.draining
+    generate(stub, [4, 5, 6], 60, ignore_eos=True)
+    list(executor.map(lambda p: generate(stub, p, 60, ignore_eos=True), [[4, 5], [6, 7], [8, 9]]))
+    load = stub.Load(pb.InfoRequest(), timeout=5)
+    loads = [p.num_running for p in load.token_times]
+    assert loads == sorted(set(loads)) and loads[0] >= 1 and all(p.token_s > 0 and p.num_samples for p in
+                                                                  load.token_times)
+    assert sum(p.num_samples for p in load.token_times) >= 20  # one per step after the first, per request
+    assert stub.Info(pb.InfoRequest(), timeout=5).load.max_batch == load.max_batch
+    servicer.stop_taking()  # the drain's first move: reported, and new calls go elsewhere
+    assert stub.Load(pb.InfoRequest(), timeout=5).draining
+    with pytest.raises(grpc.RpcError) as refused:
+        generate(stub, [4, 5, 6], 4)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -117,6 +117,9 @@ def _flags() -> list[Flag]:
              "requests that may wait for a slot before RESOURCE_EXHAUSTED", low=0),
         Flag("--admission-queue-timeout-s", "SPECINFER_ADMISSION_QUEUE_TIMEOUT_S", float, da.queue_timeout_s,
              "longest wait for a slot", low=0),
+        Flag("--admission-queue-factor", "SPECINFER_ADMISSION_QUEUE_FACTOR", float, da.queue_factor,
+             "a request waits for a slot only while its predicted wait is at most this many times its own "
+             "unloaded run time; a longer one is refused at once with a retry hint", low=0),
         Flag("--max-stop-sequences", "SPECINFER_MAX_STOP_SEQUENCES", int, dl.max_stop_sequences,
              "stop strings per request", low=0),
         Flag("--max-tree-depth", "SPECINFER_MAX_TREE_DEPTH", int, dl.max_tree_depth, "token-tree levels per request",
@@ -166,7 +169,7 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         max_running=a["max_concurrent_requests"], min_running=min(a["min_running_requests"],
                                                                   a["max_concurrent_requests"]),
         latency_factor=a["admission_latency_factor"], max_queued=a["max_queued_requests"],
-        queue_timeout_s=a["admission_queue_timeout_s"],
+        queue_timeout_s=a["admission_queue_timeout_s"], queue_factor=a["admission_queue_factor"],
     )
     return GatewayConfig(
         host=a["host"], port=a["port"], verifier_addr=a["verifier_addr"], routing=routing, pool=pool,

@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Protocol
 
-from services.gateway.admission import Admission
+from services.gateway.admission import Admission, VerifierView
 from services.gateway.config import GatewayConfig
 from services.gateway.runs import Chunk, RequestRun, RunDeps, RunPlan, RunRegistry
 from services.gateway.stops import TextState
@@ -210,6 +210,30 @@ class GatewayCore:
 
     def _observe_step(self, token_s: float) -> None:
         self.admission.observe_step(token_s, self.admission.num_running)
+
+    def refresh_verifiers(self) -> None:
+        """Admission follows the serving verifiers' latest reports (after each, and as they come and go)."""
+        self.admission.set_verifiers([VerifierView(load, mine) for load, mine in self.verifier.loads()])
+
+    # -- draining (specinfer.serving.drain.Drainable) -------------------------------------------
+    def stop_taking(self) -> None:
+        """No new request from now on; one that arrives or waits in the queue gets UNAVAILABLE."""
+        self.admission.close()
+
+    def in_flight(self) -> list[tuple[str, int]]:
+        return [(run.request_id, run.plan.params.max_new_tokens - run.num_tokens) for run in self.registry.all()]
+
+    def token_s(self) -> float | None:
+        return self.admission.token_s()
+
+    def hand_over(self, request_ids: list[str]) -> None:
+        """Interrupts these runs: each stays resumable (its tokens are in the store), its client gets
+        UNAVAILABLE, and another gateway continues it on ResumeStream (this one drops its lease as
+        it exits, so the takeover does not wait for it to lapse)."""
+        for request_id in request_ids:
+            run = self.registry.get(request_id)
+            if run is not None:
+                run.interrupt()
 
     # -- generate ----------------------------------------------------------------------------
     def generate(self, req: NewRequest, call: CallContext, prefix_group: str = "") -> Iterator[Chunk]:

@@ -46,7 +46,7 @@ from services.gateway.openai_schema import (
 from services.gateway.runs import Chunk
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.validation import NewRequest
-from specinfer.errors import BindError, NotFoundError, UserError
+from specinfer.errors import BindError, CapacityError, NotFoundError, UserError
 from specinfer.limits import MAX_METADATA_BYTES
 from specinfer.logprobs import TokenLogprob
 from specinfer.serving.grpc_server import status_for
@@ -159,8 +159,11 @@ def error_response(exc: BaseException) -> JSONResponse:
         # compile, a token outside the vocabulary) come back as "verifier: <field>: ..."
         head = message.removeprefix("verifier: ").split(":", 1)[0].removeprefix("sampling.")
         param = head if head and " " not in head else None
+    headers = None
+    if isinstance(exc, CapacityError) and exc.retry_after_whole_s is not None:
+        headers = {"Retry-After": str(exc.retry_after_whole_s)}
     return JSONResponse(error_body(message, error_type, param, "model_not_found" if param == "model" else None),
-                        status)
+                        status, headers=headers)
 
 
 @dataclass

@@ -124,6 +124,7 @@ class RequestRun:
         self._num_stored_tokens: int | None = None
         self._num_stored_chars = 0
         self._step_offsets: list[int] = []
+        self.ticket: Ticket | None = None  # its admission slot: told how far the run has come
         self._thread = threading.Thread(target=self._work, name=f"run-{plan.request_id}", daemon=True)
 
     # -- control (any thread) ---------------------------------------------------------------
@@ -168,6 +169,8 @@ class RequestRun:
     def _request_stop(self, reason: str) -> None:
         if reason == "cancelled" or not self._stop_reason:
             self._stop_reason = reason
+        if self.ticket is not None:  # its slot frees in a moment: admission predicts no wait for it
+            self.ticket.num_done = self.ticket.num_new_tokens
         if self._stream is not None:
             self._stream.cancel()
         self.cond.notify_all()
@@ -312,6 +315,8 @@ class RequestRun:
                 if is_stop:
                     end_reason = "stop"
                     break
+            if self.ticket is not None:
+                self.ticket.num_done = self.text.num_tokens - len(self.plan.generated_ids)
             if step.token_ids:
                 now = self.deps.clock()
                 if self._last_token_at is not None:
@@ -390,7 +395,7 @@ class RequestRun:
         if status == INTERRUPTED and error is None:
             error = UnavailableError(f"request {self.request_id} was interrupted; resume it")
         if isinstance(error, CapacityError):
-            error = CapacityError(f"{error}; request {self.request_id} can be resumed")
+            error = CapacityError(f"{error}; request {self.request_id} can be resumed", error.retry_after_s)
         with self.cond:
             self.status, self.finish_reason, self.stats, self.error = status, finish_reason, stats, error
             self.final_text = text if is_final else None
@@ -427,11 +432,13 @@ class RunRegistry:
         if existing is not None:
             return existing
         plan = run.plan
-        ticket = self.admission.acquire(len(plan.prompt_ids) + plan.params.max_new_tokens, wait_s)
+        ticket = self.admission.acquire(len(plan.prompt_ids) + plan.params.max_new_tokens, wait_s,
+                                        plan.params.max_new_tokens - len(plan.generated_ids), plan.prefix_group)
         with self._lock:
             existing = self._runs.get(run.request_id)
             if existing is None:
                 self._runs[run.request_id], self._tickets[run.request_id] = run, ticket
+                run.ticket = ticket
         if existing is not None:
             self.admission.release(ticket)
         return existing

@@ -227,7 +227,9 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                 model=v.model, ssm_names=list(v.ssm_names), max_prompt_tokens=lim.max_prompt_tokens,
                 max_tokens=lim.max_new_tokens, max_concurrent_requests=lim.max_concurrent_requests,
                 default_shape=pb.TreeShape(widths=list(v.default_widths), max_nodes=v.default_max_nodes),
-                max_stop_sequences=lim.max_stop_sequences, max_logprobs=MAX_LOGPROBS, max_samples=MAX_SAMPLES)
+                max_stop_sequences=lim.max_stop_sequences, max_logprobs=MAX_LOGPROBS, max_samples=MAX_SAMPLES,
+                admission_limit=self.core.admission.limit, num_running=self.core.admission.num_running,
+                num_queued=self.core.admission.num_queued, num_verifiers_serving=self.core.verifier.num_serving())
 
 
 # -- assembling and running the service -----------------------------------------------------
@@ -260,6 +262,7 @@ def connect_verifiers(cfg: GatewayConfig, metrics: GatewayMetrics) -> RoutedVeri
         if state == SERVING:  # it may have restarted with an empty cache
             router.drop(address)
         metrics.verifiers_serving.set(len(pool.serving()))
+        pool.on_load()  # admission counts the verifiers that serve
 
     pool = VerifierPool(targets, lambda address: VerifierClient(address, cfg.max_message_bytes,
                                                                 cfg.verifier_security, tls_name),
@@ -280,6 +283,8 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
     metrics = GatewayMetrics.create(registry)
     verifier = connect_verifiers(cfg, metrics)
     core = GatewayCore(cfg, tokenizer, store, verifier, metrics)
+    verifier.pool.on_load = core.refresh_verifiers
+    core.refresh_verifiers()
     core.start()
     servicer = GatewayServicer(core, tracer, metrics)
     metrics_server: MetricsServer | None = None
@@ -303,6 +308,7 @@ def serve(cfg: GatewayConfig, tracer: trace.Tracer, registry: CollectorRegistry,
                          instance_id=cfg.instance_id),
             [lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server)], [SERVICE_NAME], on_stop,
             on_drain=http.begin_stop if http else None)
+        running.work = core  # SIGTERM: its runs finish, or are handed over
     except BaseException:
         on_stop()
         raise

@@ -18,6 +18,7 @@ from specinfer.errors import CapacityError, NotFoundError, PeerError, Unavailabl
 from specinfer.logprobs import TokenLogprob
 from specinfer.params import GenerationParams
 from specinfer.serving import convert
+from specinfer.serving.capacity import VerifierLoad
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
 from specinfer.serving.security import ChannelSecurity, open_channel
 from specinfer.serving.settings import message_options, reconnect_options
@@ -59,6 +60,7 @@ class VerifierSummary:
     ssm_names: tuple[str, ...] = ()
     kv_capacity_tokens: int = 0  # 0 = unknown
     kv_block_size: int = 0  # 0 = unknown
+    load: VerifierLoad | None = None  # what it serves now; None: not reported
 
 
 def domain_error(exc: grpc.RpcError, what: str = "verifier") -> Exception:
@@ -141,9 +143,20 @@ class VerifierClient:
         except grpc.RpcError as exc:
             raise domain_error(exc) from exc
         ssm_names = tuple(msg.ssm_names)
+        load = convert.load_from_proto(msg.load, msg.kv_capacity_tokens) if msg.HasField("load") else None
         return VerifierSummary(msg.model, msg.vocab_size, msg.max_context, tuple(msg.default_shape.widths),
                                msg.default_shape.max_nodes, msg.num_speculators, ssm_names,
-                               msg.kv_capacity_tokens, msg.kv_block_size)
+                               msg.kv_capacity_tokens, msg.kv_block_size, load)
+
+    def load(self, timeout_s: float, kv_capacity_tokens: int) -> VerifierLoad | None:
+        """What it serves now; None from a verifier that does not report it (UNIMPLEMENTED)."""
+        try:
+            msg = self.stub.Load(pb.InfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return None
+            raise domain_error(exc) from exc
+        return convert.load_from_proto(msg, kv_capacity_tokens)
 
     def close(self) -> None:
         self.channel.close()

@@ -7,7 +7,9 @@
 channel (`VerifierClient`) and a health watcher: a verifier takes requests only while its health
 says SERVING (one that drains, restarts or cannot be reached leaves at once, and comes back as
 soon as it serves again, its channel already connected). When it becomes SERVING the gateway
-asks its Info (its KV block size, for routing).
+asks its Info (its KV block size, for routing), and then every `VERIFIER_LOAD_POLL_S` what it
+serves (Verifier.Load: batch capacity, requests running, free KV, measured time per token), which
+admission follows.
 
 `RoutedVerifiers` is what a request run calls: it routes the call (`routing.Router`) among the
 serving verifiers, preferring ones the request has not failed on yet, waits briefly
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 import socket
 import threading
 import time
@@ -31,9 +34,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.gateway.routing import Candidate, Route, Router
 from services.gateway.telemetry import GatewayMetrics
 from services.gateway.verifier_client import VerifierCall, VerifierClient, VerifierStep, VerifierStream, VerifierSummary
+from specinfer.serving.capacity import VerifierLoad
 from specinfer.errors import PeerError, UnavailableError, UserError
 from specinfer.limits import (
-    DEFAULT_DNS_REFRESH_S, DEFAULT_KV_BLOCK_SIZE, HEALTH_POLL_S, HEALTH_TIMEOUT_S, ROUTE_WAIT_S, VERIFIER_PORT,
+    DEFAULT_DNS_REFRESH_S, DEFAULT_KV_BLOCK_SIZE, HEALTH_POLL_S, HEALTH_TIMEOUT_S, ROUTE_WAIT_S, VERIFIER_LOAD_POLL_S,
+    VERIFIER_PORT,
 )
 
 log = logging.getLogger(__name__)
@@ -130,6 +135,7 @@ class VerifierTargets:
 class PoolConfig:
     dns_refresh_s: float = DEFAULT_DNS_REFRESH_S
     health_poll_s: float = HEALTH_POLL_S
+    load_poll_s: float = VERIFIER_LOAD_POLL_S  # how often a serving verifier is asked what it serves
     health_timeout_s: float = HEALTH_TIMEOUT_S
     default_block_size: int = DEFAULT_KV_BLOCK_SIZE  # until a verifier reports its own
 
@@ -143,6 +149,9 @@ class Member:
     state: str = UNKNOWN
     block_size: int = 0  # 0 = not reported
     summary: VerifierSummary | None = None
+    load: VerifierLoad | None = None  # what it serves, as it last reported (Verifier.Load)
+    num_mine: int = 0  # this gateway's calls on it when it reported
+    load_at: float = -math.inf  # monotonic time of that report
     is_leaving: bool = False  # gone from DNS: no new calls; closed once its calls ended
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -155,6 +164,7 @@ class VerifierPool:
                  cfg: PoolConfig | None = None, on_change: Callable[[str, str], None] = lambda a, s: None,
                  in_flight: Callable[[str], int] = lambda address: 0):
         self.targets = targets
+        self.on_load: Callable[[], None] = lambda: None  # told after every load report
         self._in_flight = in_flight
         self.cfg = cfg or PoolConfig()
         self._make_client = make_client
@@ -235,16 +245,31 @@ class VerifierPool:
                 self._set_state(member, SERVING)
             elif not is_serving and member.state != DOWN:
                 self._set_state(member, DOWN)
+            if member.state == SERVING and time.monotonic() - member.load_at >= self.cfg.load_poll_s:
+                self._poll_load(member)
             if self._stop.wait(self.cfg.health_poll_s):
                 return
 
     def _learn(self, member: Member) -> None:
-        """Its Info (block size, capacity): asked whenever it (re)starts serving."""
+        """Its Info (block size, capacity, load): asked whenever it (re)starts serving."""
         try:
             member.summary = member.client.info(self.cfg.health_timeout_s, [])
             member.block_size = member.summary.kv_block_size
+            member.load, member.load_at = member.summary.load, time.monotonic()
         except Exception as exc:  # noqa: BLE001 - routing falls back to the default block size
             log.warning("verifier %s did not answer Info: %s", member.address, exc)
+
+    def _poll_load(self, member: Member) -> None:
+        """Asks a serving verifier what it serves (for admission); one that does not say keeps none."""
+        capacity = member.summary.kv_capacity_tokens if member.summary is not None else 0
+        try:
+            load = member.client.load(self.cfg.health_timeout_s, capacity)
+        except Exception as exc:  # noqa: BLE001 - its health decides whether it serves
+            log.debug("verifier %s did not report its load: %s", member.address, exc)
+            load = None
+        with self._cond:
+            member.load, member.num_mine, member.load_at = load, self._in_flight(member.address), time.monotonic()
+        self.on_load()
 
     def _set_state(self, member: Member, state: str) -> None:
         with self._cond:
@@ -382,6 +407,10 @@ class RoutedVerifiers:
 
     def num_serving(self) -> int:
         return len(self.pool.serving())
+
+    def loads(self) -> list[tuple[VerifierLoad, int]]:
+        """Each serving verifier's last report, with this gateway's calls on it when it came."""
+        return [(m.load, m.num_mine) for m in self.pool.serving() if m.load is not None]
 
     def close(self) -> None:
         self.pool.close()

@@ -24,17 +24,19 @@ from opentelemetry import trace
 from services.verifier.config import VerifierConfig, parse_config
 from services.verifier.speculators import RemoteSpeculation, co_located_pool, pool_context
 from specinfer.engine.llm_engine import Engine, EngineConfig
-from specinfer.engine.loop import DraftTree
+from specinfer.engine.loop import DraftTree, Generation
 from specinfer.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.drafting.tree import TokenTree
 from specinfer.limits import check_verifier_request
 from specinfer.params import TreeShape
-from specinfer.errors import UserError
+from specinfer.errors import UnavailableError, UserError
 from specinfer.logprobs import space_for
 from specinfer.model_source import resolve
 from specinfer.serving.convert import (
-    finish_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto, stats_to_proto,
+    finish_to_proto, load_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto,
+    stats_to_proto,
 )
+from specinfer.serving.capacity import LatencyModel, TokenPace, VerifierLoad
 from specinfer.serving.grpc_server import RunningServer, model_service_main, remaining_timeout, start_model_service
 from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics
 from specinfer.serving.tracing import server_span
@@ -45,11 +47,24 @@ log = logging.getLogger(__name__)
 
 
 class VerifierServicer(pb_grpc.VerifierServicer):
+    """The Verifier service. It measures what it serves (time per output token against the
+    requests running, `specinfer.serving.capacity`) and reports it with its batch capacity and
+    free KV in Info, for the gateways' admission; on SIGTERM it drains (`specinfer.serving.drain`):
+    new requests are refused UNAVAILABLE (the gateway sends them to another verifier), those in
+    flight finish, and one that cannot finish in time ends UNAVAILABLE where it is, so the gateway
+    continues it on another verifier."""
+
     def __init__(self, cfg: VerifierConfig, engine: Engine, tracer, metrics: SpecDecodeMetrics):
         self.cfg = cfg
         self.engine = engine
         self.tracer = tracer
         self.metrics = metrics
+        self.latency = LatencyModel()
+        self.pace = TokenPace()
+        self._lock = threading.Lock()
+        self._active: dict[int, Generation | None] = {}  # per call: its generation once started
+        self._handed_over: set[int] = set()
+        self._is_draining = False
 
     def Info(self, request, context):
         engine, speculation = self.engine, self.engine.source
@@ -60,7 +75,22 @@ class VerifierServicer(pb_grpc.VerifierServicer):
             kv_capacity_tokens=engine.verifier.runner.kv.num_slots,
             ssm_names=speculation.all_names() if speculation else [],
             kv_block_size=engine.verifier.runner.allocator.block_size,
+            load=load_to_proto(self.load()),
         )
+
+    def Load(self, request, context):
+        return load_to_proto(self.load())
+
+    def load(self) -> VerifierLoad:
+        """What it serves now: batch capacity, requests running and waiting, free KV, measured pace."""
+        scheduler, allocator = self.engine.scheduler, self.engine.verifier.runner.allocator
+        with self._lock:
+            num_calls = len(self._active)
+        return VerifierLoad(max_batch=scheduler.cfg.max_batch, num_running=scheduler.num_open,
+                            num_waiting=max(0, num_calls - scheduler.num_open),
+                            kv_capacity_tokens=self.engine.verifier.runner.kv.num_slots,
+                            kv_free_tokens=allocator.num_free * allocator.block_size,
+                            points=self.latency.points(), is_draining=self._is_draining)
 
     def ReleaseSession(self, request, context):
         return pb.ReleaseSessionResponse(released=self.engine.scheduler.release_session(request.session_id))
@@ -72,26 +102,83 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         if request.prefix_group and request.session_id:  # a session's cache trims what a group shares
             raise UserError("prefix_group: not with a session_id")
         timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
-        should_stop = _abandon_when(context, time.monotonic() + timeout_s)
-        with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
-                         session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
-            generation = self.engine.start(prompt_ids, params, request.request_id, request.session_id or None,
-                                           timeout_s, StepSpans(self.tracer, self.metrics, span),
-                                           request.prefix_group or None)
-            span.set_attribute("reused_prefix_tokens", generation.session.num_reused)
-            is_ok = False
-            try:
-                while not generation.is_done:
-                    (kept,) = self.engine.step([generation], should_stop)
-                    if generation.is_done:  # before the last message: the caller may close the stream on it
-                        is_ok = True
-                        span.set_attribute("output_tokens", len(generation.result.output_ids))
-                        span.set_attribute("llm_steps", generation.result.num_llm_steps)
-                    yield self._response(generation, kept)
-            finally:
-                if not is_ok and context.is_active() is False:
-                    span.add_event("cancelled")
-                self.engine.finish(generation)
+        key = self._enter()
+        abandon = _abandon_when(context, time.monotonic() + timeout_s)
+
+        def should_stop() -> None:  # also once the request was handed over (draining)
+            abandon()
+            self._check_handed_over(key)
+
+        try:
+            with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
+                             session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
+                generation = self.engine.start(prompt_ids, params, request.request_id, request.session_id or None,
+                                               timeout_s, StepSpans(self.tracer, self.metrics, span),
+                                               request.prefix_group or None)
+                with self._lock:
+                    self._active[key] = generation
+                span.set_attribute("reused_prefix_tokens", generation.session.num_reused)
+                yield from self._steps(generation, span, context, should_stop)
+        finally:
+            with self._lock:
+                self._active.pop(key, None)
+                self._handed_over.discard(key)
+
+    def _steps(self, generation, span, context, should_stop):
+        """The request's verified steps, each one message, timing each per output token."""
+        is_ok, last_at = False, None
+        try:
+            while not generation.is_done:
+                should_stop()
+                (kept,) = self.engine.step([generation], should_stop)
+                now = time.monotonic()
+                if kept and last_at is not None:  # from the second step: the first one also read the prompt
+                    self._observe((now - last_at) / len(kept))
+                last_at = now if kept else last_at
+                if generation.is_done:  # before the last message: the caller may close the stream on it
+                    is_ok = True
+                    span.set_attribute("output_tokens", len(generation.result.output_ids))
+                    span.set_attribute("llm_steps", generation.result.num_llm_steps)
+                yield self._response(generation, kept)
+        finally:
+            if not is_ok and context.is_active() is False:
+                span.add_event("cancelled")
+            self.engine.finish(generation)
+
+    def _observe(self, token_s: float) -> None:
+        self.latency.add(max(1, self.engine.scheduler.num_open), token_s)
+        self.pace.observe(token_s)
+
+    # -- draining (specinfer.serving.drain.Drainable) -----------------------------------------
+    def _enter(self) -> int:
+        """Registers a call; a draining verifier takes none (the gateway goes to another)."""
+        with self._lock:
+            if self._is_draining:
+                raise UnavailableError("the verifier is stopping; the request goes to another verifier")
+            key = max(self._active, default=0) + 1
+            self._active[key] = None
+            return key
+
+    def _check_handed_over(self, key: int) -> None:
+        if key in self._handed_over:
+            raise UnavailableError("the verifier is stopping: the request goes on on another verifier")
+
+    def stop_taking(self) -> None:
+        with self._lock:
+            self._is_draining = True
+
+    def in_flight(self) -> list[tuple[int, int]]:
+        with self._lock:
+            active = list(self._active.items())
+        return [(key, g.params.max_new_tokens - len(g.result.output_ids) if g is not None else 0)
+                for key, g in active if key not in self._handed_over]
+
+    def token_s(self) -> float | None:
+        return self.pace.value
+
+    def hand_over(self, keys: list[int]) -> None:
+        with self._lock:
+            self._handed_over.update(k for k in keys if k in self._active)
 
     def _response(self, generation, kept: list[int]) -> pb.VerifierGenerateResponse:
         result, num_cached = generation.result, generation.session.num_reused
@@ -243,8 +330,10 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
             engine.policy()
         return VerifierServicer(cfg, engine, tracer, SpecDecodeMetrics.create(registry)), scheduler
 
-    return start_model_service("verifier", cfg, exporter, create, pb_grpc.add_VerifierServicer_to_server,
-                               pb.DESCRIPTOR.services_by_name["Verifier"].full_name)
+    server, servicer = start_model_service("verifier", cfg, exporter, create, pb_grpc.add_VerifierServicer_to_server,
+                                           pb.DESCRIPTOR.services_by_name["Verifier"].full_name)
+    server.work = servicer  # SIGTERM: its requests finish, or are handed over
+    return server, servicer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +371,7 @@ def _serve_rank(argv: list[str] | None) -> int:
     from specinfer.engine.runtime.parallel import ShardSpec, serve_rank
     from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
     from specinfer.engine.runtime.cpu import configure_cpu_runtime
-    from specinfer.errors import UserError
+    from specinfer.errors import UnavailableError, UserError
     from specinfer.serving.logs import setup_logging
 
     configure_cpu_runtime()

@@ -27,7 +27,7 @@ from pathlib import Path
 from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_kv_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH
-from specinfer.limits import GATEWAY_PORT, HTTP_PORT, SPECULATOR_PORT, VERIFIER_PORT
+from specinfer.limits import GATEWAY_PORT, HTTP_PORT, LAUNCHER_GRACE_S, SPECULATOR_PORT, VERIFIER_PORT
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.util import CACHE_DIR_ENV
 
@@ -210,7 +210,8 @@ class Stack:
         # the internal token: in the environment, never on a command line (visible to `ps`); the gateway
         # logs warnings only (it logs every request at info), the model services tell their start-up too
         common_env = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": secrets.token_urlsafe(32),
-                      "SPECINFER_AUTH_TOKEN_FILE": "", "SPECINFER_INSTANCE_ID": self.instance_id}
+                      "SPECINFER_AUTH_TOKEN_FILE": "", "SPECINFER_INSTANCE_ID": self.instance_id,
+                      "SPECINFER_GRACE_S": str(LAUNCHER_GRACE_S)}  # what `stop` waits for them
         if cfg.omp_wait_policy:
             common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:
@@ -328,7 +329,9 @@ class Stack:
                            f"{child.name} (it does not know this stack's instance id); stop it, or move this "
                            f"stack's with {use.flag.split()[0]}", 2)
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float = LAUNCHER_GRACE_S) -> None:
+        """SIGTERM to every child, and a kill for one still running after `grace_s` (their own
+        grace setting: they drain within it)."""
         for child in reversed(self.children):
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)

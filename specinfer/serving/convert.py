@@ -13,6 +13,7 @@ from __future__ import annotations
 from specinfer import limits
 from specinfer.errors import UserError
 from specinfer.logprobs import PROCESSED, RAW, TokenLogprob
+from specinfer.serving.capacity import LoadPoint, VerifierLoad
 from specinfer.params import Constraint, GenerationParams, SamplingParams, TreeBudget, TreeShape
 from specinfer.stats import GenerationStats, sum_from_mean
 from specinfer.v1 import specinfer_pb2 as pb
@@ -204,3 +205,19 @@ def stats_from_proto(msg: pb.GenerationStats) -> GenerationStats:
         num_tree_nodes=total("num_tree_nodes", "mean_tree_nodes"),
         cached_prompt_tokens=int(msg.cached_prompt_tokens),
     )
+
+
+def load_to_proto(load: VerifierLoad) -> pb.VerifierLoad:
+    return pb.VerifierLoad(max_batch=load.max_batch, num_running=load.num_running, num_waiting=load.num_waiting,
+                           kv_free_tokens=load.kv_free_tokens, draining=load.is_draining,
+                           token_times=[pb.LoadPoint(num_running=p.num_running, token_s=p.token_s,
+                                                     num_samples=p.num_samples) for p in load.points])
+
+
+def load_from_proto(msg: pb.VerifierLoad, kv_capacity_tokens: int = 0) -> VerifierLoad:
+    """A verifier's report; a point that is not a measurement (no samples, no load, a time that is
+    not a positive number) is dropped."""
+    points = tuple(LoadPoint(p.num_running, p.token_s, p.num_samples) for p in msg.token_times
+                   if p.num_running > 0 and p.num_samples > 0 and 0 < p.token_s < float("inf"))
+    return VerifierLoad(msg.max_batch, msg.num_running, msg.num_waiting, kv_capacity_tokens, msg.kv_free_tokens,
+                        points, msg.draining)

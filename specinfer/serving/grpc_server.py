@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_gr
 
 from specinfer.errors import EXIT_CANNOT_BIND, BindError, CapacityError, NotFoundError, UnavailableError, UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
+from specinfer.serving.drain import Drainable, drain, handover_margin
 from specinfer.serving.metrics import RpcMetrics, new_registry
 from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
 from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, bind_problem, message_options
@@ -55,6 +56,13 @@ def status_for(exc: BaseException, trace_id: str | None = None) -> tuple[grpc.St
     return grpc.StatusCode.INTERNAL, f"internal error{where}: {type(exc).__name__}"
 
 
+def retry_after_metadata(exc: CapacityError) -> tuple[tuple[str, str], ...]:
+    """A refusal's retry hint as trailers: `retry-after` in whole seconds (as HTTP's header), and
+    gRPC's own `grpc-retry-pushback-ms`, which a channel with a retry policy obeys."""
+    return (("retry-after", str(exc.retry_after_whole_s)),
+            ("grpc-retry-pushback-ms", str(max(0, round(exc.retry_after_s * 1000)))))
+
+
 class _Outcome:
     """One RPC, unary or streaming: an exception leaving the servicer becomes its status (with
     the traceback logged when it is a server bug), and the outcome is counted."""
@@ -75,6 +83,8 @@ class _Outcome:
         if details is not None:
             if len(details) > MAX_STATUS_DETAILS_CHARS:  # e.g. a long bad value quoted back
                 details = details[:MAX_STATUS_DETAILS_CHARS - 3] + "..."
+            if isinstance(exc, CapacityError) and exc.retry_after_s is not None:
+                self.context.set_trailing_metadata(retry_after_metadata(exc))
             self.context.abort(code, details)  # raises, in place of the servicer's exception
         return False
 
@@ -238,7 +248,7 @@ class RunningServer:
 
     def __init__(self, server: grpc.Server, port: int, health_servicer: health.HealthServicer,
                  service_names: list[str], grace_s: float, on_stop: Callable[[], None] | None,
-                 on_drain: Callable[[], None] | None = None):
+                 on_drain: Callable[[], None] | None = None, work: Drainable | None = None):
         self.server = server
         self.port = port
         self.health = health_servicer
@@ -247,6 +257,7 @@ class RunningServer:
         self.grace_s = grace_s
         self._on_stop = on_stop
         self._on_drain = on_drain  # called as draining starts (another API of the process drains alongside)
+        self.work = work  # the requests in flight: the drain lasts as long as they need (drain.py)
         self._stopped = threading.Event()
         self.run_worker: Callable[[], None] | None = None  # a model service's unthreaded worker loop
 
@@ -256,13 +267,18 @@ class RunningServer:
             self.health.set(name, status)
 
     def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, then a drain of at most `grace_s` (the configured grace by default): as
+        long as the requests in flight need, handing over those that cannot finish in it."""
         if self._stopped.is_set():
             return
         self.set_serving(False)
         if self._on_drain:
             self._on_drain()
-        done = self.server.stop(self.grace_s if grace_s is None else grace_s)
-        done.wait()
+        cap_s = self.grace_s if grace_s is None else grace_s
+        if self.work is not None:  # the requests finish (or are handed over) while the server still answers
+            drain(self.work, cap_s)
+            cap_s = handover_margin(cap_s)  # for the handed-over streams' last message
+        self.server.stop(cap_s).wait()  # done as soon as the requests are
         if self._on_stop:
             self._on_stop()
         self._stopped.set()
@@ -274,7 +290,7 @@ class RunningServer:
         """SIGTERM/SIGINT: NOT_SERVING first, then drain in-flight work, then exit."""
 
         def handler(signum, _frame):
-            log.info("signal %s: draining for up to %.1fs", signum, self.grace_s)
+            log.info("signal %s: draining within %.1fs", signum, self.grace_s)
             threading.Thread(target=self.stop, daemon=True).start()
 
         signal.signal(signal.SIGTERM, handler)

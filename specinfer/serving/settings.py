@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES, MIN_MESSAGE_BYTES
+from specinfer.limits import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES
+from specinfer.limits import MIN_MESSAGE_BYTES
 from specinfer.limits import INITIAL_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS, MIN_CONNECT_TIMEOUT_MS
 from specinfer.util import CACHE_DIR_ENV
 
@@ -24,7 +25,6 @@ T = TypeVar("T")
 
 # ---- the services' defaults ------------------------------------------------------------------
 LOCAL_HOST = "127.0.0.1"  # internal services are not exposed by default
-DEFAULT_GRACE_S = 10.0  # drain period on SIGTERM
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_PORT = 65535
 
@@ -266,7 +266,10 @@ def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Fla
         Flag("--instance-id", "SPECINFER_INSTANCE_ID", str, defaults.get("instance_id", ""),
              "a name for this process: its health service also answers SERVING for specinfer.instance.<id>, so "
              "whoever started it can tell it from another process on its port; unset = none"),
-        Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"], "drain period on SIGTERM", low=0),
+        Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"],
+             "the most a drain on SIGTERM takes: requests in flight get the time their tokens left need at the "
+             "measured speed, within this; one that cannot finish is handed over (set the orchestrator's grace "
+             "period, e.g. terminationGracePeriodSeconds, to the same value)", low=0),
         Flag("--max-message-bytes", "SPECINFER_MAX_MESSAGE_BYTES", parse_bytes, defaults["max_message_bytes"],
              "largest gRPC message received or sent, by this server and the channels it opens (4MiB, 512KiB)",
              low=MIN_MESSAGE_BYTES, high=MAX_MESSAGE_BYTES, shown_default=format_bytes(defaults["max_message_bytes"])),
