@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specinfer.engine.layers.activations import ACTIVATIONS
+from specinfer.engine.layers.linear import can_pack, linear, pack
 from specinfer.engine.layers.norms import offset_rms_norm, offset_weight, rms_norm
 from specinfer.engine.layers.rope import apply_rope, rope_tables
 from specinfer.engine.models.config import ModelConfig
@@ -103,10 +104,16 @@ class ForwardBatch:
     window_starts: list[int] | None = None
 
 
-class DecoderModel:
-    """Inference-only weights and forward pass. Weights are fused: qkv and gate_up (`hf.py`)."""
+MATRICES = (".qkv", ".o", ".gate_up", ".down", "lm_head")  # the weights every pass multiplies by
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device):
+
+class DecoderModel:
+    """Inference-only weights and forward pass. Weights are fused: qkv and gate_up (`hf.py`).
+    On a CPU the weight matrices are laid out once for the GEMM kernels (`layers/linear.py`) unless
+    `is_packed` is False (a model built on the CPU to be moved elsewhere)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
+                 is_packed: bool = True):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -115,6 +122,8 @@ class DecoderModel:
                          else t.to(device=self.device, dtype=dtype)).contiguous() for name, t in weights.items()}
         if weights["lm_head"] is weights["embed"]:
             self.w["lm_head"] = self.w["embed"]
+        if is_packed and can_pack(self.device, dtype):  # a tied LM head gets a packed copy; lookups read `embed`
+            self.w.update({name: pack(t) for name, t in self.w.items() if name.endswith(MATRICES)})
         self.norm = offset_rms_norm if is_offset else rms_norm
         self.act = ACTIVATIONS[cfg.hidden_act]
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
@@ -148,7 +157,7 @@ class DecoderModel:
         if batch.logit_rows is not None:
             h = h[batch.logit_rows]
         h = self.norm(h, w["norm"], cfg.rms_norm_eps)
-        logits = F.linear(h, w["lm_head"])
+        logits = linear(h, w["lm_head"])
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
@@ -160,7 +169,7 @@ class DecoderModel:
         cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
         num_tokens = h.shape[0]
         x = self.norm(h, w[f"{i}.in_norm"], eps)
-        qkv = F.linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))  # (T, (H + 2 Hkv) D)
+        qkv = linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))  # (T, (H + 2 Hkv) D)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
         k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
@@ -176,7 +185,7 @@ class DecoderModel:
             k_cache.index_copy_(0, batch.write, k)
             v_cache.index_copy_(0, batch.write, v)
         attn = (self.attention_backend or self.attention)(q, k_cache, v_cache, seqs)  # (T, H * D)
-        out = F.linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
+        out = linear(attn, w[f"{i}.o"], w.get(f"{i}.o_bias"))
         if self.group is not None:  # row-parallel o: each rank's product is a partial sum
             self.group.all_reduce(out)
         if cfg.is_sandwich_norm:
@@ -187,8 +196,8 @@ class DecoderModel:
         """Layer i's gated MLP output (to add to the residual stream)."""
         w, eps = self.w, self.cfg.rms_norm_eps
         x = self.norm(h, w[f"{i}.mlp_norm"], eps)
-        gate, up = F.linear(x, w[f"{i}.gate_up"], w.get(f"{i}.gate_up_bias")).chunk(2, dim=-1)
-        out = F.linear(self.act(gate) * up, w[f"{i}.down"], w.get(f"{i}.down_bias"))
+        gate, up = linear(x, w[f"{i}.gate_up"], w.get(f"{i}.gate_up_bias")).chunk(2, dim=-1)
+        out = linear(self.act(gate) * up, w[f"{i}.down"], w.get(f"{i}.down_bias"))
         if self.group is not None:  # row-parallel down
             self.group.all_reduce(out)
         if self.cfg.is_sandwich_norm:

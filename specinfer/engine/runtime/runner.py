@@ -111,7 +111,7 @@ class ModelRunner:
         if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
             from specinfer.engine.runtime.offload import offload_model
 
-            model = offload_model(DecoderModel(cfg, weights, torch_dtype, "cpu"), device)
+            model = offload_model(DecoderModel(cfg, weights, torch_dtype, "cpu", is_packed=False), device)
         else:
             model = DecoderModel(cfg, weights, torch_dtype, device)
         runner = cls(model, num_blocks=-(-max_kv_tokens // block_size), block_size=block_size)
