@@ -1,6 +1,10 @@
 import sys
 
-from services.speculator.server import main
+from specinfer.engine.runtime.cpu import configure_cpu_runtime
+
+configure_cpu_runtime()  # before torch loads OpenMP
+
+from services.speculator.server import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,10 +17,11 @@ from specinfer.model_source import resolve
 
 
 def resolve_paths(
-    args: argparse.Namespace, cache_dir: Path, ssm_needed_by: str = "",
+    args: argparse.Namespace, cache_dir: Path, ssm_needed_by: str = "", is_draft_awaited: bool = True,
 ) -> tuple[ModelPaths, Path | None]:
     """The models from the flags (checkpoint directories or GGUF files), or the demo models
-    (built on first use).
+    (fetched and their draft built on first use; without `is_draft_awaited` the draft is built in
+    the background and left out until it is ready).
 
     Returns the paths and, for the demo models, their held-out prompts file. With
     `ssm_needed_by` (what needs them, e.g. "the stack"), no SSM at all is a `UserError`.
@@ -30,9 +31,9 @@ def resolve_paths(
     if args.llm is None:
         if ssm_dirs:
             raise UserError("--ssm given without --llm")
-        from specinfer.pool.demo_models import ensure_demo_models
+        from specinfer.pool.demo_pretrained import ensure_pretrained_demo
 
-        demo = ensure_demo_models(cache_dir, progress=True)
+        demo = ensure_pretrained_demo(cache_dir, progress=True, is_draft_awaited=is_draft_awaited)
         paths = ModelPaths(demo.llm, () if is_none else tuple(demo.ssms), model_free)
         demo_prompts = demo.prompts
     else:
@@ -173,17 +174,15 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
 
 
 def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.pool.demo_models import DemoBudget, ensure_demo_models
-
-    budget = DemoBudget.tiny() if args.tiny else DemoBudget.full()
+    """The demo models: SmolLM2-135M-Instruct and its draft; with --tiny, the small pair trained
+    here from Python's standard library, which needs no download (tests, the compose smoke)."""
     if args.tiny:
-        cache_dir = cache_dir / "tiny"
-    if args.force:
-        import shutil
+        from specinfer.pool.demo_models import DemoBudget, ensure_demo_models
 
-        from specinfer.pool.demo_models import DEFAULT_DEMO_DIR_NAME
+        demo = ensure_demo_models(cache_dir / "tiny", budget=DemoBudget.tiny(), progress=True, force=args.force)
+    else:
+        from specinfer.pool.demo_pretrained import ensure_pretrained_demo
 
-        shutil.rmtree(cache_dir / DEFAULT_DEMO_DIR_NAME, ignore_errors=True)
-    demo = ensure_demo_models(cache_dir, budget=budget, progress=True)
+        demo = ensure_pretrained_demo(cache_dir, progress=True, force=args.force)
     print(json.dumps({"llm": str(demo.llm), "ssms": [str(s) for s in demo.ssms], "prompts": str(demo.prompts)}))
     return 0

@@ -446,7 +446,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
 
         ChatTemplate.from_file(chat_template, None, "--chat-template")
     _check_exec(args)  # before any model is built or process starts
-    paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
+    paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack", is_draft_awaited=False)
     from specinfer.engine.runtime.load import check_models
 
     llm_cfg, _ = check_models(paths)

@@ -150,9 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_pool_parsers(sub)
 
-    d = sub.add_parser("demo-models", help="build (or find cached) demo LLM and SSMs")
+    d = sub.add_parser("demo-models", help="fetch the demo LLM (SmolLM2-135M-Instruct) and build its draft, or find them cached")
     d.add_argument("--cache-dir", type=Path)
-    d.add_argument("--tiny", action="store_true", help="tiny training budget (for tests)")
+    d.add_argument("--tiny", action="store_true",
+                   help="instead, a tiny LLM and SSMs trained here from Python's standard library (no download; for tests)")
     d.add_argument("--force", action="store_true", help="rebuild even if cached")
     return parser
 

