@@ -47,6 +47,7 @@ AUTO_DTYPE = "auto"  # the SSMs' dtype: the fastest on this machine, measured on
 SSM_DTYPES = (AUTO_DTYPE, *MODEL_DTYPES)
 DEFAULT_SSM_DTYPE = AUTO_DTYPE  # SSMs only propose: their dtype never changes the output
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # engine.runtime.exec_config.ExecConfig.attention
+DEFAULT_ATTENTION = "auto"  # Triton on CUDA when importable, else SDPA
 
 # ---- sampling --------------------------------------------------------------------------------
 # Below this temperature decoding is greedy: the warped distribution is the argmax there anyway,

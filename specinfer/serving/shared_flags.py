@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specinfer.limits import (
-    ATTENTION_BACKENDS, BENCH_CONCURRENCY_IN_PROCESS, BENCH_FIRST_PORT, BENCH_NOISY_PHASE_S, BENCH_NUM_PROMPTS,
+    ATTENTION_BACKENDS, DEFAULT_ATTENTION, BENCH_CONCURRENCY_IN_PROCESS, BENCH_FIRST_PORT, BENCH_NOISY_PHASE_S, BENCH_NUM_PROMPTS,
     BENCH_NUM_SAMPLES, BENCH_PREFIX_GROUPS, BENCH_REQUESTS_PER_LEVEL, BENCH_ROUNDS, BENCH_ROUNDS_IN_PROCESS,
     BENCH_SHARED_PREFIX_TOKENS, BENCH_TEMPERATURES, BOOST_SEED, CLIENT_DEADLINE_S, DECODE_MODES, DEFAULT_DEADLINE_S,
     DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_FREQUENCY_PENALTY, DEFAULT_IS_PREFIX_CACHING,
@@ -121,11 +121,12 @@ def ssm_dtype_flag() -> Flag:
 def dtype_flag(of: str = "llm") -> Flag:
     """--dtype: the LLM's weights dtype; a speculator, which hosts SSMs only, takes --ssm-dtype's
     setting (its variable, values and default) under this name."""
-    if of == "ssm":
-        ssm = ssm_dtype_flag()
-        return Flag("--dtype", ssm.env, ssm.parse, ssm.default, ssm.help)
-    _variant(of, {"llm": None})
-    return Flag("--dtype", "SPECINFER_DTYPE", one_of(MODEL_DTYPES), DEFAULT_DTYPE, "the LLM's weights dtype")
+    ssm = ssm_dtype_flag()
+    env, parse, default, help_text = _variant(of, {
+        "llm": ("SPECINFER_DTYPE", one_of(MODEL_DTYPES), DEFAULT_DTYPE, "the LLM's weights dtype"),
+        "ssm": (ssm.env, ssm.parse, ssm.default, ssm.help),
+    })
+    return Flag("--dtype", env, parse, default, help_text)
 
 
 def dtype_flags() -> list[Flag]:
@@ -168,7 +169,7 @@ def max_batch_flag(of: str) -> Flag:
 
 
 def attention_flag() -> Flag:
-    return Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), "auto",
+    return Flag("--attention", "SPECINFER_ATTENTION", one_of(ATTENTION_BACKENDS), DEFAULT_ATTENTION,
                 "attention backend: triton (one fused tree-attention launch per layer over the paged KV cache), "
                 "sdpa (torch per request with a dense mask), or auto: triton on CUDA when importable, else sdpa")
 
