@@ -328,7 +328,7 @@ def logprobs_flag(of: str) -> Flag:
 
 
 def processor_flags() -> list[Flag]:
-    """The logits processors (`specinfer.cli.request_flags`)."""
+    """The logits processors: penalties and min_p."""
     return [
         Flag("--frequency-penalty", NONE, float, DEFAULT_FREQUENCY_PENALTY,
              "OpenAI's, in [-2, 2]: lowers a token's logit by this times its count in the output"),
