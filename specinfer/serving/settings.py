@@ -1,9 +1,12 @@
-"""Service settings: command-line flags with environment-variable fallbacks, and their defaults.
+"""The one way an option is declared and read: `Flag` (its flag, its environment variable, how
+it parses, its default, its bounds), `add_flag` / `add_declared` / `add_exclusive` (the only
+callers of argparse's `add_argument`) and `resolve_flags` / `resolve_declared`.
 
-Every service reads its configuration once, in `main()`, into a frozen dataclass: a flag wins,
-then its environment variable, then the default. A malformed or out-of-range value is a
-`UserError` that names the flag or the variable, which `main()` prints on one line (exit code 2).
-Plain Python: the gateway imports this too.
+Every service reads its configuration once, in `main()`, into a frozen dataclass, and every
+command resolves its parsed arguments the same way: a flag wins, then its environment variable,
+then the default. A malformed or out-of-range value is a `UserError` that names the flag or the
+variable, which `main()` prints on one line (exit code 2). The options themselves are declared in
+`specinfer.serving.shared_flags`. Plain Python: the gateway imports this too.
 """
 
 from __future__ import annotations
