@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_declared(g, output_flag("generate"))
 
     b = sub.add_parser("bench", help="compare incremental, sequence, tree and transformers' assisted generation")
-    add_declared(b, *model_flags(), *bench_flags(), *spec_flags())
+    add_declared(b, *model_flags(), *bench_flags())
     add_request_flags(b)
     add_declared(b, *bench_arm_flags())
 

@@ -486,9 +486,9 @@ def num_prompts_flag(of: str, default: int = BENCH_NUM_PROMPTS) -> Flag:
 
 
 def bench_flags() -> list[Flag]:
-    """`specinfer bench`'s own options (besides `model_flags`, `spec_flags` and the request's)."""
+    """`specinfer bench`'s prompts and how it speculates (besides `model_flags` and the request's)."""
     return [
-        prompts_flag("bench"), max_new_tokens_flag(), num_prompts_flag("bench"),
+        prompts_flag("bench"), max_new_tokens_flag(), *spec_flags(), num_prompts_flag("bench"),
         Flag("--no-transformers", NONE, parse_bool, False, "skip transformers' assisted generation", is_toggle=True),
         temperature_flag("bench"),
     ]
