@@ -46,6 +46,8 @@ DEFAULT_DTYPE = "float32"  # the LLM's (and a runner's) dtype when none is given
 AUTO_DTYPE = "auto"  # the SSMs' dtype: the fastest on this machine, measured once when they load
 SSM_DTYPES = (AUTO_DTYPE, *MODEL_DTYPES)
 DEFAULT_SSM_DTYPE = AUTO_DTYPE  # SSMs only propose: their dtype never changes the output
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # engine.runtime.exec_config.ExecConfig.attention
+DEFAULT_ATTENTION = "auto"  # Triton on CUDA when importable, else SDPA
 
 # ---- sampling --------------------------------------------------------------------------------
 # Below this temperature decoding is greedy: the warped distribution is the argmax there anyway,
@@ -461,3 +463,41 @@ def check_verifier_request(num_prompt_tokens: int, max_new_tokens: int, ssm_name
         raise UserError(f"prompt_ids: {num_prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceed "
                         f"max_prompt_tokens + max_new_tokens = {total}")
     check_ssm_names(ssm_names)
+
+
+# ---- the command line's defaults (`specinfer generate`, `bench`, `up`, `client`, the pool's commands) ----
+DEFAULT_DEVICE = "auto"  # cpu, cuda, cuda:N or auto
+DEFAULT_TENSOR_PARALLEL = 1  # processes the LLM is sharded over
+DEFAULT_NUM_THREADS = 0  # torch intra-op threads; 0 = torch's default
+DECODE_MODES = ("incremental", "sequence", "tree", "auto")
+TREE_SAMPLINGS = ("sampled", "topk")  # how stochastic mode picks tree children
+DEFAULT_TREE_SAMPLING = "sampled"
+DEFAULT_MIN_PATH_PROB = 0.0  # 0 = no branch pruned
+DEFAULT_TEMPERATURE = 0.0  # greedy
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0  # no top-k filter
+DEFAULT_FREQUENCY_PENALTY = 0.0
+DEFAULT_PRESENCE_PENALTY = 0.0
+DEFAULT_REPETITION_PENALTY = 1.0  # none
+DEFAULT_MIN_P = 0.0
+DEFAULT_NUM_VERIFIERS = 1  # verifier processes of a stack
+DEFAULT_NUM_SPECULATORS = 0  # speculator processes of a stack; 0 = the verifier hosts the SSMs itself
+STACK_METRICS_PORT = 0  # `specinfer up`: the gateway's /metrics port, the others following; 0 = off
+UP_PROMPT_MAX_TOKENS = 64  # `specinfer up --prompt`: tokens the reply may have
+CLIENT_DEADLINE_S = 300.0  # `specinfer client`: every call's deadline
+HEALTHCHECK_TIMEOUT_S = 3.0  # a health probe's wait for the answer
+BENCH_NUM_PROMPTS = 0  # 0 = every prompt
+BENCH_NUM_SAMPLES = 1  # > 1 adds the n-samples arms
+BENCH_SHARED_PREFIX_TOKENS = 0  # 0 = no prefix-caching benchmark
+BENCH_PREFIX_GROUPS = 2
+BENCH_CONCURRENCY_IN_PROCESS = 16
+BENCH_ROUNDS_IN_PROCESS = 3
+BENCH_REQUESTS_PER_LEVEL = 16
+BENCH_ROUNDS = 1
+BENCH_TEMPERATURES = "0,1"
+BENCH_NOISY_PHASE_S = 0.0  # 0 = no busy phase first
+BENCH_FIRST_PORT = 50151  # the first port of a benchmarked stack (away from a running one's)
+OMP_WAIT_POLICIES = ("ACTIVE", "PASSIVE")
+DEFAULT_MLP_KEEP = 1.0  # `make-ssm`: share of MLP channels kept (1 = no pruning)
+BOOST_KL_TOP_K = 32  # `boost-tune`: LLM probabilities kept per position for the KL term
+BOOST_SEED = 0

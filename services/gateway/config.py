@@ -19,10 +19,11 @@ from services.gateway.routing import RoutingConfig
 from services.gateway.verifier_pool import PoolConfig, VerifierTargets
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DEADLINE_S, DEFAULT_MAX_MESSAGE_BYTES, RequestLimits
-from specinfer.limits import DEFAULT_REQUEST_TTL_S, DEFAULT_SESSION_TTL_S, GATEWAY_PORT, HTTP_PORT, VERIFIER_PORT
-from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, common_flags, port_flag,
-    read_flags, security_flags,
+from specinfer.limits import DEFAULT_REQUEST_TTL_S, DEFAULT_SESSION_TTL_S, GATEWAY_PORT, VERIFIER_PORT
+from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, read_flags
+from specinfer.serving.shared_flags import (
+    chat_template_flag, common_flags, default_deadline_flag, host_flag, http_port_flag, max_prompt_tokens_flag,
+    max_tokens_flag, port_flag, redis_url_flag, security_flags,
 )
 from specinfer.serving.security import (
     GATEWAY_TOKEN_ENV, INTERNAL_TOKEN_ENV, ChannelSecurity, ServerSecurity, channel_security, resolve_token,
@@ -76,8 +77,7 @@ def _flags() -> list[Flag]:
          if f.name not in ("limits", "gateway_id", "admission", "routing", "pool")}
     dl, da, dr, dp = RequestLimits(), AdmissionConfig(), RoutingConfig(), PoolConfig()
     return [
-        Flag("--host", "SPECINFER_GATEWAY_HOST", str, d["host"], "bind address"),
-        port_flag("--port", "SPECINFER_GATEWAY_PORT", d["port"], "gRPC port"),
+        host_flag("gateway"), port_flag("gateway"),
         Flag("--verifier-addr", "SPECINFER_VERIFIER_ADDR", str, d["verifier_addr"],
              "the verifiers: host:port, several comma-separated, or dns:///host:port (every address the name "
              "resolves to, resolved again every --verifier-dns-refresh-s)"),
@@ -92,18 +92,10 @@ def _flags() -> list[Flag]:
         Flag("--routing-index-blocks", "SPECINFER_ROUTING_INDEX_BLOCKS", int, dr.index_blocks,
              "KV blocks of prompts remembered per verifier for routing (least recently sent forgotten first)",
              is_positive=True),
-        Flag("--redis-url", "SPECINFER_REDIS_URL", str, d["redis_url"], "redis://host:port/db; unset = in-memory store"),
-        port_flag("--http-port", "SPECINFER_HTTP_PORT", d["http_port"],
-                  f"OpenAI-compatible HTTP API port; 0 = off (specinfer up, compose and Kubernetes use {HTTP_PORT})"),
+        redis_url_flag(), http_port_flag("gateway"),
         Flag("--model-dir", "SPECINFER_MODEL_DIR", Path, None,
              "the LLM's checkpoint directory or .gguf file (for its tokenizer and chat template)"),
-        Flag("--chat-template", "SPECINFER_CHAT_TEMPLATE", Path, None,
-             "a Jinja chat template file for /v1/chat/completions, overriding the checkpoint's (a base model "
-             "without one can then serve chat)"),
-        Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
-             "prompt tokens, session history included", is_positive=True),
-        Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens, "generated tokens per request",
-             is_positive=True),
+        chat_template_flag(), max_prompt_tokens_flag("gateway"), max_tokens_flag("gateway"),
         Flag("--default-max-tokens", "SPECINFER_DEFAULT_MAX_TOKENS", int, dl.default_max_new_tokens,
              "when a request says 0", is_positive=True),
         Flag("--max-concurrent-requests", "SPECINFER_MAX_CONCURRENT_REQUESTS", int, dl.max_concurrent_requests,
@@ -124,8 +116,7 @@ def _flags() -> list[Flag]:
              "stop strings per request", low=0),
         Flag("--max-tree-depth", "SPECINFER_MAX_TREE_DEPTH", int, dl.max_tree_depth, "token-tree levels per request",
              is_positive=True),
-        Flag("--default-deadline-s", "SPECINFER_DEFAULT_DEADLINE_S", float, d["default_deadline_s"],
-             "when the client sets none", is_positive=True),
+        default_deadline_flag("gateway"),
         Flag("--request-ttl-s", "SPECINFER_REQUEST_TTL_S", int, d["request_ttl_s"], "request state TTL",
              is_positive=True),
         Flag("--session-ttl-s", "SPECINFER_SESSION_TTL_S", int, d["session_ttl_s"], "session TTL", is_positive=True),
@@ -136,7 +127,7 @@ def _flags() -> list[Flag]:
              "a running request with no progress for this long is taken over, even from a live gateway",
              is_positive=True),
         *common_flags(d, has_threads=False),
-        *security_flags(*GATEWAY_TOKEN_ENV, outbound_token=("--internal-token-file", INTERNAL_TOKEN_ENV[0])),
+        *security_flags(*GATEWAY_TOKEN_ENV, outbound_token_env=INTERNAL_TOKEN_ENV[0]),
     ]
 
 

@@ -18,10 +18,11 @@ from specinfer.limits import (
     DEFAULT_KV_TOKENS, DEFAULT_MAX_BATCH, DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_PIPELINE, DEFAULT_SSM_DTYPE,
     SPECULATOR_PORT, SUFFIX_CACHE_TOKENS,
 )
-from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, cache_dir_flag, common_flags, port_flag, read_flags, security_flags,
+from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, read_flags
+from specinfer.serving.shared_flags import (
+    cache_dir_flag, common_flags, device_flag, dtype_flag, exec_flags, host_flag, max_batch_flag, model_free_flag,
+    port_flag, security_flags, ssm_flag, suffix_cache_tokens_flag,
 )
-from specinfer.serving.shared_flags import exec_flags, model_free_flag, ssm_dtype_flag
 from specinfer.serving.security import ServerSecurity, server_security
 from specinfer.util import default_cache_dir
 
@@ -53,20 +54,16 @@ class SpeculatorConfig:
 def _flags() -> list[Flag]:
     d = {f.name: f.default for f in fields(SpeculatorConfig)}
     return [
-        Flag("--ssm", "SPECINFER_SSM_DIRS", Path, (), "SSM checkpoint directory or .gguf file, or a model-free "
-             "speculator (lookup, suffix) hosted next to the SSMs; repeatable; the variable is comma-separated; lookup and "
-             "suffix join the pool unless one is named", is_list=True),
+        ssm_flag("speculator"),
         model_free_flag("the pool this speculator hosts"),
-        Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
-        Flag("--host", "SPECINFER_SPECULATOR_HOST", str, d["host"], "bind address"),
-        port_flag("--port", "SPECINFER_SPECULATOR_PORT", d["port"], "gRPC port"),
-        ssm_dtype_flag("--dtype"),
+        suffix_cache_tokens_flag(),
+        host_flag("speculator"), port_flag("speculator"),
+        dtype_flag("ssm"),
         cache_dir_flag(),
-        Flag("--device", "SPECINFER_SSM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
+        device_flag("speculator"),
         Flag("--max-kv-tokens", "SPECINFER_SSM_KV_TOKENS", int, d["max_kv_tokens"], "SSM KV-cache budget in tokens",
              is_positive=True),
-        Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per SSM forward pass",
-             is_positive=True),
+        max_batch_flag("speculator"),
         Flag("--pipeline", "SPECINFER_PIPELINE", lambda text: parse_auto_switch(text, "pipeline"),
              d["is_pipelined"], "draft a greedy request's next tree while the verifier verifies this one: auto "
              "(on where the SSMs run on an accelerator), on or off", shown_default="auto"),

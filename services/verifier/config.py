@@ -16,18 +16,17 @@ from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import (
     DEFAULT_ADMISSION_TIMEOUT_S, DEFAULT_DEADLINE_S, DEFAULT_IS_PREFIX_CACHING, DEFAULT_MAX_BATCH,
-    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, MAX_TREE_NODES, PAPER_TREE_WIDTH,
-    SUFFIX_CACHE_TOKENS, RequestLimits, parse_tree_width,
+    DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_SESSIONS, DEFAULT_MAX_TREE_NODES, DEFAULT_MAX_WAITING, DEFAULT_TOKEN_BUDGET, PAPER_TREE_WIDTH,
+    SUFFIX_CACHE_TOKENS, RequestLimits,
 )
-from specinfer.serving.settings import (
-    DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, common_flags, parse_bool, pick,
-    port_flag, read_flags, security_flags,
-)
+from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, Flag, add_flag, parse_bool, pick, read_flags
 from specinfer.serving.security import ChannelSecurity, ServerSecurity, channel_security, server_security
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_SSM_DTYPE, VERIFIER_PORT
-from specinfer.serving.settings import cache_dir_flag
 from specinfer.serving.shared_flags import (
-    exec_flags, kv_flags, llm_dtype_flag, model_free_flag, prefix_caching_flag, ssm_dtype_flag,
+    NONE, cache_dir_flag, common_flags, default_deadline_flag, device_flag, dtype_flag, exec_flags, host_flag,
+    kv_flags, max_batch_flag, max_prompt_tokens_flag, max_tokens_flag, max_tree_nodes_flag, model_free_flag,
+    port_flag, prefix_caching_flag, security_flags, ssm_dtype_flag, ssm_flag, suffix_cache_tokens_flag,
+    tensor_parallel_flag, tree_width_flag,
 )
 from specinfer.util import default_cache_dir
 
@@ -76,33 +75,23 @@ class VerifierConfig:
 
 def _flags() -> list[Flag]:
     d = {f.name: f.default for f in fields(VerifierConfig)}
-    dl = RequestLimits()
     return [
         Flag("--model", "SPECINFER_MODEL_DIR", Path, None, "LLM checkpoint directory or .gguf file (required)"),
         Flag("--speculator", "SPECINFER_SPECULATORS", str, d["speculators"],
              "speculator gRPC target, repeatable; the variable is comma-separated", is_list=True),
-        Flag("--ssm", "SPECINFER_VERIFIER_SSMS", str, (), "speculate in this process (no speculator): an SSM "
-             "directory or .gguf file, lookup or suffix; repeatable, comma-separated in the variable; lookup and "
-             "suffix join the pool unless one is named (default without --speculator: them alone); none: no "
-             "speculation",
-             is_list=True),
+        ssm_flag("verifier"),
         model_free_flag("the pool this process hosts"),
-        Flag("--suffix-cache-tokens", "SPECINFER_SUFFIX_CACHE_TOKENS", int, SUFFIX_CACHE_TOKENS, "tokens of recent outputs the suffix member shares across requests (0: each request drafts from its own context)", low=0),
+        suffix_cache_tokens_flag(),
         ssm_dtype_flag(),
         cache_dir_flag(),
-        Flag("--host", "SPECINFER_VERIFIER_HOST", str, d["host"], "bind address"),
-        port_flag("--port", "SPECINFER_VERIFIER_PORT", d["port"], "gRPC port"),
-        llm_dtype_flag(),
-        Flag("--device", "SPECINFER_LLM_DEVICE", str, d["device"], "cpu, cuda, cuda:N or auto"),
+        host_flag("verifier"), port_flag("verifier"),
+        dtype_flag(),
+        device_flag("verifier"),
         *kv_flags(),
-        Flag("--max-batch", "SPECINFER_MAX_BATCH", int, d["max_batch"], "requests per forward pass",
-             is_positive=True),
-        Flag("--tree-width", "SPECINFER_TREE_WIDTH", parse_tree_width, d["tree_width"],
-             "default token-tree shape: children per level"),
-        Flag("--max-tree-nodes", "SPECINFER_MAX_TREE_NODES", int, d["max_tree_nodes"], "token-tree nodes per step",
-             low=1, high=MAX_TREE_NODES),
-        Flag("--default-deadline-s", "SPECINFER_DEFAULT_DEADLINE_S", float, d["default_deadline_s"],
-             "when the caller sets no deadline", is_positive=True),
+        max_batch_flag("verifier"),
+        tree_width_flag("verifier"),
+        max_tree_nodes_flag("verifier"),
+        default_deadline_flag("verifier"),
         Flag("--speculator-step-timeout-s", "SPECINFER_SPECULATOR_STEP_TIMEOUT_S", float,
              d["speculator_step_timeout_s"],
              "the longest wait for a speculator's tree (a stream's first; later ones are waited for by the "
@@ -117,13 +106,12 @@ def _flags() -> list[Flag]:
              "requests that may queue for KV memory before RESOURCE_EXHAUSTED", low=0),
         Flag("--admission-timeout-s", "SPECINFER_ADMISSION_TIMEOUT_S", float, d["admission_timeout_s"],
              "longest wait for KV memory", is_positive=True),
-        Flag("--tensor-parallel", "SPECINFER_TENSOR_PARALLEL", int, d["tensor_parallel"],
-             "shard the LLM over this many ranks (GPUs); under torchrun, its WORLD_SIZE", is_positive=True),
+        tensor_parallel_flag("verifier"),
         *exec_flags(llm=True),
-        Flag("--max-prompt-tokens", "SPECINFER_MAX_PROMPT_TOKENS", int, dl.max_prompt_tokens,
-             "prompt tokens per request, session history included (as at the gateway)", is_positive=True),
-        Flag("--max-tokens", "SPECINFER_MAX_TOKENS", int, dl.max_new_tokens,
-             "generated tokens per request (as at the gateway)", is_positive=True),
+        max_prompt_tokens_flag("verifier"), max_tokens_flag("verifier"),
+        Flag("--fixed-tree", NONE, parse_bool, False,
+             "always use the default tree shape instead of load-aware shapes (env SPECINFER_LOAD_AWARE=0)",
+             is_toggle=True),
         *common_flags(d),
         *security_flags(),
     ]
@@ -136,8 +124,6 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     p = argparse.ArgumentParser(prog="specinfer-verifier", description="Hosts the LLM and verifies token trees.")
     for flag in flags:
         add_flag(p, flag)
-    p.add_argument("--fixed-tree", action="store_true",
-                   help="always use the default tree shape instead of load-aware shapes (env SPECINFER_LOAD_AWARE=0)")
     a = read_flags(p, flags, argv, env)
     if a["model"] is None:
         raise UserError("the verifier needs the LLM (a directory or .gguf file): --model or SPECINFER_MODEL_DIR")

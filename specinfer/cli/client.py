@@ -26,7 +26,7 @@ from typing import Iterator, Mapping, Sequence
 
 import grpc
 
-from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags, constraint_fields, processor_values
+from specinfer.cli.request_flags import add_request_flags, constraint_fields, processor_values
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, GATEWAY_PORT
 from specinfer.logprobs import TokenLogprob
@@ -34,6 +34,9 @@ from specinfer.stats import GenerationStats
 from specinfer.serving.convert import logprobs_from_proto, space_from_proto, stats_from_proto
 from specinfer.serving.security import CLIENT_TOKEN_ENV, ChannelSecurity, client_security_from_env, open_channel
 from specinfer.serving.settings import LOCAL_HOST, message_options
+from specinfer.serving.shared_flags import (
+    add_declared, client_flags, client_generate_flags, client_shape_flags, request_id_argument, resolve_declared,
+)
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
 
@@ -261,57 +264,20 @@ class GatewayClient:
 
 
 # -- CLI glue: `specinfer client generate|info|get|cancel` ----------------------------------
-def _tree_width(text: str) -> tuple[int, ...]:
-    from specinfer.limits import parse_tree_width
-
-    try:
-        return parse_tree_width(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_client_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `client` command (with generate, info, get and cancel) to a CLI's subparsers."""
     c = subparsers.add_parser("client", help="call a running gateway")
     sub = c.add_subparsers(dest="client_command", required=True)
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--target", help=f"gateway host:port (env SPECINFER_GATEWAY_TARGET, default {DEFAULT_TARGET})")
-        p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds (default 300)")
-        p.add_argument("--token", help=f"the gateway's bearer token (env {CLIENT_TOKEN_ENV}); TLS: env "
-                                       "SPECINFER_TLS_CA (and SPECINFER_TLS_CLIENT_CERT/_KEY for mTLS)")
+    common = client_flags(DEFAULT_TARGET, CLIENT_TOKEN_ENV)
 
     g = sub.add_parser("generate", help="generate from a prompt; prints JSON (with --stream: the text as it comes "
                                         "and a line of statistics, or JSON lines with --json)")
-    common(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=None, help="tokens to generate (default: the gateway's)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--stop", nargs="+", default=[], help="stop sequences")
-    g.add_argument("--stop-token-id", type=int, action="append", default=[],
-                   help="a token id that ends generation, besides EOS (repeatable)")
-    g.add_argument("--logprobs", type=int, help="return each token's logprob and this many alternatives (0-20)")
-    g.add_argument("-n", "--n", type=int, help="independent samples of the prompt (default 1)")
-    add_processor_flags(g)
-    add_constraint_flags(g)
-    g.add_argument("--no-speculate", action="store_true", help="plain incremental decoding")
-    g.add_argument("--tree-width", type=_tree_width, help="children per level, e.g. 1,1,3")
-    g.add_argument("--ssm-name", action="append", default=[], help="SSM pool member to use (repeatable)")
-    g.add_argument("--tree-policy", choices=["merge", "mixed"], help="how the pool's trees combine")
-    g.add_argument("--session", default="", help="session id to continue")
-    g.add_argument("--request-id", default="")
-    g.add_argument("--stream", action="store_true",
-                   help="print the text as it comes, then one line of statistics (JSON lines with --json)")
-    g.add_argument("--json", action="store_true",
-                   help="machine output: with --stream one JSON object per piece (without --stream JSON is the default)")
-    common(sub.add_parser("info", help="the gateway's model, limits and tree configuration"))
+    add_declared(g, *common, *client_generate_flags())
+    add_request_flags(g)
+    add_declared(g, *client_shape_flags())
+    add_declared(sub.add_parser("info", help="the gateway's model, limits and tree configuration"), *common)
     for name in ("get", "cancel"):
-        p = sub.add_parser(name, help=f"{name} a request by id")
-        common(p)
-        p.add_argument("request_id")
+        add_declared(sub.add_parser(name, help=f"{name} a request by id"), *common, request_id_argument())
     return c
 
 
@@ -363,10 +329,9 @@ def _as_json(result) -> dict:
 
 def run_client(args: argparse.Namespace) -> int:
     """Runs a `client` subcommand; gRPC errors print one line and return 2 (caller's fault) or 1."""
-    target = args.target or os.environ.get("SPECINFER_GATEWAY_TARGET") or DEFAULT_TARGET
-    token = args.token or os.environ.get(CLIENT_TOKEN_ENV) or None
     try:
-        security = client_security_from_env(os.environ, token)
+        resolve_declared(args)  # the flag, else its variable, else its default (whichever parser read them)
+        security = client_security_from_env(os.environ, args.token or None)
     except UserError as exc:
         print(f"specinfer: error: {exc}", file=sys.stderr)
         return 2
@@ -376,7 +341,7 @@ def run_client(args: argparse.Namespace) -> int:
         print(f"specinfer: error: {exc}", file=sys.stderr)
         return 2
     try:
-        with GatewayClient(target, timeout_s=args.timeout, security=security) as client:
+        with GatewayClient(args.target, timeout_s=args.timeout, security=security) as client:
             if args.client_command == "info":
                 _print(client.info())
             elif args.client_command == "get":

@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_kv_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, LAUNCHER_GRACE_S, SPECULATOR_PORT, VERIFIER_PORT
 from specinfer.serving.settings import bind_problem, reconnect_options
+from specinfer.serving.shared_flags import add_declared, up_flags
 from specinfer.util import CACHE_DIR_ENV
 
 
@@ -375,46 +375,7 @@ def _exec_args(cfg: StackConfig) -> list[str]:
 
 def add_up_parser(sub) -> None:
     up = sub.add_parser("up", help="start speculator(s), verifier and gateway on localhost")
-    up.add_argument("--llm", type=Path, help="LLM checkpoint directory or .gguf file (default: demo models)")
-    up.add_argument("--ssm", type=Path, action="append", default=[],
-                    help="SSM directory or .gguf file, or lookup / suffix (model-free speculators); repeatable; both "
-                         "model-free members join the pool unless one is named or --no-model-free is given; none: no "
-                         "pool")
-    add_model_free_flag(up)
-    up.add_argument("--co-located", action="store_true",
-                    help="the verifier hosts the SSMs itself (the default: --num-speculators 0)")
-    up.add_argument("--cache-dir", type=Path)
-    up.add_argument("--num-speculators", type=int, default=0,
-                    help="speculator processes hosting the SSMs; 0 (the default) = the verifier hosts them itself: "
-                         "one host, no process hop per step")
-    up.add_argument("--gateway-port", type=int, default=GATEWAY_PORT)
-    up.add_argument("--http-port", type=int, default=HTTP_PORT, help="OpenAI-compatible HTTP API; 0 = off")
-    up.add_argument("--chat-template", type=Path, metavar="FILE",
-                    help="a Jinja chat template for /v1/chat/completions, overriding the LLM's own (so a base model "
-                         "without one can serve chat); default: SPECINFER_CHAT_TEMPLATE, else the LLM's")
-    up.add_argument("--num-verifiers", type=int, default=1, metavar="N",
-                    help="verifier processes, each holding the whole LLM (and its own pool), on consecutive ports "
-                         "from --verifier-port; the gateway sends each request to the one that already holds its "
-                         "prompt's prefix, balanced by load, and moves running requests off one that stops")
-    up.add_argument("--verifier-port", type=int, default=VERIFIER_PORT, help="first verifier's port")
-    up.add_argument("--speculator-port", type=int, default=SPECULATOR_PORT, help="first speculator's port")
-    up.add_argument("--redis-url", default=None, help="default: SPECINFER_REDIS_URL, else an in-memory store")
-    add_dtype_flags(up)
-    up.add_argument("--tree-width", default=",".join(map(str, PAPER_TREE_WIDTH)))
-    up.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                    help="shard the LLM over N verifier processes (GPUs with NCCL, else CPU with gloo)")
-    up.add_argument("--metrics-port", type=int, default=0, help="gateway /metrics port; the others follow it")
-    add_prefix_caching_flag(up)
-    add_exec_flags(up)
-    add_kv_flags(up)
-    up.add_argument("--prompt", help="send this prompt through the gateway once the stack is up, as a chat message "
-                                     "in the model's chat template; its text is printed as it comes, then one line "
-                                     "of statistics")
-    up.add_argument("--raw", action="store_true",
-                    help="send --prompt as plain completion text instead of a chat message")
-    up.add_argument("--json", action="store_true", help="print the reply to --prompt as one JSON object instead")
-    up.add_argument("--max-tokens", type=int, default=64)
-    up.add_argument("--once", action="store_true", help="exit after answering --prompt")
+    add_declared(up, *up_flags())
 
 
 def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
@@ -439,8 +400,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
                         num_speculators=max(1, args.num_speculators), is_co_located=is_co_located,
                         metrics_base_port=args.metrics_port)
     check_ports(ports)  # before the demo models are built (minutes) or any process starts
-    chat_template = args.chat_template or (Path(os.environ["SPECINFER_CHAT_TEMPLATE"])
-                                           if os.environ.get("SPECINFER_CHAT_TEMPLATE") else None)
+    chat_template = args.chat_template
     if chat_template is not None:  # before any model is built or process starts
         from specinfer.chat_template import ChatTemplate
 
@@ -459,11 +419,11 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         is_co_located=args.co_located or not args.num_speculators or not paths.ssms, gateway_port=args.gateway_port,
         http_port=args.http_port, verifier_port=args.verifier_port, num_verifiers=args.num_verifiers,
         speculator_base_port=args.speculator_port, num_speculators=max(1, args.num_speculators),
-        redis_url=args.redis_url or os.environ.get("SPECINFER_REDIS_URL"), dtype=args.dtype, ssm_dtype=args.ssm_dtype,
+        redis_url=args.redis_url, dtype=args.dtype, ssm_dtype=args.ssm_dtype,
         cache_dir=cache_dir,
         tree_width=args.tree_width, metrics_base_port=args.metrics_port, tensor_parallel=args.tensor_parallel,
         attention=args.attention, cuda_graphs=args.cuda_graphs, is_offloaded=args.offload,
-        otlp_endpoint=os.environ.get("SPECINFER_OTLP_ENDPOINT"), chat_template=chat_template,
+        otlp_endpoint=args.otlp_endpoint, chat_template=chat_template,
         is_prefix_caching=args.prefix_caching, kv_budget=args.kv_budget, kv_memory_fraction=args.kv_memory_fraction,
     )
     prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None

@@ -13,31 +13,18 @@ from pathlib import Path
 
 from specinfer.errors import UserError
 from specinfer.params import Constraint, SamplingParams
+from specinfer.serving.shared_flags import add_declared, add_exclusive, constraint_flags, processor_flags
 
 PROCESSOR_FLAGS = {"frequency_penalty": "--frequency-penalty", "presence_penalty": "--presence-penalty",
                    "repetition_penalty": "--repetition-penalty", "min_p": "--min-p"}
 CONSTRAINT_FLAGS = {"json_schema": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
 
 
-def add_processor_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="OpenAI's, in [-2, 2]: lowers a token's logit by this times its count in the output")
-    p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="OpenAI's, in [-2, 2]: lowers the logit of every token the output holds by this")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="transformers', in (0, 10]: over the prompt and the output; 1 = none (default)")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="sampled only, in [0, 1]: drops tokens less likely than this times the likeliest one")
-
-
-def add_constraint_flags(p: argparse.ArgumentParser) -> None:
-    """Structured output: one of --json-schema, --regex, --choice (repeatable) or --grammar."""
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", type=Path, metavar="FILE",
-                   help="structured output: JSON valid under the JSON Schema in FILE")
-    g.add_argument("--regex", help="structured output: text the regular expression matches whole")
-    g.add_argument("--choice", action="append", help="structured output: exactly one of these strings (repeatable)")
-    g.add_argument("--grammar", type=Path, metavar="FILE", help="structured output: a sentence of the grammar in FILE (Lark, or GBNF)")
+def add_request_flags(p: argparse.ArgumentParser) -> None:
+    """The logits processors, and structured output: one of --json-schema, --regex, --choice
+    (repeatable) or --grammar."""
+    add_declared(p, *processor_flags())
+    add_exclusive(p, *constraint_flags())
 
 
 def processor_values(args: argparse.Namespace) -> dict[str, float]:

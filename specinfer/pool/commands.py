@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specinfer.limits import BOOST_KL_TOP_K, DEFAULT_MLP_KEEP
 from specinfer.pool.tuning_config import DataConfig, TrainConfig
+from specinfer.serving.settings import Flag, add_declared, parse_bool
+from specinfer.serving.shared_flags import (
+    NONE, device_flag, llm_flag, num_prompts_flag, out_flag, quiet_flag, seed_flag, ssm_flag, temperature_flag,
+)
 
 
 def add_pool_parsers(subparsers) -> None:
@@ -23,46 +28,54 @@ def add_pool_parsers(subparsers) -> None:
 
 def add_make_ssm_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("make-ssm", help="cut an SSM from the LLM's own layers (optionally pruned)")
-    p.add_argument("--from-llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
-    p.add_argument("--layers", required=True,
-                   help="N = the first N layers, or indices like 0,1,7 or 0-2,7 (kept in ascending order)")
-    p.add_argument("--mlp-keep", type=float, default=1.0,
-                   help="fraction of MLP channels to keep per layer, by weight magnitude (default 1.0)")
-    p.add_argument("--out", type=Path, required=True, help="output checkpoint directory")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    add_declared(p, *make_ssm_flags())
     return p
+
+
+def make_ssm_flags() -> list[Flag]:
+    return [
+        Flag("--from-llm", NONE, Path, None, "LLM checkpoint directory or .gguf file", is_required=True),
+        Flag("--layers", NONE, str, None,
+             "N = the first N layers, or indices like 0,1,7 or 0-2,7 (kept in ascending order)", is_required=True),
+        Flag("--mlp-keep", NONE, float, DEFAULT_MLP_KEEP,
+             f"fraction of MLP channels to keep per layer, by weight magnitude (default {DEFAULT_MLP_KEEP})"),
+        out_flag("make-ssm"),
+        Flag("--overwrite", NONE, parse_bool, False, "replace a non-empty --out", is_toggle=True),
+    ]
 
 
 def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
-    d, t = DataConfig(), TrainConfig()
     p = subparsers.add_parser("boost-tune", help="collective boost-tuning of an SSM pool on the LLM's own outputs")
-    p.add_argument("--llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
-    p.add_argument("--ssm", type=Path, action="append", required=True,
-                   help="SSM checkpoint directory or .gguf file (repeatable; pool order: SSM 1 first); the tuned "
-                        "SSMs are written as checkpoint directories")
-    p.add_argument("--corpus", type=Path, nargs="+", required=True, help="text files, or directories (their *.py)")
-    p.add_argument("--exclude", type=Path, nargs="*", default=[], help="corpus files to leave out")
-    p.add_argument("--out", type=Path, required=True, help="output directory")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="training prompts")
-    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts, help="held-out prompts for the summary")
-    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens, help="longest prompt (shortest: half)")
-    p.add_argument("--continuation-tokens", type=int, default=d.continuation_tokens)
-    p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
-                   help="fraction of prompts continued by sampling instead of greedily")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="for the sampled continuations")
-    p.add_argument("--steps", type=int, default=t.steps, help="optimizer steps per SSM")
-    p.add_argument("--batch-size", type=int, default=t.batch_size)
-    p.add_argument("--lr", type=float, default=t.lr)
-    p.add_argument("--kl-weight", type=float, default=t.kl_weight, help="weight of the KL term (0 = none)")
-    p.add_argument("--kl-top-k", type=int, default=32, help="LLM probabilities kept per position for the KL term")
-    p.add_argument("--warmup-steps", type=int, default=t.warmup_steps, help="linear warmup, then cosine decay")
-    p.add_argument("--checkpoint-every", type=int, default=t.checkpoint_every)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_declared(p, *boost_tune_flags())
     return p
 
+
+def boost_tune_flags() -> list[Flag]:
+    """`boost-tune`'s options; the training's defaults are `DataConfig`'s and `TrainConfig`'s."""
+    d, t = DataConfig(), TrainConfig()
+    return [
+        llm_flag("boost-tune"), ssm_flag("boost-tune"),
+        Flag("--corpus", NONE, Path, None, "text files, or directories (their *.py)", nargs="+", is_required=True),
+        Flag("--exclude", NONE, Path, [], "corpus files to leave out", nargs="*"),
+        out_flag("boost-tune"),
+        num_prompts_flag("boost-tune", d.num_prompts),
+        Flag("--eval-prompts", NONE, int, d.eval_prompts, "held-out prompts for the summary"),
+        Flag("--prompt-tokens", NONE, int, d.prompt_tokens, "longest prompt (shortest: half)"),
+        Flag("--continuation-tokens", NONE, int, d.continuation_tokens, ""),
+        Flag("--sampled-fraction", NONE, float, d.sampled_fraction,
+             "fraction of prompts continued by sampling instead of greedily"),
+        temperature_flag("boost-tune", d.temperature),
+        Flag("--steps", NONE, int, t.steps, "optimizer steps per SSM"),
+        Flag("--batch-size", NONE, int, t.batch_size, ""),
+        Flag("--lr", NONE, float, t.lr, ""),
+        Flag("--kl-weight", NONE, float, t.kl_weight, "weight of the KL term (0 = none)"),
+        Flag("--kl-top-k", NONE, int, BOOST_KL_TOP_K, "LLM probabilities kept per position for the KL term"),
+        Flag("--warmup-steps", NONE, int, t.warmup_steps, "linear warmup, then cosine decay"),
+        Flag("--checkpoint-every", NONE, int, t.checkpoint_every, ""),
+        seed_flag("boost-tune"), device_flag(),
+        Flag("--resume", NONE, parse_bool, False, "continue an interrupted run in --out", is_toggle=True),
+        quiet_flag("boost-tune"),
+    ]
 
 
 def run_pool_command(args: argparse.Namespace) -> int:

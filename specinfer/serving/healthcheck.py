@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer.errors import UserError
 from specinfer.serving.security import client_security_from_env, open_channel
-from specinfer.serving.settings import message_options
+from specinfer.serving.settings import add_declared, message_options
+from specinfer.serving.shared_flags import healthcheck_flags
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -52,11 +53,7 @@ def check(target: str, service: str = "", timeout_s: float = 3.0) -> tuple[bool,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specinfer.serving.healthcheck",
                                 description="grpc.health.v1 probe: exit 0 when SERVING, 1 otherwise.")
-    p.add_argument("target", help="HOST:PORT of the gRPC server, e.g. 127.0.0.1:50051")
-    p.add_argument("service", nargs="?", default="",
-                   help='service name, e.g. specinfer.v1.Gateway (default "": the whole server)')
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print nothing")
+    add_declared(p, *healthcheck_flags())
     args = p.parse_args(argv)
     if args.timeout <= 0:
         p.error("--timeout must be > 0")

@@ -1,27 +1,29 @@
-"""Service settings: command-line flags with environment-variable fallbacks, and their defaults.
+"""The one way an option is declared and read: `Flag` (its flag, its environment variable, how
+it parses, its default, its bounds), `add_flag` / `add_declared` / `add_exclusive` (the only
+callers of argparse's `add_argument`) and `resolve_flags` / `resolve_declared`.
 
-Every service reads its configuration once, in `main()`, into a frozen dataclass: a flag wins,
-then its environment variable, then the default. A malformed or out-of-range value is a
-`UserError` that names the flag or the variable, which `main()` prints on one line (exit code 2).
-Plain Python: the gateway imports this too.
+Every service reads its configuration once, in `main()`, into a frozen dataclass, and every
+command resolves its parsed arguments the same way: a flag wins, then its environment variable,
+then the default. A malformed or out-of-range value is a `UserError` that names the flag or the
+variable, which `main()` prints on one line (exit code 2). The options themselves are declared in
+`specinfer.serving.shared_flags`. Plain Python: the gateway imports this too.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import socket
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES, MAX_METADATA_BYTES
-from specinfer.limits import MIN_MESSAGE_BYTES
+from specinfer.limits import DEFAULT_GRACE_S, DEFAULT_MAX_MESSAGE_BYTES, MAX_METADATA_BYTES
 from specinfer.limits import INITIAL_RECONNECT_BACKOFF_MS, MAX_RECONNECT_BACKOFF_MS, MIN_CONNECT_TIMEOUT_MS
-from specinfer.util import CACHE_DIR_ENV
 
 T = TypeVar("T")
+__all__ = ["DEFAULT_GRACE_S"]  # the services' default, imported from here
 
 # ---- the services' defaults ------------------------------------------------------------------
 LOCAL_HOST = "127.0.0.1"  # internal services are not exposed by default
@@ -156,13 +158,16 @@ def positive(name: str, value: float) -> None:
         raise UserError(f"{name} must be > 0, got {value}")
 
 
-# ---- flags -----------------------------------------------------------------------------------
+# ---- flags: the one way an option is declared ----------------------------------------------
 @dataclass(frozen=True)
 class Flag:
-    """One setting: its flag, its environment variable(s), how to parse it, its default."""
+    """One option: its flag, its environment variable(s), how to parse it, its default.
 
-    name: str  # "--port"
-    env: str | tuple[str, ...]  # the variable, or several tried in order
+    Options are declared in `specinfer.serving.shared_flags` (or, one a single service has, in
+    that service's `config.py`) and added to a parser only by `add_flag` / `add_declared`."""
+
+    name: str  # "--port", or a positional argument's name ("request_id")
+    env: str | tuple[str, ...]  # the variable, or several tried in order; () = none (a command-line-only option)
     parse: Callable[[str], Any]
     default: Any
     help: str = ""
@@ -172,6 +177,12 @@ class Flag:
     is_positive: bool = False  # > 0
     shown_default: str | None = None  # the default as the help text shows it, when not str(default)
     is_switch: bool = False  # an on/off setting: --name and --no-name on the command line, parse_bool in the variable
+    is_toggle: bool = False  # --name alone turns it on (no value); off unless given
+    choices: tuple[str, ...] = ()  # the values argparse accepts, as given (case-sensitive)
+    metavar: str | None = None
+    nargs: str | None = None  # "+", "*" or "?": several values after one flag (a list), or an optional positional
+    is_required: bool = False
+    short: str | None = None  # a one-letter alias, "-n"
 
     @property
     def dest(self) -> str:
@@ -179,7 +190,11 @@ class Flag:
 
     @property
     def envs(self) -> tuple[str, ...]:
-        return (self.env,) if isinstance(self.env, str) else self.env
+        return (self.env,) if isinstance(self.env, str) else tuple(self.env)
+
+    @property
+    def is_positional(self) -> bool:
+        return not self.name.startswith("-")
 
 
 def _for_argparse(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -195,22 +210,81 @@ def _for_argparse(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     return wrapped
 
 
-def add_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
-    """Adds the flag with no argparse default, so an unset flag can fall back to the environment."""
+def _help_text(flag: Flag) -> str:
+    """The help as written, and for an option with a variable: that variable and the default."""
+    if not flag.envs:
+        return flag.help
     shown = flag.shown_default
     if shown is None and flag.default not in (None, (), []):
         is_seq = isinstance(flag.default, (tuple, list))
         shown = ",".join(map(str, flag.default)) if is_seq else str(flag.default)
     default = f", default {shown}" if shown else ""
-    help_text = f"{flag.help} (env {' or '.join(flag.envs)}{default})".lstrip()
+    return f"{flag.help} (env {' or '.join(flag.envs)}{default})".lstrip()
+
+
+def add_flag(p: argparse.ArgumentParser, flag: Flag) -> None:
+    """Adds the option to a parser (or an argument group). One with a variable gets no argparse
+    default, so an unset flag can fall back to the variable (`resolve_flags`); one without gets
+    its default from argparse, so any parser reads it whole."""
+    has_env = bool(flag.envs)
+    names = [flag.name] if flag.short is None else [flag.short, flag.name]
+    extra: dict[str, Any] = {"help": _help_text(flag)}
+    if flag.is_positional:
+        p.add_argument(flag.name, type=_for_argparse(flag.parse), nargs=flag.nargs, default=flag.default, **extra)
+        return
+    if flag.is_required:
+        extra["required"] = True
+    if flag.is_toggle:
+        p.add_argument(*names, action="store_const", const=True, default=None if has_env else flag.default, **extra)
+        return
+    if flag.metavar is not None:
+        extra["metavar"] = flag.metavar
+    if flag.choices:
+        extra["choices"] = flag.choices
     if flag.is_switch:  # --name (on), --name VALUE (as the variable takes it), --no-name (off)
-        p.add_argument(flag.name, nargs="?", const=True, type=_for_argparse(flag.parse), default=None,
-                       help=help_text, metavar="on|off")
+        p.add_argument(*names, nargs="?", const=True, type=_for_argparse(flag.parse), default=None,
+                       **{"metavar": "on|off", **extra})
         p.add_argument("--no-" + flag.name.removeprefix("--"), dest=flag.dest, action="store_const", const=False,
                        help=argparse.SUPPRESS)
         return
-    p.add_argument(flag.name, type=_for_argparse(flag.parse), default=None, help=help_text,
-                   action="append" if flag.is_list else "store")
+    default = None
+    if not has_env:
+        is_seq = (flag.is_list or flag.nargs) and flag.default is not None
+        default = list(flag.default) if is_seq else flag.default  # argparse appends to a copy of a list
+    action = "append" if flag.is_list and not flag.nargs else "store"
+    p.add_argument(*names, type=_for_argparse(flag.parse), default=default, action=action, nargs=flag.nargs, **extra)
+
+
+_DECLARED = "_declared_flags"
+
+
+def add_declared(p: argparse.ArgumentParser, *flags: Flag) -> None:
+    """Adds `flags` to a command's parser; `resolve_declared` fills them in after parsing."""
+    for flag in flags:
+        add_flag(p, flag)
+    _record(p, flags)
+
+
+def add_exclusive(p: argparse.ArgumentParser, *flags: Flag, is_required: bool = False) -> None:
+    """Adds `flags` as a group of which at most one (with `is_required`: exactly one) is given."""
+    group = p.add_mutually_exclusive_group(required=is_required)
+    for flag in flags:
+        add_flag(group, flag)
+    _record(p, flags)
+
+
+def _record(p: argparse.ArgumentParser, flags: Sequence[Flag]) -> None:
+    p.set_defaults(**{_DECLARED: tuple(p.get_default(_DECLARED) or ()) + tuple(flags)})
+
+
+def resolve_declared(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Each declared flag of the parsed command: the flag, else its variable, else its default,
+    range-checked. Resolving resolved arguments again changes nothing."""
+    flags = getattr(args, _DECLARED, ())
+    values = resolve_flags(vars(args), flags, os.environ if env is None else env)
+    for flag in flags:
+        setattr(args, flag.dest, values[flag.dest])
+    return args
 
 
 def read_flags(p: argparse.ArgumentParser, flags: Sequence[Flag], argv: list[str] | None,
@@ -223,87 +297,22 @@ def read_flags(p: argparse.ArgumentParser, flags: Sequence[Flag], argv: list[str
 
 def resolve_flags(args: dict[str, Any], flags: Sequence[Flag], env: Mapping[str, str]) -> dict[str, Any]:
     """`args` (parsed, by destination) with each of `flags` resolved flag > env > default and
-    range-checked."""
+    range-checked (an option without a variable already holds its value, argparse's default
+    included)."""
     for flag in flags:
-        if flag.is_list:
+        if not flag.envs:
+            value = args.get(flag.dest)
+        elif flag.is_list:
             parse_list = lambda text, parse=flag.parse: [parse(item) for item in comma_list(text)]  # noqa: E731
             parse_list.__name__ = f"comma-separated list of {_type_name(flag.parse)}"
             value = pick(args[flag.dest], env, flag.envs, parse_list, None)
             value = tuple(flag.default if value is None else value)
         else:
             value = pick(args[flag.dest], env, flag.envs, flag.parse, flag.default)
-        where = f"{flag.name} ({' or '.join(flag.envs)})"
-        if value is not None and not flag.is_list:
+        where = f"{flag.name} ({' or '.join(flag.envs)})" if flag.envs else flag.name
+        if value is not None and not (flag.is_list or flag.nargs in ("+", "*")):
             check_range(where, value, flag.low, flag.high)
             if flag.is_positive:
                 positive(where, value)
         args[flag.dest] = value
     return args
-
-
-def cache_dir_flag() -> Flag:
-    """Where a model service caches what it measures at load time (the SSMs' dtype); without it,
-    $SPECINFER_CACHE_DIR, else ~/.cache/specinfer (`specinfer.util.default_cache_dir`)."""
-    return Flag("--cache-dir", CACHE_DIR_ENV, Path, None,
-                "where load-time measurements are cached; unwritable: measured at every start",
-                shown_default="~/.cache/specinfer")
-
-
-def port_flag(name: str, env: str, default: int, help_text: str) -> Flag:
-    return Flag(name, env, int, default, help_text, low=0, high=MAX_PORT)
-
-
-def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Flag]:
-    """The settings every service has: tracing, metrics, logs, draining, the message size bound
-    (and torch threads for the model services). `defaults` maps the config's field names to
-    their defaults."""
-    flags = [
-        Flag("--otlp-endpoint", "SPECINFER_OTLP_ENDPOINT", str, defaults["otlp_endpoint"],
-             "OTLP/gRPC trace endpoint; unset = off"),
-        port_flag("--metrics-port", "SPECINFER_METRICS_PORT", defaults["metrics_port"],
-                  "Prometheus /metrics port; 0 = off"),
-        Flag("--log-level", "SPECINFER_LOG_LEVEL", one_of(LOG_LEVELS), defaults["log_level"], ", ".join(LOG_LEVELS)),
-        Flag("--instance-id", "SPECINFER_INSTANCE_ID", str, defaults.get("instance_id", ""),
-             "a name for this process: its health service also answers SERVING for specinfer.instance.<id>, so "
-             "whoever started it can tell it from another process on its port; unset = none"),
-        Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"],
-             "the most a drain on SIGTERM takes: requests in flight get the time their tokens left need at the "
-             "measured speed, within this; one that cannot finish is handed over (set the orchestrator's grace "
-             "period, e.g. terminationGracePeriodSeconds, to the same value)", low=0),
-        Flag("--max-message-bytes", "SPECINFER_MAX_MESSAGE_BYTES", parse_bytes, defaults["max_message_bytes"],
-             "largest gRPC message received or sent, by this server and the channels it opens (4MiB, 512KiB)",
-             low=MIN_MESSAGE_BYTES, high=MAX_MESSAGE_BYTES, shown_default=format_bytes(defaults["max_message_bytes"])),
-    ]
-    if has_threads:
-        flags.append(Flag("--threads", "SPECINFER_THREADS", int, defaults["num_threads"],
-                          "torch intra-op threads (0 = torch's default)", low=0))
-    return flags
-
-
-def security_flags(token_file_env: str = "SPECINFER_AUTH_TOKEN_FILE", token_env: str = "SPECINFER_AUTH_TOKEN",
-                   outbound_token: tuple[str, str] | None = None, has_channels: bool = True) -> list[Flag]:
-    """A service's authentication and TLS settings (read by `specinfer.serving.security`): the
-    bearer token callers must send, its TLS certificate (and client CA for mTLS), and, for a
-    service that calls another, the CA its channels trust and its client certificate.
-    `outbound_token` = (flag, file variable) when the token it sends is not the one it checks."""
-    flags = [
-        Flag("--auth-token-file", token_file_env, Path, None,
-             f"file holding the bearer token every call but health checks must send (or the token itself in "
-             f"{token_env}); unset = no authentication"),
-        Flag("--tls-cert", "SPECINFER_TLS_CERT", Path, None, "PEM server certificate: serve TLS"),
-        Flag("--tls-key", "SPECINFER_TLS_KEY", Path, None, "PEM private key of --tls-cert"),
-        Flag("--tls-client-ca", "SPECINFER_TLS_CLIENT_CA", Path, None,
-             "PEM CA: require client certificates signed by it (mTLS)"),
-    ]
-    if outbound_token is not None:
-        flags.append(Flag(outbound_token[0], outbound_token[1], Path, None,
-                          "file holding the internal bearer token sent downstream (or the token itself in "
-                          f"{outbound_token[1].removesuffix('_FILE')})"))
-    if has_channels:
-        flags += [
-            Flag("--tls-ca", "SPECINFER_TLS_CA", Path, None, "PEM CA that outbound channels trust: use TLS"),
-            Flag("--tls-client-cert", "SPECINFER_TLS_CLIENT_CERT", Path, None,
-                 "PEM client certificate outbound channels present (mTLS)"),
-            Flag("--tls-client-key", "SPECINFER_TLS_CLIENT_KEY", Path, None, "PEM private key of --tls-client-cert"),
-        ]
-    return flags

@@ -6,9 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specinfer.errors import UserError
-
-
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+from specinfer.limits import ATTENTION_BACKENDS
 
 
 @dataclass(frozen=True)
