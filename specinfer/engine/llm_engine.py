@@ -11,9 +11,9 @@ the baseline for every speedup, and the fallback when no SSM is available.
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -213,7 +213,6 @@ class Engine:
         self.load_policy: LoadAwarePolicy | None = None  # built on first load-aware use
         self.cost_model: CostModel | None = None
         self.guard = SpeculationGuard() if cfg.is_guarded else None
-        self._sample_groups = itertools.count()  # each n > 1 call's prefix group of its own
         if isinstance(source, LocalSpeculation):  # a co-located pool drafts on the LLM's thread
             source.run_drafting = self.scheduler.run_drafting
 
@@ -287,7 +286,7 @@ class Engine:
             if len(p.token_ids) >= params.max_new_tokens:
                 raise UserError(f"samples: sample {p.index} has {len(p.token_ids)} tokens, "
                                 f"not fewer than max_new_tokens={params.max_new_tokens}")
-        group = f"samples:{next(self._sample_groups)}"
+        group = f"samples:{uuid.uuid4().hex}"  # its own: no other call's cached blocks, whatever their key
         started: list[tuple[int, Generation]] = []
         try:
             for p in progress:
