@@ -1,4 +1,5 @@
-"""One request's generation: a worker thread that consumes one Verifier.Generate stream.
+"""One request's generation: a worker thread that consumes one Verifier.Generate stream (n > 1:
+one stream for all the request's samples, each sample with its own state and stored record).
 
 The worker appends every verified step's tokens to the request's state (in memory, and in the
 store in one round trip per step that writes only that step), applies stop sequences and max
