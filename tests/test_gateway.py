@@ -1085,3 +1085,10 @@ def test_a_live_samples_own_id_resumes_and_cancels_that_sample_alone(stub, fake,
     assert ends == {0: "length", 1: "cancelled", 2: "length"}
     assert by_index[0] == by_index[2] == want and len(by_index[1]) < 120 and by_index[1] == want[:len(by_index[1])]
     assert len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_limits_is_invalid_argument_before_any_verifier_call(stub, fake, n):
+    err = status_of(lambda: stub.Generate(gen_request(max_tokens=4, n=n), timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in [1, 16]" in err.details()
+    assert fake.calls == []
