@@ -232,5 +232,24 @@ def _from_earlier_json(d: dict) -> dict:
 def sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request with n > 1 samples: sample 0 keeps the request's
     seed (so n = 1 and sample 0 agree); sample i adds i times the 64-bit golden ratio, mod 2**63,
-    which spreads the samples' seeds over the whole seed space."""
+    which spreads the samples' seeds over the whole seed space. The only derivation of a
+    sample's seed: the engine seeds the samples of one call with it (`sample_params`), and the
+    gateway records each sample's seed with it, so a sample resumed alone continues as it began."""
     return seed if index == 0 else (seed + index * 0x9E3779B97F4A7C15) % (1 << 63)
+
+
+def sample_params(params: GenerationParams, index: int) -> GenerationParams:
+    """Sample `index` of an n > 1 request as a request of its own: one sample, seeded with
+    `sample_seed` (a request without a seed stays without one)."""
+    seed = params.sampling.seed
+    return replace(params, num_samples=1,
+                   sampling=replace(params.sampling, seed=None if seed is None else sample_seed(seed, index)))
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """One sample of an n > 1 request and the tokens it has generated so far (a call continuing
+    the request after its first call failed part way)."""
+
+    index: int
+    token_ids: tuple[int, ...] = ()

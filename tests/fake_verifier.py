@@ -2,7 +2,9 @@
 
 Each step emits `tokens_per_step` tokens after `delay_s`; the next token is `successor(prev)`,
 a function of the previous token only, so a continuation from (prompt + tokens so far) yields
-exactly the tokens an uninterrupted call would have (like greedy decoding). Every call records
+exactly the tokens an uninterrupted call would have (like greedy decoding). A call of n > 1
+samples (`num_samples`) steps them together, each message naming its sample, each sample seeded
+as the verifier seeds it (`sample_seed`). Every call records
 what the gateway sent (prompt ids, limits, deadline, trace metadata) and how it ended.
 `refuse(request)` may return a message: the call then fails with INVALID_ARGUMENT, as the real
 verifier refuses what only it can check (a schema that does not compile, a token outside the
@@ -18,6 +20,7 @@ from typing import Callable
 
 import grpc
 
+from specinfer.params import sample_seed
 from specinfer.serving.grpc_server import RunningServer, ServerConfig, start_server
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
@@ -70,6 +73,9 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         self.calls: list[FakeCall] = []
         self.released: list[str] = []
         self.refuse: Callable[[pb.VerifierGenerateRequest], str | None] = lambda request: None
+        # Set: the next token is seeded_successor(previous token, the sample's seed), so samples
+        # (and requests) with different seeds differ, as sampled LLM output does.
+        self.seeded_successor: Callable[[int, int], int] | None = None
         self.load = pb.VerifierLoad()  # what Load reports (a test sets capacity and measured pace)
         self._lock = threading.Lock()
         self._called = threading.Condition(self._lock)  # notified on every new call
@@ -79,6 +85,7 @@ class FakeVerifier(pb_grpc.VerifierServicer):
             self.calls.clear()
             self.released.clear()
         self.refuse = lambda request: None
+        self.seeded_successor = None
         self.load = pb.VerifierLoad()
         self.delay_s, self.tokens_per_step = delay_s, tokens_per_step
 
@@ -97,25 +104,43 @@ class FakeVerifier(pb_grpc.VerifierServicer):
         refusal = self.refuse(request)
         if refusal:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
-        prev, n, steps = request.prompt_ids[-1], 0, 0
-        while n < request.max_new_tokens:
+        yield from self._samples(call, request, context)
+
+    def _samples(self, call: FakeCall, request, context):
+        """Every sample of the call steps together, one message per sample and step (as the
+        verifier's samples share each pass); a call of one sample is sample 0."""
+        num = max(1, request.num_samples)
+        progress = [(s.index, list(s.token_ids)) for s in request.samples] or [(i, []) for i in range(num)]
+        seed = request.sampling.seed if request.sampling.HasField("seed") else 0
+        live = {i: {"prev": (list(request.prompt_ids) + done)[-1], "n": 0, "steps": 0,
+                    "max": request.max_new_tokens - len(done),
+                    "next": self._successor(sample_seed(seed, i))} for i, done in progress}
+        while live:
             time.sleep(self.delay_s)
             if not context.is_active():
                 return
-            ids = []
-            for _ in range(min(self.tokens_per_step, request.max_new_tokens - n)):
-                prev = self.successor(prev)
-                ids.append(prev)
-            n, steps = n + len(ids), steps + 1
-            if n < request.max_new_tokens:
-                call.num_sent = n
-                yield pb.VerifierGenerateResponse(token_ids=ids)
-                continue
-            call.num_sent, call.is_finished = n, True
-            stats = pb.GenerationStats(prompt_tokens=len(request.prompt_ids), output_tokens=n, llm_steps=steps,
-                                       tokens_per_step=n / steps, mean_accepted=n / steps - 1,
-                                       mean_tree_nodes=4.0, acceptance_rate=(n / steps - 1) / 3)
-            yield pb.VerifierGenerateResponse(token_ids=ids, finish_reason="length", stats=stats)
+            for i, sample in list(live.items()):
+                ids = []
+                for _ in range(min(self.tokens_per_step, sample["max"] - sample["n"])):
+                    sample["prev"] = sample["next"](sample["prev"])
+                    ids.append(sample["prev"])
+                sample["n"], sample["steps"] = sample["n"] + len(ids), sample["steps"] + 1
+                n, steps = sample["n"], sample["steps"]
+                call.num_sent += len(ids)
+                if n < sample["max"]:
+                    yield pb.VerifierGenerateResponse(token_ids=ids, sample_index=i)
+                    continue
+                del live[i]
+                call.is_finished = not live
+                stats = pb.GenerationStats(prompt_tokens=len(request.prompt_ids), output_tokens=n, llm_steps=steps,
+                                           tokens_per_step=n / steps, mean_accepted=n / steps - 1,
+                                           mean_tree_nodes=4.0, acceptance_rate=(n / steps - 1) / 3)
+                yield pb.VerifierGenerateResponse(token_ids=ids, finish_reason="length", stats=stats, sample_index=i)
+
+    def _successor(self, seed: int) -> Callable[[int], int]:
+        if self.seeded_successor is None:
+            return self.successor
+        return lambda t: self.seeded_successor(t, seed)
 
     def ReleaseSession(self, request, context):
         self.released.append(request.session_id)

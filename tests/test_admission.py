@@ -344,15 +344,19 @@ def test_free_kv_reported_by_the_verifiers_holds_a_request_that_does_not_fit():
     adm.release(first)
 
 
-def test_samples_of_a_running_request_join_it_over_the_limit():
-    adm = Admission(AdmissionConfig(max_running=1, latency_factor=0, queue_timeout_s=0))
-    first = adm.acquire(10, group="req")
-    second = adm.acquire(10, group="req")
+def test_a_request_of_n_samples_needs_one_slot_and_runs_in_n():
+    adm = Admission(AdmissionConfig(max_running=2, latency_factor=0, queue_timeout_s=0))
+    samples = adm.acquire(10, num_samples=3)  # one free slot admits all three (over the limit)
+    assert adm.num_running == 3
     with pytest.raises(CapacityError):
-        adm.acquire(10, group="other")
-    assert adm.num_running == 2
-    adm.release(first)
-    adm.release(second)
+        adm.acquire(10)
+    adm.release(samples)
+    assert adm.num_running == 0
+    single = adm.acquire(10)
+    assert adm.acquire(10, num_samples=2) and adm.num_running == 3
+    with pytest.raises(CapacityError):
+        adm.acquire(10, num_samples=2)
+    adm.release(single)
 
 
 def test_a_draining_gateway_admits_nothing_and_its_queue_leaves():

@@ -247,3 +247,57 @@ def test_a_request_that_moves_to_another_real_verifier_mid_stream_outputs_what_i
         gateway.stop(0)
         for v in verifiers:
             v.stop(0)
+
+
+def _stream_samples(stub, request: pb.GenerateRequest, timeout_s: float = 30) -> dict[int, list[int]]:
+    ids: dict[int, list[int]] = {}
+    for msg in stub.GenerateStream(request, timeout=timeout_s):
+        mine = ids.setdefault(msg.index, [])
+        assert msg.token_offset == len(mine)  # no token twice, none missing, per sample
+        mine.extend(msg.token_ids)
+    return ids
+
+
+def test_an_n_request_is_one_call_and_moves_as_one_with_each_sample_where_it_was(fleet, tokenizer):
+    """n = 4: one verifier call for the four samples; when its verifier dies mid-stream, one call
+    on the other verifier continues each sample from its own tokens, and every sample ends as
+    it would have uninterrupted, equal to the single request with its seed (`sample_seed`)."""
+    from specinfer.params import sample_seed
+
+    def seeded(token: int, seed: int) -> int:  # a different successor per seed, still one per token
+        for _ in range(1 + seed % 3):
+            token = fleet.successor(token)
+        return token
+
+    for fake in fleet.fakes:
+        fake.seeded_successor = seeded
+    seed, max_tokens, prompt = 7, 60, "hello world"
+    seeds = [sample_seed(seed, i) for i in range(4)]
+    assert len({s % 3 for s in seeds}) > 1  # the samples differ
+    last = tokenizer.encode(prompt)[-1]
+    expected = {i: expected_tokens(lambda t, s=s: seeded(t, s), last, max_tokens) for i, s in enumerate(seeds)}
+    request = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, n=4, sampling=pb.SamplingParams(
+        temperature=1.0, seed=seed))
+    assert _stream_samples(fleet.stub, request) == expected
+    calls = [c for f in fleet.fakes for c in f.calls]
+    assert len(calls) == 1 and calls[0].request.num_samples == 4 and not calls[0].request.samples
+    for f in fleet.fakes:
+        f.reset(delay_s=0.01, tokens_per_step=1)
+        f.seeded_successor = seeded
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_stream_samples, fleet.stub, request)
+        assert wait_until(lambda: any(c.num_sent > 40 for f in fleet.fakes for c in f.calls), 10)
+        dying = next(i for i, f in enumerate(fleet.fakes) if f.calls)
+        fleet.kill(dying)
+        assert future.result(timeout=30) == expected
+    first, = fleet.fakes[dying].calls
+    resumed, = fleet.fakes[1 - dying].calls  # one call goes on with every sample
+    assert resumed.request.num_samples == 4 and resumed.request.sampling.seed == seed
+    assert sorted(s.index for s in resumed.request.samples) == [0, 1, 2, 3]
+    assert all(list(s.token_ids) == expected[s.index][:len(s.token_ids)] for s in resumed.request.samples)
+    assert sum(len(s.token_ids) for s in resumed.request.samples) > 0
+    assert _metric(fleet.registry, "specinfer_gateway_verifier_failovers_total") == 1
+    for i, s in enumerate(seeds):  # each sample is the single request with its seed
+        single = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, sampling=pb.SamplingParams(
+            temperature=1.0, seed=s))
+        assert _stream_samples(fleet.stub, single) == {0: expected[i]}

@@ -1048,3 +1048,47 @@ def test_concurrent_streams_are_independent(stub, fake, tokenizer, script):
     assert len(results) == len(threads)  # every stream ended (a thread that failed leaves no result)
     for prompt, ids in results.items():
         assert ids == expected_tokens(cycle_successor(script), tokenizer.encode(prompt)[-1], 12)
+
+
+# -- n > 1 -----------------------------------------------------------------------------------
+def test_n_samples_are_one_call_and_each_is_its_own_record(stub, fake, tokenizer, script):
+    want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 12)
+    resp = stub.Generate(gen_request(max_tokens=12, n=3, request_id="three"), timeout=10)
+    assert len(fake.calls) == 1 and fake.calls[0].request.num_samples == 3 and not fake.calls[0].request.prefix_group
+    assert resp.request_id == "three" and [s.request_id for s in resp.samples] == ["three.0", "three.1", "three.2"]
+    assert all(list(s.token_ids) == want and s.finish_reason == "length" for s in resp.samples)
+    assert all(s.stats.output_tokens == 12 for s in resp.samples)
+    state = stub.GetRequest(pb.GetRequestRequest(request_id="three.1"), timeout=5)
+    assert state.status == "finished" and list(state.token_ids) == want
+    assert status_of(lambda: stub.GetRequest(pb.GetRequestRequest(request_id="three"), timeout=5)).code() == \
+        grpc.StatusCode.NOT_FOUND
+    again = stub.Generate(gen_request(max_tokens=12, n=3, request_id="three"), timeout=10)  # a retry
+    assert len(fake.calls) == 1 and [s.token_ids for s in again.samples] == [s.token_ids for s in resp.samples]
+    assert status_of(lambda: stub.Generate(gen_request("other", max_tokens=12, n=3, request_id="three"),
+                                           timeout=10)).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_live_samples_own_id_resumes_and_cancels_that_sample_alone(stub, fake, tokenizer, script):
+    fake.reset(delay_s=0.02, tokens_per_step=1)
+    want = expected_tokens(cycle_successor(script), tokenizer.encode("hello")[-1], 120)
+    stream = stub.GenerateStream(gen_request(max_tokens=120, n=3, request_id="live-three"), timeout=30)
+    first = [next(stream) for _ in range(3)]
+    assert [(m.request_id, m.index) for m in first] == [(f"live-three.{i}", i) for i in range(3)]
+    assert wait_until(lambda: fake.calls and fake.calls[0].num_sent >= 9, 5)
+    assert stub.CancelRequest(pb.CancelRequestRequest(request_id="live-three.1"), timeout=5).cancelled
+    resumed = list(stub.ResumeStream(pb.ResumeStreamRequest(request_id="live-three.2"), timeout=30))
+    assert [t for m in resumed for t in m.token_ids] == want  # the sample alone, as a request of its own
+    assert all(m.index == 0 and m.request_id == "live-three.2" for m in resumed)
+    rest = list(stream)
+    by_index = {i: [t for m in first + rest if m.index == i for t in m.token_ids] for i in range(3)}
+    ends = {m.index: m.finish_reason for m in rest if m.finish_reason}
+    assert ends == {0: "length", 1: "cancelled", 2: "length"}
+    assert by_index[0] == by_index[2] == want and len(by_index[1]) < 120 and by_index[1] == want[:len(by_index[1])]
+    assert len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("n", [0, 17])
+def test_n_out_of_limits_is_invalid_argument_before_any_verifier_call(stub, fake, n):
+    err = status_of(lambda: stub.Generate(gen_request(max_tokens=4, n=n), timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "n: must be in [1, 16]" in err.details()
+    assert fake.calls == []

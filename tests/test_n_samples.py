@@ -5,6 +5,7 @@ caching off, the samples of one request still share within their group's own cac
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +14,7 @@ from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.scheduling.scheduler import SchedulerConfig
 from specinfer.errors import UserError
-from specinfer.params import GenerationParams, SamplingParams, TreeShape, sample_seed
+from specinfer.params import GenerationParams, SampleProgress, SamplingParams, TreeShape, sample_params, sample_seed
 
 NUM_SAMPLES = 3
 NEW_TOKENS = 20
@@ -110,3 +111,48 @@ def test_sample_seeds_are_distinct_and_keep_sample_zero():
 def test_n_out_of_range_is_a_user_error(n):
     with pytest.raises(UserError, match="n: must be"):
         GenerationParams(num_samples=n)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_start_samples_seeds_each_with_sample_seed_and_reads_the_prompt_once(runners, long_prompt, sampling,
+                                                                              monkeypatch):
+    llm, ssm = runners
+    engine = Engine.from_runners(llm, [ssm], NO_PREFIX_CACHING)
+    params = mode_params("tree", NEW_TOKENS, SHAPE, sampling=sampling, is_ignore_eos=True, num_samples=NUM_SAMPLES)
+    seen = counting(llm, monkeypatch)
+    alone = [engine.generate(long_prompt, sample_params(params, i)).output_ids for i in range(NUM_SAMPLES)]
+    tokens_alone = sum(seen)
+    seen.clear()
+    samples = engine.start_samples(long_prompt, params, "req")
+    results = engine.generate_batch([g for _, g in samples])
+    assert [i for i, _ in samples] == list(range(NUM_SAMPLES))
+    assert [r.output_ids for r in results] == alone
+    shared = (len(long_prompt) - 1) // llm.allocator.block_size * llm.allocator.block_size
+    assert shared > 0 and tokens_alone - sum(seen) == shared * (NUM_SAMPLES - 1)  # the prompt was read once
+    assert llm.allocator.num_used == 0
+    if not sampling.is_greedy:  # sample_seed's distinct seeds: the samples differ
+        assert len({tuple(ids) for ids in alone}) > 1
+        assert alone[1] == engine.generate(long_prompt, replace(params, num_samples=1, sampling=replace(
+            sampling, seed=sample_seed(sampling.seed, 1)))).output_ids
+
+
+def test_start_samples_continues_listed_samples_from_their_tokens(runners, long_prompt):
+    """A call continuing an n > 1 request part way: each listed sample goes on from its tokens
+    so far and ends as it would have uninterrupted; the samples not listed do not run."""
+    llm, ssm = runners
+    engine = Engine.from_runners(llm, [ssm], NO_PREFIX_CACHING)
+    params = mode_params("tree", NEW_TOKENS, SHAPE, sampling=SamplingParams(temperature=0.8, seed=3),
+                         is_ignore_eos=True, num_samples=4)
+    whole = [r.output_ids for r in engine.generate_batch([g for _, g in engine.start_samples(long_prompt, params)])]
+    progress = (SampleProgress(1, tuple(whole[1][:5])), SampleProgress(3, tuple(whole[3][:11])))
+    samples = engine.start_samples(long_prompt, params, progress=progress)
+    rest = engine.generate_batch([g for _, g in samples])
+    assert [i for i, _ in samples] == [1, 3]
+    assert list(whole[1][:5]) + rest[0].output_ids == whole[1]
+    assert list(whole[3][:11]) + rest[1].output_ids == whole[3]
+    for bad in [(SampleProgress(4),), (SampleProgress(1), SampleProgress(1)),
+                (SampleProgress(0, tuple(whole[0])),)]:
+        with pytest.raises(UserError, match="samples:"):
+            engine.start_samples(long_prompt, params, progress=bad)
+    assert llm.allocator.num_used == 0

@@ -153,3 +153,57 @@ def test_a_client_leaving_an_n_stream_leaves_every_sample_resumable(client):
     for i in range(2):
         resumed = [t for d in client.resume(f"left-early.{i}") for t in d.token_ids]
         assert resumed == list(expected.samples[i].token_ids)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 77}], ids=["greedy", "sampled"])
+def test_n_4_is_one_verifier_call_whose_samples_are_four_single_requests(stack, client, monkeypatch, sampling):
+    from specinfer.params import sample_seed
+
+    servicer, calls = stack.verifier_servicer, []
+    enter = servicer._enter
+    monkeypatch.setattr(servicer, "_enter", lambda: calls.append(1) or enter())
+    done = client.generate(LONG_PROMPT, max_tokens=10, ignore_eos=True, n=4, **sampling)
+    assert len(calls) == 1 and len(done.samples) == 4  # one Verifier.Generate for the four samples
+    seed = sampling.get("seed")
+    singles = [client.generate(LONG_PROMPT, max_tokens=10, ignore_eos=True,
+                               **{**sampling, "seed": sample_seed(seed, i) if seed is not None else None})
+               for i in range(4)]
+    assert len(calls) == 5
+    assert [s.token_ids for s in done.samples] == [s.token_ids for s in singles]
+    assert [s.text for s in done.samples] == [s.text for s in singles]
+    if seed is not None:
+        assert len({s.token_ids for s in done.samples}) > 1
+
+
+def test_the_verifier_refuses_bad_samples_as_invalid_argument(stack):
+    import grpc
+
+    stub = stack.verifier_stub
+    base = dict(prompt_ids=[3, 4, 5], max_new_tokens=4)
+    for request, message in [
+        (pb.VerifierGenerateRequest(num_samples=17, **base), "n: must be in"),
+        (pb.VerifierGenerateRequest(num_samples=2, session_id="s", **base), "num_samples: samples cannot continue"),
+        (pb.VerifierGenerateRequest(samples=[pb.SampleProgress(index=0)], **base), "samples: only with"),
+        (pb.VerifierGenerateRequest(num_samples=2, samples=[pb.SampleProgress(index=2)], **base), "samples: each"),
+        (pb.VerifierGenerateRequest(num_samples=2, samples=[pb.SampleProgress(index=1, token_ids=[6] * 4)], **base),
+         "not fewer than max_new_tokens"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(request, timeout=30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
+
+
+def test_a_verifier_call_continuing_two_samples_streams_only_theirs(stack):
+    stub = stack.verifier_stub
+    base = dict(prompt_ids=[3, 4, 5, 6], max_new_tokens=6, ignore_eos=True,
+                sampling=pb.SamplingParams(temperature=0.9, seed=5))
+    whole = list(stub.Generate(pb.VerifierGenerateRequest(num_samples=3, **base), timeout=60))
+    by_sample = {i: [t for m in whole if m.sample_index == i for t in m.token_ids] for i in range(3)}
+    assert all(len(ids) == 6 for ids in by_sample.values())
+    assert sorted(m.sample_index for m in whole if m.finish_reason) == [0, 1, 2]  # each ends by itself
+    rest = list(stub.Generate(pb.VerifierGenerateRequest(num_samples=3, samples=[
+        pb.SampleProgress(index=2, token_ids=by_sample[2][:4]), pb.SampleProgress(index=0, token_ids=by_sample[0][:1])],
+        **base), timeout=60))
+    assert {m.sample_index for m in rest} == {0, 2}
+    assert by_sample[2][:4] + [t for m in rest if m.sample_index == 2 for t in m.token_ids] == by_sample[2]
+    assert by_sample[0][:1] + [t for m in rest if m.sample_index == 0 for t in m.token_ids] == by_sample[0]

@@ -88,7 +88,7 @@ class Ticket:
 
     num_new_tokens: int = 0
     num_kv_tokens: int = 0
-    group: str = ""  # the samples of one request: admitted together (see `Admission.acquire`)
+    num_samples: int = 1  # n: the sequences it runs at once, each a request to the verifier's batch
     num_done: int = 0
     is_released: bool = False
 
@@ -140,7 +140,7 @@ class Admission:
     @property
     def num_running(self) -> int:
         with self._cond:
-            return len(self._tickets)
+            return self._num_running()
 
     @property
     def num_queued(self) -> int:
@@ -218,21 +218,19 @@ class Admission:
 
     # -- admitting ---------------------------------------------------------------------------
     def acquire(self, num_kv_tokens: int, timeout_s: float | None = None, num_new_tokens: int = 0,
-                group: str = "") -> Ticket:
+                num_samples: int = 1) -> Ticket:
         """A slot for a request of `num_new_tokens` at most, with `num_kv_tokens` of worst-case KV;
         waits in FIFO order while it is predicted to start within its bound (see the module doc).
         CapacityError, with a retry hint, when the queue is full or the wait is, or would be, too
-        long; at once when the request exceeds the verifiers' whole cache. A sample of a request
-        (`group`) whose first sample runs is admitted with it, over the limit: they share one
-        reading of the prompt, and a request's samples are not refused one by one."""
-        ticket = Ticket(num_new_tokens, num_kv_tokens, group)
+        long; at once when the request exceeds the verifiers' whole cache. A request of n > 1
+        samples (`num_samples`) needs one free slot and then runs in n (it may go over the limit:
+        its samples share one reading of the prompt and are not refused one by one)."""
+        ticket = Ticket(num_new_tokens, num_kv_tokens, num_samples)
         with self._cond:
             self._check_open()
             kv = max(self._kv_capacity_tokens, self._verifiers.kv_capacity)
             if kv and num_kv_tokens > kv:
                 raise CapacityError(f"the request needs up to {num_kv_tokens} KV tokens; the verifier holds {kv}")
-            if self._joins_group(ticket):
-                return self._admit(ticket)
             if not self._queue and self._fits(ticket):
                 return self._admit(ticket)
             bound = self._bound(ticket, timeout_s)
@@ -263,7 +261,7 @@ class Admission:
         self._queue.append(me)
         deadline = self.clock() + max(0.0, bound)
         try:
-            while not ((self._queue[0] is me and self._fits(ticket)) or self._joins_group(ticket)):
+            while not (self._queue[0] is me and self._fits(ticket)):
                 self._check_open()
                 remaining = deadline - self.clock()
                 if remaining <= 0:
@@ -285,8 +283,9 @@ class Admission:
             self._tickets.discard(ticket)
             self._cond.notify_all()
 
-    def _joins_group(self, ticket: Ticket) -> bool:
-        return bool(ticket.group) and any(t.group == ticket.group for t in self._tickets)
+    def _num_running(self) -> int:
+        """Requests running, a request of n samples counting n."""
+        return sum(t.num_samples for t in self._tickets)
 
     def _check_open(self) -> None:
         if self._is_closed:
@@ -298,7 +297,7 @@ class Admission:
         return min(limit, self.cfg.max_running)
 
     def _fits(self, ticket: Ticket) -> bool:
-        if len(self._tickets) >= self._effective_limit():
+        if self._num_running() >= self._effective_limit():
             return False
         kv_free = self._verifiers.kv_free
         return kv_free is None or not self._tickets or ticket.num_kv_tokens <= kv_free - self._kv_since_report
@@ -332,7 +331,7 @@ class Admission:
         token_s = self.pace.value if self.pace.value is not None else self._verifiers.token_s
         if token_s is None:
             return None
-        index = position - max(0, self._effective_limit() - len(self._tickets))
+        index = position - max(0, self._effective_limit() - self._num_running())
         if index < 0 or not self._tickets:
             return 0.0
         finishes = sorted(t.num_left * token_s for t in self._tickets)
@@ -350,7 +349,7 @@ class Admission:
         the samples."""
         if not self.cfg.is_adaptive:
             return
-        is_refusing = (self._is_demanded and len(self._tickets) >= self._limit
+        is_refusing = (self._is_demanded and self._num_running() >= self._limit
                        and self.clock() - self._demanded_at >= limits.ADMISSION_PROBE_DELAY_S)
         is_demanded = bool(self._queue) or is_refusing
         cap = self._measured_cap()

@@ -14,7 +14,6 @@ before it is tokenized, and tokenizing runs on the request's own RPC thread, hol
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import threading
 import time
@@ -33,7 +32,7 @@ from services.gateway.verifier_client import VerifierSummary
 from services.gateway.verifier_pool import RoutedVerifiers
 from specinfer.errors import NotFoundError, UnavailableError, UserError
 from specinfer.limits import check_id, check_prompt_length, check_text_size
-from specinfer.params import GenerationParams, sample_seed
+from specinfer.params import GenerationParams, sample_params
 from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
@@ -86,19 +85,22 @@ def same_params(stored: GenerationParams, asked: GenerationParams) -> bool:
 
 
 class _Attachment:
-    """One observer's hold on a run, released when the client's RPC ends; closing twice is harmless."""
+    """One observer's hold on a run (on its sample `index`), released when the client's RPC ends;
+    closing twice is harmless."""
 
-    def __init__(self, run: RequestRun):
+    def __init__(self, run: RequestRun, index: int = 0):
         self.run = run
+        self.index = index
         self._lock = threading.Lock()
         self._is_closed = False
 
     @classmethod
-    def hold(cls, run: RequestRun, link: ClientLink) -> "_Attachment | None":
-        """Attaches to `run` for the life of the client's RPC; None if the run is already ending."""
+    def hold(cls, run: RequestRun, link: ClientLink, record_id: str = "") -> "_Attachment | None":
+        """Attaches to `run` for the life of the client's RPC (to the sample whose record is
+        `record_id`; default the first); None if the run is already ending."""
         if not run.attach():
             return None
-        attachment = cls(run)
+        attachment = cls(run, run.index_of(record_id) if record_id else 0)
         if not link.add_callback(attachment.close):  # the RPC has already ended
             attachment.close()
         return attachment
@@ -109,45 +111,6 @@ class _Attachment:
                 return
             self._is_closed = True
         self.run.detach()
-
-
-def _interleave(streams: list[Callable[[], Iterator[Chunk]]]) -> Iterator[Chunk]:
-    """The chunks of several streams as they come, each tagged with its stream's index; the
-    first error of any ends it (the others' observers leave with the client's call)."""
-    arrived: queue.Queue = queue.Queue()
-    is_stopped = threading.Event()
-
-    def pump(index: int, make: Callable[[], Iterator[Chunk]]) -> None:
-        chunks = None
-        try:
-            chunks = make()
-            for chunk in chunks:
-                arrived.put((replace(chunk, index=index), None))
-                if is_stopped.is_set():
-                    break
-            arrived.put((None, None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer's thread
-            arrived.put((None, exc))
-        finally:
-            if chunks is not None:
-                chunks.close()
-
-    threads = [threading.Thread(target=pump, args=(i, make), name=f"sample-{i}", daemon=True)
-               for i, make in enumerate(streams)]
-    for thread in threads:
-        thread.start()
-    try:
-        num_running = len(threads)
-        while num_running:
-            chunk, error = arrived.get()
-            if error is not None:
-                raise error
-            if chunk is None:
-                num_running -= 1
-            else:
-                yield chunk
-    finally:
-        is_stopped.set()
 
 
 def encode_turn(tokenizer: TextTokenizer, text: str, has_history: bool) -> tuple[int, ...]:
@@ -230,13 +193,13 @@ class GatewayCore:
         """Interrupts these runs: each stays resumable (its tokens are in the store), its client gets
         UNAVAILABLE, and another gateway continues it on ResumeStream (this one drops its lease as
         it exits, so the takeover does not wait for it to lapse)."""
-        for request_id in request_ids:
-            run = self.registry.get(request_id)
-            if run is not None:
+        wanted = set(request_ids)
+        for run in self.registry.all():
+            if run.request_id in wanted:
                 run.interrupt()
 
     # -- generate ----------------------------------------------------------------------------
-    def generate(self, req: NewRequest, call: CallContext, prefix_group: str = "") -> Iterator[Chunk]:
+    def generate(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
         """Validates and starts a request; yields a header chunk, then its progress. With n > 1,
         every sample's (see `_generate_samples`)."""
         req = validate_request(req, self.limits)
@@ -260,7 +223,7 @@ class GatewayCore:
             params = replace(params, sampling=replace(params.sampling, seed=secrets.randbits(63)))
         record = RequestRecord(request_id, RUNNING, req.prompt, req.session_id, params.to_json(), history + turn_ids,
                                owner=self.cfg.gateway_id, session_base_len=len(history), is_leased=self.is_leasing)
-        run = RequestRun(replace(self._plan(record, call), prefix_group=prefix_group), self.deps)
+        run = RequestRun(self._plan(record, call), self.deps)
         self.admission.set_kv_capacity(self._verifier_facts().kv_capacity_tokens)
         concurrent = self.registry.add(run, call.deadline_s)  # not None: the same id arrived concurrently
         is_new = concurrent is None
@@ -288,21 +251,107 @@ class GatewayCore:
                 attachment.close()
 
     def _generate_samples(self, req: NewRequest, call: CallContext) -> Iterator[Chunk]:
-        """n > 1: one request per sample, with the id "<request id>.<index>" (each resumable and
-        readable by itself), seeded with `sample_seed(seed, index)` (no seed: each its own fresh
-        one), and all of one prefix group, so the verifier reads the prompt once. Their chunks
-        interleave, told apart by `Chunk.index`; each sample's first chunk carries its id."""
+        """n > 1: one run, one verifier call for every sample (the verifier reads the prompt once
+        and seeds sample i with `sample_seed(seed, i)`). Each sample keeps a record of its own,
+        with the id "<request id>.<index>" and its own seed (`sample_params`), so each is
+        resumable and readable by itself. Chunks come as the samples progress, told apart by
+        `Chunk.index`; the first chunk of each sample carries its id."""
         num = req.params.num_samples
         if req.session_id:
             raise UserError("n: samples cannot continue a session (each would append its own turn); use n = 1")
         group = req.request_id or uuid.uuid4().hex
-        check_id(f"{group}.{num - 1}")  # a client's id leaves room for the samples' suffixes
-        seed = req.params.sampling.seed
-        samples = [replace(req, request_id=f"{group}.{i}", params=replace(
-            req.params, num_samples=1,
-            sampling=replace(req.params.sampling, seed=None if seed is None else sample_seed(seed, i))))
-            for i in range(num)]
-        yield from _interleave([lambda s=s: self.generate(s, call, group) for s in samples])
+        sample_ids = tuple(f"{group}.{i}" for i in range(num))
+        check_id(sample_ids[-1])  # a client's id leaves room for the samples' suffixes
+        if req.request_id and (self.registry.get_group(group) is not None
+                               or self.store.get_request(sample_ids[0]) is not None):
+            yield from self._retry_samples(req, group, sample_ids, call)
+            return
+        self._check_ssm_names(req.params.ssm_names)
+        turn_ids = encode_turn(self.tokenizer, req.prompt, False)
+        check_prompt_length(len(turn_ids), 0, self.limits)
+        self._check_context(len(turn_ids), req.params.max_new_tokens)
+        params = req.params
+        if params.sampling.seed is None:
+            params = replace(params, sampling=replace(params.sampling, seed=secrets.randbits(63)))
+        records = [RequestRecord(sid, RUNNING, req.prompt, "", sample_params(params, i).to_json(), turn_ids,
+                                 owner=self.cfg.gateway_id, is_leased=self.is_leasing)
+                   for i, sid in enumerate(sample_ids)]
+        plan = replace(self._plan(records[0], call), request_id=group, params=params, sample_ids=sample_ids)
+        run = RequestRun(plan, self.deps)
+        self.admission.set_kv_capacity(self._verifier_facts().kv_capacity_tokens)
+        concurrent = self.registry.add(run, call.deadline_s)  # not None: the same id arrived concurrently
+        if concurrent is not None:
+            self._check_sample_retry(req, concurrent.plan.prompt, concurrent.plan.session_id, concurrent.plan.params)
+            yield from self._retry_samples(req, group, sample_ids, call)
+            return
+        try:
+            is_new = all([self.store.create_request(record) for record in records])
+        except BaseException:
+            self.registry.remove(run)
+            raise
+        if not is_new:  # another gateway took the id meanwhile: a retry (it continues what it created)
+            self.registry.remove(run)
+            yield from self._retry_samples(req, group, sample_ids, call)
+            return
+        attachment = _Attachment.hold(run, call.link)
+        run.start()
+        try:
+            for i, sid in enumerate(sample_ids):  # the ids first, so a client can always resume
+                yield Chunk(sid, (), 0, "", 0, 0, index=i, group_id=group)
+            yield from self._observe_samples(attachment, call.link)
+        finally:
+            if attachment is not None:
+                attachment.close()
+
+    def _retry_samples(self, req: NewRequest, group: str, sample_ids: tuple[str, ...], call: CallContext
+                       ) -> Iterator[Chunk]:
+        """An n > 1 request whose id is in use: the same request's samples, observed in one go
+        while their run is live here, else one sample after the other (each from its record,
+        continued here when it was interrupted)."""
+        live = self.registry.get_group(group)
+        if live is not None:
+            self._check_sample_retry(req, live.plan.prompt, live.plan.session_id, live.plan.params)
+        else:
+            stored = self.store.get_request(sample_ids[0])
+            if stored is None:
+                raise NotFoundError(f"request_id: unknown request {sample_ids[0]!r}")
+            self._check_sample_retry(req, stored.prompt, stored.session_id, GenerationParams.from_json(stored.params))
+        call.on_event("retry", {"request_id": group})
+        for i, sid in enumerate(sample_ids):
+            yield Chunk(sid, (), 0, "", 0, 0, index=i, group_id=group)
+        attachment = _Attachment.hold(live, call.link) if live is not None else None
+        if attachment is not None:
+            yield from self._observe_samples(attachment, call.link)
+            return
+        for i, sid in enumerate(sample_ids):
+            for chunk in self._stream(sid, 0, call):
+                yield replace(chunk, index=i, group_id=group)
+
+    def _check_sample_retry(self, req: NewRequest, prompt: str, session_id: str, params: GenerationParams) -> None:
+        """An n > 1 request's id may only be reused by the same request: compared as sample 0."""
+        self._check_retry(replace(req, params=sample_params(req.params, 0)), prompt, session_id,
+                          sample_params(params, 0))
+
+    def _observe_samples(self, attachment: _Attachment | None, link: ClientLink) -> Iterator[Chunk]:
+        """Every sample's progress in one n > 1 run, as it comes; the first error ends it."""
+        if attachment is None:  # the run ended before the client attached: read the records
+            return
+        run = attachment.run
+        try:
+            held = [(0, 0, False)] * len(run.samples)
+            while not all(is_done for _, _, is_done in held):
+                chunks = run.read_all(held, POLL_S)
+                if not chunks and not link.is_active():
+                    return
+                for chunk in chunks:
+                    held[chunk.index] = (chunk.num_tokens, chunk.num_chars, chunk.is_done)
+                    if chunk.error is not None:
+                        if chunk.token_ids or chunk.text_delta:
+                            yield replace(chunk, is_done=False, finish_reason="", stats=None, error=None)
+                        raise chunk.error
+                    yield chunk
+        finally:
+            attachment.close()
 
     def _retry(self, req: NewRequest, existing: RequestRecord, call: CallContext) -> Iterator[Chunk]:
         self._check_retry(req, existing.prompt, existing.session_id, GenerationParams.from_json(existing.params))
@@ -389,6 +438,7 @@ class GatewayCore:
                 chunks = self._follow(record, num_tokens, num_chars, call.link)
             is_done = False
             for chunk in chunks:
+                chunk = replace(chunk, index=0, group_id="")  # one record's stream, whatever run drives it
                 num_tokens, num_chars, is_done = chunk.num_tokens, chunk.num_chars, chunk.is_done
                 if chunk.error is not None:
                     if chunk.token_ids or chunk.text_delta:
@@ -406,11 +456,12 @@ class GatewayCore:
         for _ in range(4):
             live = self.registry.get(request_id)
             if live is not None:
-                attachment = _Attachment.hold(live, call.link)
+                attachment = _Attachment.hold(live, call.link, request_id)
                 if attachment is not None:
-                    if offset > live.num_tokens:
+                    num_tokens = live.num_tokens_of(attachment.index)
+                    if offset > num_tokens:
                         attachment.close()
-                        raise UserError(f"token_offset: {offset} is past the {live.num_tokens} tokens generated")
+                        raise UserError(f"token_offset: {offset} is past the {num_tokens} tokens generated")
                     return attachment, None
                 live.join(2.0)  # it is ending: wait for its final state in the store
                 continue
@@ -434,7 +485,7 @@ class GatewayCore:
         run = RequestRun(self._plan(rec, call), self.deps)
         existing = self.registry.add(run, call.deadline_s)
         if existing is not None:
-            return _Attachment.hold(existing, call.link)
+            return _Attachment.hold(existing, call.link, rec.request_id)
         me, stale_before = self.cfg.gateway_id, time.time() - self.cfg.stale_after_s
         gone_owner = rec.owner if rec.status == RUNNING and self._owner_is_gone(rec) else None
         leased = "1" if self.is_leasing else "0"
@@ -460,11 +511,11 @@ class GatewayCore:
 
     def _observe(self, attachment: _Attachment, since_tokens: int, since_chars: int | None, link: ClientLink
                  ) -> Iterator[Chunk]:
-        run = attachment.run
+        run, index = attachment.run, attachment.index
         try:
-            since_chars = run.text_len_at(since_tokens) if since_chars is None else since_chars
+            since_chars = run.text_len_at(since_tokens, index) if since_chars is None else since_chars
             while True:
-                chunk = run.read(since_tokens, since_chars, POLL_S)
+                chunk = run.read(since_tokens, since_chars, POLL_S, index)
                 if chunk is None:
                     if not link.is_active():
                         return
@@ -509,8 +560,9 @@ class GatewayCore:
         check_id(request_id)
         live = self.registry.get(request_id)
         if live is not None:
-            is_cancelled = live.cancel()
-            live.join(1.0)
+            index = live.index_of(request_id)
+            is_cancelled = live.cancel(index)
+            live.wait_ended(index, 1.0)
             if is_cancelled:
                 return True
         rec = self.store.get_request(request_id)

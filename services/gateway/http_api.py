@@ -285,8 +285,7 @@ class _Reply:
 
     def add(self, chunk: Chunk) -> None:
         if not self.request_id:
-            rid = chunk.request_id
-            self.request_id = rid.rsplit(".", 1)[0] if self.num_samples > 1 and "." in rid else rid
+            self.request_id = chunk.group_id or chunk.request_id
         i = chunk.index
         self.text[i].append(chunk.text_delta)
         self.logprobs[i].extend(chunk.logprobs)

@@ -9,8 +9,8 @@ verifiers' caches; it remembers instead what it sent where:
   it (a chain, as vLLM's prefix cache hashes them), so equal hashes mean equal prefixes.
 - `PrefixIndex`: per verifier, the block hashes it was sent, bounded, least recently sent first
   out (as the verifier's own cache evicts).
-- `Affinities`: sessions and sample groups, each pinned to the verifier it went to (its KV, or
-  its siblings', is there), bounded the same way.
+- `Affinities`: sessions, each pinned to the verifier it went to (its KV is there), bounded
+  the same way.
 - `Router`: picks among the verifiers serving now. A pinned session goes to its verifier. Else
   the verifier holding the longest leading run of the prompt's blocks wins, unless it is much
   busier than the least loaded one (in-flight requests, more than `balance_abs` more and more
@@ -37,7 +37,7 @@ from specinfer.limits import (
 # Why a verifier was picked (the `reason` label of the gateway's routing metric).
 CACHE = "cache"  # it holds the longest leading run of the prompt's blocks
 BALANCE = "balance"  # the least loaded: no verifier holds the prompt's start, or the best one is too busy
-AFFINITY = "affinity"  # the request's session (or sample group) is there
+AFFINITY = "affinity"  # the request's session is there
 REASONS = (CACHE, BALANCE, AFFINITY)
 
 
@@ -95,7 +95,7 @@ class PrefixIndex:
 
 
 class Affinities:
-    """Keys (sessions, sample groups) pinned to a verifier, at most `capacity`, least recently used out."""
+    """Keys (sessions) pinned to a verifier, at most `capacity`, least recently used out."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -158,7 +158,7 @@ class Router:
 
     def route(self, prompt_ids: Sequence[int], candidates: Sequence[Candidate], affinity_key: str = "") -> Route:
         """The verifier among `candidates` (non-empty) this prompt should go to. With an
-        `affinity_key` (a session, a sample group), the first pick pins the key to its verifier
+        `affinity_key` (a session), the first pick pins the key to its verifier
         and later ones go there while it is a candidate."""
         if not candidates:
             raise ValueError("no candidate verifier")

@@ -1,4 +1,5 @@
-"""One request's generation: a worker thread that consumes one Verifier.Generate stream.
+"""One request's generation: a worker thread that consumes one Verifier.Generate stream (n > 1:
+one stream for all the request's samples, each sample with its own state and stored record).
 
 The worker appends every verified step's tokens to the request's state (in memory, and in the
 store in one round trip per step that writes only that step), applies stop sequences and max
@@ -29,7 +30,7 @@ from services.gateway.verifier_pool import RoutedVerifiers
 from specinfer.errors import CapacityError, PeerError, UnavailableError
 from specinfer.limits import MAX_VERIFIER_ATTEMPTS
 from specinfer.logprobs import TokenLogprob
-from specinfer.params import GenerationParams
+from specinfer.params import GenerationParams, SampleProgress
 from specinfer.stats import GenerationStats
 from specinfer.tokenizer import TextTokenizer
 
@@ -41,18 +42,23 @@ class _Stopped(Exception):
 
 @dataclass(frozen=True)
 class RunPlan:
-    request_id: str
+    request_id: str  # n > 1: the request's id; each sample has its own (`sample_ids`)
     prompt: str  # the turn's text (for the session history)
     prompt_ids: tuple[int, ...]  # the full context: session history + this turn
-    generated_ids: tuple[int, ...]  # tokens earlier segments produced (resume)
-    params: GenerationParams  # max_new_tokens and seed resolved
+    generated_ids: tuple[int, ...]  # tokens earlier segments produced (resume; n = 1 only)
+    params: GenerationParams  # max_new_tokens and seed resolved; num_samples: the samples of this run
     session_id: str
     session_base_len: int
     prior_stats: GenerationStats  # earlier segments' (resume)
     deadline_s: float  # for the verifier call
     metadata: tuple[tuple[str, str], ...]  # trace context for the verifier
     started_at: float  # time.monotonic() when the client's RPC arrived
-    prefix_group: str = ""  # the verifier shares the prompt's KV within a group (the samples of one request)
+    sample_ids: tuple[str, ...] = ()  # n > 1: each sample's id, the key of its stored record
+
+    @property
+    def record_ids(self) -> tuple[str, ...]:
+        """The stored records this run writes: one per sample."""
+        return self.sample_ids or (self.request_id,)
 
 
 @dataclass(frozen=True)
@@ -89,43 +95,76 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     logprob_space: str = ""
     index: int = 0  # the sample of an n > 1 request this chunk belongs to
+    group_id: str = ""  # n > 1: the request's id (`request_id` is the sample's own)
 
 
-class RequestRun:
-    def __init__(self, plan: RunPlan, deps: RunDeps):
-        self.plan = plan
-        self.deps = deps
-        self.request_id = plan.request_id
-        self.cond = threading.Condition()
-        self.text = TextState.replay(deps.tokenizer, plan.params.stop, plan.generated_ids, plan.params.stop_token_ids)
+class _Sample:
+    """One sample's state in a run: its tokens and text, how far the store holds them, and how it
+    ended. Guarded by the run's condition."""
+
+    def __init__(self, index: int, request_id: str, plan: RunPlan, tokenizer: TextTokenizer):
+        self.index, self.request_id = index, request_id
+        self.text = TextState.replay(tokenizer, plan.params.stop, plan.generated_ids, plan.params.stop_token_ids)
         self.logprobs: list[TokenLogprob] = []  # of the tokens after the earlier segments' (logprobs_from)
         self.logprobs_from = len(plan.generated_ids)
         self.logprob_space = ""
-        self._num_cached = 0  # prompt tokens the verifier reused
+        self.num_cached = 0  # prompt tokens the verifier reused
         self.status = RUNNING
         self.finish_reason = ""
         self.final_text: str | None = None
         self.stats: GenerationStats | None = None
         self.error: Exception | None = None
+        self.is_cancel_asked = False  # CancelRequest of this sample alone (n > 1)
+        self.num_steps = 0
+        self.verifier_stats: GenerationStats | None = None
+        # Calls of this run that failed over to another verifier, as the gateway counted them.
+        self.earlier_calls: GenerationStats | None = None
+        self.call_first_step, self.call_first_token = 0, len(plan.generated_ids)
+        self.last_token_at: float | None = None
+        # Observers see a token only once it is in the store, so a client never holds a token
+        # that a crash of this gateway would lose (a resume by offset always finds it).
+        self.num_durable = len(plan.generated_ids)
+        # What this run has written to the store: None until its first (whole-state) write, then
+        # the tokens and visible characters stored, and the step fields it appended.
+        self.num_stored_tokens: int | None = None
+        self.num_stored_chars = 0
+        self.step_offsets: list[int] = []
+
+    @property
+    def is_running(self) -> bool:
+        return self.status == RUNNING
+
+
+class RequestRun:
+    """One request's run: one verifier call at a time for all its samples (n > 1: one call
+    carries every sample, `VerifierCall.samples`), each sample with its own stored record."""
+
+    def __init__(self, plan: RunPlan, deps: RunDeps):
+        self.plan = plan
+        self.deps = deps
+        self.request_id = plan.request_id
+        self.cond = threading.Condition()
+        self.samples = [_Sample(i, rid, plan, deps.tokenizer) for i, rid in enumerate(plan.record_ids)]
         self.num_observers = 0
         self._stop_reason = ""  # "", "interrupted" or "cancelled"
         self._stream = None
-        self._num_steps = 0
-        self._verifier_stats: GenerationStats | None = None
-        # Calls of this run that failed over to another verifier, as the gateway counted them.
-        self._earlier_calls: GenerationStats | None = None
-        self._call_first_step, self._call_first_token = 0, len(plan.generated_ids)
-        self._last_token_at: float | None = None
-        # Observers see a token only once it is in the store, so a client never holds a token
-        # that a crash of this gateway would lose (a resume by offset always finds it).
-        self._num_durable = len(plan.generated_ids)
-        # What this run has written to the store: None until its first (whole-state) write, then
-        # the tokens and visible characters stored, and the step fields it appended.
-        self._num_stored_tokens: int | None = None
-        self._num_stored_chars = 0
-        self._step_offsets: list[int] = []
         self.ticket: Ticket | None = None  # its admission slot: told how far the run has come
         self._thread = threading.Thread(target=self._work, name=f"run-{plan.request_id}", daemon=True)
+
+    @property
+    def is_group(self) -> bool:
+        """Whether this run carries the samples of an n > 1 request."""
+        return bool(self.plan.sample_ids)
+
+    @property
+    def status(self) -> str:
+        """RUNNING until every sample has ended; then the status of the last sample (n = 1: its own)."""
+        with self.cond:
+            running = [s for s in self.samples if s.is_running]
+            return RUNNING if running else self.samples[-1].status
+
+    def index_of(self, record_id: str) -> int:
+        return self.plan.record_ids.index(record_id)
 
     # -- control (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -137,13 +176,19 @@ class RequestRun:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of its slowest running sample (of the sample, n = 1)."""
         with self.cond:
-            return self.text.num_tokens
+            running = [s.text.num_tokens for s in self.samples if s.is_running]
+            return min(running) if running else min(s.text.num_tokens for s in self.samples)
+
+    def num_tokens_of(self, index: int) -> int:
+        with self.cond:
+            return self.samples[index].text.num_tokens
 
     def attach(self) -> bool:
         """Registers an observer; False if the run is already ending."""
         with self.cond:
-            if self._stop_reason or self.status != RUNNING:
+            if self._stop_reason or not any(s.is_running for s in self.samples):
                 return False
             self.num_observers += 1
             return True
@@ -151,19 +196,32 @@ class RequestRun:
     def detach(self) -> None:
         with self.cond:
             self.num_observers -= 1
-            if self.num_observers <= 0 and self.status == RUNNING:
+            if self.num_observers <= 0 and any(s.is_running for s in self.samples):
                 self._request_stop("interrupted")
 
-    def cancel(self) -> bool:
+    def cancel(self, index: int | None = None) -> bool:
+        """Ends the run for good (`index`: only that sample of an n > 1 run, at its next step)."""
         with self.cond:
-            if self.status != RUNNING:
+            if index is not None and self.is_group:
+                sample = self.samples[index]
+                if not sample.is_running:
+                    return False
+                sample.is_cancel_asked = True
+                if all(s.is_cancel_asked or not s.is_running for s in self.samples):
+                    self._request_stop("cancelled")
+                return True
+            if not any(s.is_running for s in self.samples):
                 return False
             self._request_stop("cancelled")
             return True
 
+    def wait_ended(self, index: int, timeout_s: float) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.samples[index].is_running, timeout_s)
+
     def interrupt(self) -> None:
         with self.cond:
-            if self.status == RUNNING:
+            if any(s.is_running for s in self.samples):
                 self._request_stop("interrupted")
 
     def _request_stop(self, reason: str) -> None:
@@ -176,32 +234,58 @@ class RequestRun:
         self.cond.notify_all()
 
     # -- observing ---------------------------------------------------------------------------
-    def text_len_at(self, num_tokens: int) -> int:
+    def text_len_at(self, num_tokens: int, index: int = 0) -> int:
         with self.cond:
-            return self.text.visible_lens[num_tokens]
+            return self.samples[index].text.visible_lens[num_tokens]
 
-    def read(self, since_tokens: int, since_chars: int, timeout_s: float) -> Chunk | None:
-        """Waits up to `timeout_s` for progress past `since_tokens`; None if there is none."""
+    def read(self, since_tokens: int, since_chars: int, timeout_s: float, index: int = 0) -> Chunk | None:
+        """Waits up to `timeout_s` for progress of sample `index` past `since_tokens`; None if
+        there is none."""
         with self.cond:
-            if self.status == RUNNING and self._num_durable <= since_tokens:
+            sample = self.samples[index]
+            if sample.is_running and sample.num_durable <= since_tokens:
                 self.cond.wait(timeout_s)
-            is_done = self.status != RUNNING
-            n = self.text.num_tokens if is_done else self._num_durable
-            if not is_done and n <= since_tokens:
-                return None
-            if is_done and self.final_text is not None:
-                delta, num_chars = self.final_text[since_chars:], len(self.final_text)
-            else:
-                delta, num_chars = self.text.text_since(since_chars, n), self.text.visible_lens[n]
-            return Chunk(self.request_id, tuple(self.text.ids[since_tokens:n]), since_tokens, delta,
-                         n, max(num_chars, since_chars), is_done, self.status, self.finish_reason,
-                         self.stats if is_done else None, self.error if is_done else None,
-                         self._logprobs(since_tokens, n), self.logprob_space)
+            return self._chunk(sample, since_tokens, since_chars)
 
-    def _logprobs(self, start: int, end: int) -> tuple[TokenLogprob, ...]:
+    def read_all(self, held: list[tuple[int, int, bool]], timeout_s: float) -> list[Chunk]:
+        """Progress of every sample past what an observer holds (`held[i]`: sample i's tokens,
+        characters, and whether it has seen it end), waiting up to `timeout_s` for any."""
+        with self.cond:
+            chunks = self._chunks(held)
+            if not chunks:
+                self.cond.wait(timeout_s)
+                chunks = self._chunks(held)
+            return chunks
+
+    def _chunks(self, held: list[tuple[int, int, bool]]) -> list[Chunk]:
+        out = []
+        for sample, (since_tokens, since_chars, is_seen_done) in zip(self.samples, held):
+            if not is_seen_done:
+                chunk = self._chunk(sample, since_tokens, since_chars)
+                if chunk is not None:
+                    out.append(chunk)
+        return out
+
+    def _chunk(self, sample: _Sample, since_tokens: int, since_chars: int) -> Chunk | None:
+        is_done = not sample.is_running
+        n = sample.text.num_tokens if is_done else sample.num_durable
+        if not is_done and n <= since_tokens:
+            return None
+        if is_done and sample.final_text is not None:
+            delta, num_chars = sample.final_text[since_chars:], len(sample.final_text)
+        else:
+            delta, num_chars = sample.text.text_since(since_chars, n), sample.text.visible_lens[n]
+        return Chunk(sample.request_id, tuple(sample.text.ids[since_tokens:n]), since_tokens, delta,
+                     n, max(num_chars, since_chars), is_done, sample.status, sample.finish_reason,
+                     sample.stats if is_done else None, sample.error if is_done else None,
+                     self._logprobs(sample, since_tokens, n), sample.logprob_space, sample.index,
+                     self.request_id if self.is_group else "")
+
+    @staticmethod
+    def _logprobs(sample: _Sample, start: int, end: int) -> tuple[TokenLogprob, ...]:
         """Tokens [start, end)'s logprobs if this run holds them all, else none."""
-        i, j = start - self.logprobs_from, end - self.logprobs_from
-        return tuple(self.logprobs[i:j]) if i >= 0 and j <= len(self.logprobs) else ()
+        i, j = start - sample.logprobs_from, end - sample.logprobs_from
+        return tuple(sample.logprobs[i:j]) if i >= 0 and j <= len(sample.logprobs) else ()
 
     # -- the worker ---------------------------------------------------------------------------
     def _work(self) -> None:
@@ -215,29 +299,41 @@ class RequestRun:
             self.deps.metrics.active_requests.dec()
             self.deps.on_exit(self)
 
+    def _running(self) -> list[_Sample]:
+        with self.cond:
+            return [s for s in self.samples if s.is_running]
+
     def _call(self) -> VerifierCall:
         """The verifier call that generates the rest: a continuation sends the tokens generated so
         far as the prompt's tail (the verifier's penalties count them as output, a constraint
         resumes past them) and keeps the request's seed: a sampled token's noise depends on the
-        seed and its position only, so the output is the one an uninterrupted call gives."""
+        seed and its position only, so the output is the one an uninterrupted call gives. The
+        samples of an n > 1 run go in one call; continued, it lists the samples still running,
+        each with its tokens so far (the verifier extends the prompt with them alike)."""
         plan = self.plan
         with self.cond:
-            done = tuple(self.text.ids)
+            if self.is_group:
+                running = [s for s in self.samples if s.is_running]
+                is_fresh = len(running) == len(self.samples) and not any(s.text.num_tokens for s in running)
+                samples = () if is_fresh else tuple(SampleProgress(s.index, tuple(s.text.ids)) for s in running)
+                return VerifierCall(plan.request_id, plan.prompt_ids, plan.params, plan.session_id, samples)
+            done = tuple(self.samples[0].text.ids)
         params = replace(plan.params, max_new_tokens=plan.params.max_new_tokens - len(done),
                          num_resumed_tokens=plan.params.num_resumed_tokens + len(done))
-        return VerifierCall(plan.request_id, plan.prompt_ids + done, params, plan.session_id, plan.prefix_group)
+        return VerifierCall(plan.request_id, plan.prompt_ids + done, params, plan.session_id)
 
     def _generate(self) -> None:
         """Verifier calls until the request ends. A call that fails with UNAVAILABLE (its verifier
         died, drains or cannot be reached) goes on on another serving verifier, from the tokens
         generated so far, within the deadline; with none, the request ends resumable."""
         plan = self.plan
-        if len(plan.generated_ids) >= plan.params.max_new_tokens:
-            return self._end(FINISHED, "length")
         failed_on: set[str] = set()
         for attempt in range(MAX_VERIFIER_ATTEMPTS):
-            if self.num_tokens >= plan.params.max_new_tokens:  # a failed call had sent them all
-                return self._end(FINISHED, "length")
+            for sample in self._running():  # a failed call had sent them all
+                if sample.text.num_tokens >= plan.params.max_new_tokens:
+                    self._end_sample(sample, FINISHED, "length")
+            if not self._running():
+                return
             timeout_s = plan.deadline_s - (time.monotonic() - plan.started_at)
             if timeout_s <= 0:
                 return self._end(INTERRUPTED, "", TimeoutError(f"request {self.request_id}: deadline passed"))
@@ -252,15 +348,18 @@ class RequestRun:
                     stream.cancel()
             try:
                 for step in stream:
-                    end_reason = self._apply(step)
-                    if end_reason:
-                        stream.cancel()  # a stop string matched: free the verifier's KV now
-                        return self._end(FINISHED, end_reason)
-                    if step.finish_reason:
-                        return self._end(FINISHED, step.finish_reason)
-                    if self._persist_running():  # one store round trip per verified step
-                        self.cancel()  # another gateway's CancelRequest
-                return self._end(FINISHED, "length")
+                    if not 0 <= step.sample_index < len(self.samples):
+                        raise RuntimeError(f"the verifier sent sample {step.sample_index} of {len(self.samples)}")
+                    sample = self.samples[step.sample_index]
+                    if sample.is_running:
+                        self._step(sample, step)
+                    if not self._running():
+                        if not step.finish_reason:  # the gateway ended it (a stop string): free the KV now
+                            stream.cancel()
+                        return
+                for sample in self._running():
+                    self._end_sample(sample, FINISHED, "length")
+                return
             except PeerError as exc:
                 if not self._fails_over(exc) or attempt + 1 == MAX_VERIFIER_ATTEMPTS:
                     return self._end_on_call_error(exc)
@@ -276,6 +375,21 @@ class RequestRun:
                 return self._end(INTERRUPTED, "", exc)
         raise AssertionError("unreachable")
 
+    def _step(self, sample: _Sample, step: VerifierStep) -> None:
+        """One verified step of one sample: applied, then ended or stored."""
+        end_reason = self._apply(sample, step)
+        if end_reason:
+            return self._end_sample(sample, FINISHED, end_reason)
+        if step.finish_reason:
+            return self._end_sample(sample, FINISHED, step.finish_reason)
+        is_cancel_requested = self._persist_running(sample)  # one store round trip per verified step
+        with self.cond:
+            is_cancel_asked = sample.is_cancel_asked
+        if is_cancel_requested and not self.is_group:
+            self.cancel()  # another gateway's CancelRequest
+        elif is_cancel_requested or is_cancel_asked:
+            self._end_sample(sample, CANCELLED, "cancelled")
+
     def _fails_over(self, exc: PeerError) -> bool:
         """Whether a failed call goes on elsewhere: its verifier was unavailable, and nobody asked
         the run to stop (a stop cancels the call, which reads as a failure too)."""
@@ -283,71 +397,80 @@ class RequestRun:
             return isinstance(exc.cause, UnavailableError) and not self._stop_reason
 
     def _close_call(self) -> None:
-        """Keeps what the failed call produced in this run's statistics (the gateway's counts)."""
+        """Keeps what the failed call produced in each sample's statistics (the gateway's counts)."""
         with self.cond:
             self._stream = None
-            earlier = GenerationStats(prompt_tokens=len(self.plan.prompt_ids),
-                                      output_tokens=self.text.num_tokens - self._call_first_token,
-                                      llm_steps=self._num_steps - self._call_first_step,
-                                      cached_prompt_tokens=self._num_cached)
-            self._earlier_calls = earlier if self._earlier_calls is None else self._earlier_calls.merged(earlier)
-            self._call_first_step, self._call_first_token = self._num_steps, self.text.num_tokens
-            self._verifier_stats = None
+            for s in self.samples:
+                if not s.is_running:
+                    continue
+                earlier = GenerationStats(prompt_tokens=len(self.plan.prompt_ids),
+                                          output_tokens=s.text.num_tokens - s.call_first_token,
+                                          llm_steps=s.num_steps - s.call_first_step,
+                                          cached_prompt_tokens=s.num_cached)
+                s.earlier_calls = earlier if s.earlier_calls is None else s.earlier_calls.merged(earlier)
+                s.call_first_step, s.call_first_token = s.num_steps, s.text.num_tokens
+                s.verifier_stats = None
 
-    def _apply(self, step: VerifierStep) -> str:
+    def _apply(self, sample: _Sample, step: VerifierStep) -> str:
         """Adds one verified step's tokens; returns a finish reason if the gateway ends it here."""
         max_new_tokens = self.plan.params.max_new_tokens
         end_reason = ""
         with self.cond:
             if self._stop_reason:
                 raise _Stopped()
-            if step.token_ids and self._last_token_at is None and not self.plan.generated_ids:
+            if step.token_ids and sample.last_token_at is None and not self.plan.generated_ids:
                 self.deps.metrics.time_to_first_token.observe(time.monotonic() - self.plan.started_at)
-            self._num_cached = max(self._num_cached, step.cached_prompt_tokens)
-            self.logprob_space = step.logprob_space or self.logprob_space
+            sample.num_cached = max(sample.num_cached, step.cached_prompt_tokens)
+            sample.logprob_space = step.logprob_space or sample.logprob_space
             for i, token in enumerate(step.token_ids):
-                if self.text.num_tokens >= max_new_tokens:
+                if sample.text.num_tokens >= max_new_tokens:
                     end_reason = "length"
                     break
-                is_stop = self.text.push(token)
+                is_stop = sample.text.push(token)
                 if i < len(step.logprobs):
-                    self.logprobs.append(step.logprobs[i])
+                    sample.logprobs.append(step.logprobs[i])
                 if is_stop:
                     end_reason = "stop"
                     break
-            if self.ticket is not None:
-                self.ticket.num_done = self.text.num_tokens - len(self.plan.generated_ids)
+            self._update_ticket()
             if step.token_ids:
                 now = self.deps.clock()
-                if self._last_token_at is not None:
-                    self.deps.on_step((now - self._last_token_at) / len(step.token_ids))
-                self._last_token_at = now
-                self._num_steps += 1
+                if sample.last_token_at is not None:
+                    self.deps.on_step((now - sample.last_token_at) / len(step.token_ids))
+                sample.last_token_at = now
+                sample.num_steps += 1
             if step.stats is not None:
-                self._verifier_stats = step.stats
+                sample.verifier_stats = step.stats
             self.cond.notify_all()
         return end_reason
 
-    def _persist_running(self) -> bool:
+    def _update_ticket(self) -> None:
+        """Tells admission how far the run has come: as far as its slowest running sample."""
+        if self.ticket is None:
+            return
+        base, max_new = len(self.plan.generated_ids), self.plan.params.max_new_tokens
+        self.ticket.num_done = min((s.text.num_tokens if s.is_running else max_new) - base for s in self.samples)
+
+    def _persist_running(self, sample: _Sample) -> bool:
         """Stores this step in one round trip: the whole state on the run's first write (a resumed
         record may predate this run), then only what each step adds."""
         with self.cond:
-            num_tokens, num_chars = self.text.num_tokens, self.text.visible_lens[-1]
-            offset = self._num_stored_tokens
+            num_tokens, num_chars = sample.text.num_tokens, sample.text.visible_lens[-1]
+            offset = sample.num_stored_tokens
             if offset is None:
-                progress = Progress(RUNNING, tuple(self.text.ids), self.text.visible)
+                progress = Progress(RUNNING, tuple(sample.text.ids), sample.text.visible)
             else:
-                ids = tuple(self.text.ids[offset:])
-                delta = self.text.text_since(self._num_stored_chars, num_tokens)
+                ids = tuple(sample.text.ids[offset:])
+                delta = sample.text.text_since(sample.num_stored_chars, num_tokens)
         if offset is None:
-            is_cancel_requested = self.deps.store.put_progress(self.request_id, progress)
+            is_cancel_requested = self.deps.store.put_progress(sample.request_id, progress)
         else:
             if ids:
-                self._step_offsets.append(offset)
-            is_cancel_requested = self.deps.store.put_step(self.request_id, offset, ids, delta)
-        self._num_stored_tokens, self._num_stored_chars = num_tokens, num_chars
+                sample.step_offsets.append(offset)
+            is_cancel_requested = self.deps.store.put_step(sample.request_id, offset, ids, delta)
+        sample.num_stored_tokens, sample.num_stored_chars = num_tokens, num_chars
         with self.cond:
-            self._num_durable = num_tokens
+            sample.num_durable = num_tokens
             self.cond.notify_all()
         return is_cancel_requested
 
@@ -357,51 +480,57 @@ class RequestRun:
         if reason == "cancelled":
             return self._end(CANCELLED, "cancelled")
         if reason == "interrupted":
-            return self._end(INTERRUPTED, "", UnavailableError(f"request {self.request_id} was interrupted; resume it"))
+            return self._end(INTERRUPTED, "", None)
         if isinstance(exc, PeerError):
             return self._end(INTERRUPTED if exc.is_resumable else FAILED, "", exc.cause)
         return self._end(FAILED, "", domain_error(exc))
 
-    def _segment_stats(self, num_tokens: int) -> GenerationStats:
+    def _segment_stats(self, sample: _Sample, num_tokens: int) -> GenerationStats:
         """This verifier call's statistics: the verifier's, or, when the gateway ended the call
         before its last message (a stop string, a cancel, an interruption), only what the gateway
         counted itself; the speculation figures are then unknown and stay unset."""
-        latency_s = (self._last_token_at or time.monotonic()) - self.plan.started_at
-        if self._verifier_stats is not None:
-            last = replace(self._verifier_stats, latency_s=latency_s)
+        latency_s = (sample.last_token_at or time.monotonic()) - self.plan.started_at
+        if sample.verifier_stats is not None:
+            last = replace(sample.verifier_stats, latency_s=latency_s)
         else:
             last = GenerationStats(prompt_tokens=len(self.plan.prompt_ids),
-                                   output_tokens=num_tokens - (self._call_first_token - len(self.plan.generated_ids)),
-                                   llm_steps=self._num_steps - self._call_first_step, latency_s=latency_s,
-                                   cached_prompt_tokens=self._num_cached)
-        return last if self._earlier_calls is None else self._earlier_calls.merged(last)
+                                   output_tokens=num_tokens - (sample.call_first_token - len(self.plan.generated_ids)),
+                                   llm_steps=sample.num_steps - sample.call_first_step, latency_s=latency_s,
+                                   cached_prompt_tokens=sample.num_cached)
+        return last if sample.earlier_calls is None else sample.earlier_calls.merged(last)
 
     def _end(self, status: str, finish_reason: str, error: Exception | None = None) -> None:
-        """Persists the final state first, then tells observers (so GetRequest agrees with them)."""
+        """Ends every sample still running."""
+        for sample in self._running():
+            self._end_sample(sample, status, finish_reason, error)
+
+    def _end_sample(self, sample: _Sample, status: str, finish_reason: str, error: Exception | None = None) -> None:
+        """Persists the sample's final state first, then tells observers (so GetRequest agrees)."""
         with self.cond:
-            ids = tuple(self.text.ids)
+            ids = tuple(sample.text.ids)
             is_final = status in (FINISHED, CANCELLED, FAILED)
-            text = self.text.final_text() if is_final else self.text.visible
-            segment = self._segment_stats(len(ids) - len(self.plan.generated_ids))
+            text = sample.text.final_text() if is_final else sample.text.visible
+            segment = self._segment_stats(sample, len(ids) - len(self.plan.generated_ids))
             stats = self.plan.prior_stats.merged(segment).with_counts(len(self.plan.prompt_ids), len(ids))
         self.deps.metrics.output_tokens.inc(len(ids) - len(self.plan.generated_ids))
         try:
-            self.deps.store.put_progress(self.request_id, Progress(status, ids, text, finish_reason, stats,
-                                                                   str(error or "")), tuple(self._step_offsets))
+            self.deps.store.put_progress(sample.request_id, Progress(status, ids, text, finish_reason, stats,
+                                                                     str(error or "")), tuple(sample.step_offsets))
             if status == FINISHED and self.plan.session_id:
                 self._append_turn(ids, text)
         except UnavailableError as exc:
-            log.warning("request %s: could not store its final state: %s", self.request_id, exc)
+            log.warning("request %s: could not store its final state: %s", sample.request_id, exc)
         if status == INTERRUPTED and error is None:
-            error = UnavailableError(f"request {self.request_id} was interrupted; resume it")
+            error = UnavailableError(f"request {sample.request_id} was interrupted; resume it")
         if isinstance(error, CapacityError):
-            error = CapacityError(f"{error}; request {self.request_id} can be resumed", error.retry_after_s)
+            error = CapacityError(f"{error}; request {sample.request_id} can be resumed", error.retry_after_s)
         with self.cond:
-            self.status, self.finish_reason, self.stats, self.error = status, finish_reason, stats, error
-            self.final_text = text if is_final else None
+            sample.status, sample.finish_reason, sample.stats, sample.error = status, finish_reason, stats, error
+            sample.final_text = text if is_final else None
+            self._update_ticket()
             self.cond.notify_all()
-        log.info("request %s %s", self.request_id, status,
-                 extra={"fields": {"request_id": self.request_id, "status": status, "finish_reason": finish_reason,
+        log.info("request %s %s", sample.request_id, status,
+                 extra={"fields": {"request_id": sample.request_id, "status": status, "finish_reason": finish_reason,
                                    "output_tokens": len(ids), "error": str(error or "")}})
 
     def _append_turn(self, ids: tuple[int, ...], text: str) -> None:
@@ -413,31 +542,50 @@ class RequestRun:
 
 
 class RunRegistry:
-    """The runs this gateway drives, each holding an admission ticket while it runs."""
+    """The runs this gateway drives, each holding an admission ticket while it runs; found by the
+    id of each record they write (a sample's id finds its n > 1 run), and an n > 1 run also by its
+    request's id (`get_group`)."""
 
     def __init__(self, admission: Admission):
         self.admission = admission
         self._lock = threading.Lock()
         self._runs: dict[str, RequestRun] = {}
-        self._tickets: dict[str, Ticket] = {}
+        self._groups: dict[str, RequestRun] = {}
+        self._tickets: dict[int, Ticket] = {}  # by id(run)
 
     def get(self, request_id: str) -> RequestRun | None:
         with self._lock:
             return self._runs.get(request_id)
 
+    def get_group(self, request_id: str) -> RequestRun | None:
+        with self._lock:
+            return self._groups.get(request_id)
+
+    def _existing(self, run: RequestRun) -> RequestRun | None:
+        if run.is_group:
+            return self._groups.get(run.request_id) or next(
+                (self._runs[i] for i in run.plan.record_ids if i in self._runs), None)
+        return self._runs.get(run.request_id)
+
     def add(self, run: RequestRun, wait_s: float | None = None) -> RequestRun | None:
         """Adds `run` once admitted (waiting up to `wait_s` in the admission queue), or returns the
         run already driving that id; CapacityError when it is not admitted."""
-        existing = self.get(run.request_id)
+        with self._lock:
+            existing = self._existing(run)
         if existing is not None:
             return existing
         plan = run.plan
-        ticket = self.admission.acquire(len(plan.prompt_ids) + plan.params.max_new_tokens, wait_s,
-                                        plan.params.max_new_tokens - len(plan.generated_ids), plan.prefix_group)
+        num = len(plan.record_ids)
+        num_new = plan.params.max_new_tokens - len(plan.generated_ids)
+        ticket = self.admission.acquire(len(plan.prompt_ids) + num * plan.params.max_new_tokens, wait_s, num_new, num)
         with self._lock:
-            existing = self._runs.get(run.request_id)
+            existing = self._existing(run)
             if existing is None:
-                self._runs[run.request_id], self._tickets[run.request_id] = run, ticket
+                for record_id in plan.record_ids:
+                    self._runs[record_id] = run
+                if run.is_group:
+                    self._groups[run.request_id] = run
+                self._tickets[id(run)] = ticket
                 run.ticket = ticket
         if existing is not None:
             self.admission.release(ticket)
@@ -445,12 +593,16 @@ class RunRegistry:
 
     def remove(self, run: RequestRun) -> None:
         with self._lock:
-            if self._runs.get(run.request_id) is not run:
+            ticket = self._tickets.pop(id(run), None)
+            if ticket is None:
                 return
-            del self._runs[run.request_id]
-            ticket = self._tickets.pop(run.request_id)
+            for record_id in run.plan.record_ids:
+                if self._runs.get(record_id) is run:
+                    del self._runs[record_id]
+            if self._groups.get(run.request_id) is run:
+                del self._groups[run.request_id]
         self.admission.release(ticket)
 
     def all(self) -> list[RequestRun]:
         with self._lock:
-            return list(self._runs.values())
+            return list({id(r): r for r in self._runs.values()}.values())

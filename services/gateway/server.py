@@ -185,8 +185,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             response = pb.GenerateResponse(request_id=first.request_id, text=first.text, token_ids=first.token_ids,
                                            finish_reason=first.finish_reason, stats=first.stats, finish=first.finish,
                                            logprobs=first.logprobs, logprob_space=convert.space_to_proto(samples[0].last.logprob_space))
-            if len(samples) > 1:  # sample ids are "<request id>.<index>"
-                response.request_id = first.request_id.rsplit(".", 1)[0]
+            if len(samples) > 1:  # the request's id; each sample's own is in `samples`
+                response.request_id = samples[0].last.group_id
                 response.samples.extend(samples[i].to_sample(i) for i in sorted(samples))
             return response
 

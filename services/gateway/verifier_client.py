@@ -16,7 +16,7 @@ import grpc
 
 from specinfer.errors import CapacityError, NotFoundError, PeerError, UnavailableError, UserError
 from specinfer.logprobs import TokenLogprob
-from specinfer.params import GenerationParams
+from specinfer.params import GenerationParams, SampleProgress
 from specinfer.serving import convert
 from specinfer.serving.capacity import VerifierLoad
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -36,7 +36,9 @@ class VerifierCall:
     prompt_ids: tuple[int, ...]  # everything the LLM has to attend to: context plus tokens so far
     params: GenerationParams  # max_new_tokens: the tokens still to generate; the seed: this call's
     session_id: str = ""
-    prefix_group: str = ""  # calls with the same group share their prompt's KV (samples of one request)
+    # With params.num_samples > 1: the samples still to generate, each with its tokens so far
+    # (then `prompt_ids` and max_new_tokens are the request's own); empty: every sample, fresh.
+    samples: tuple[SampleProgress, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class VerifierStep:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when asked for
     logprob_space: str = ""
     cached_prompt_tokens: int = 0
+    sample_index: int = 0  # the sample of an n > 1 call these tokens belong to
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ class VerifierStream:
                 yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
                                    convert.stats_from_proto(msg.stats) if msg.HasField("stats") else None,
                                    convert.logprobs_from_proto(msg.logprobs),
-                                   convert.space_from_proto(msg.logprob_space), int(msg.cached_prompt_tokens))
+                                   convert.space_from_proto(msg.logprob_space), int(msg.cached_prompt_tokens),
+                                   int(msg.sample_index))
         except grpc.RpcError as exc:
             raise peer_error(exc) from exc
 
@@ -126,7 +130,7 @@ class VerifierClient:
 
     def generate(self, call: VerifierCall, timeout_s: float, metadata: list[tuple[str, str]]) -> VerifierStream:
         request = convert.verifier_request_to_proto(call.request_id, call.prompt_ids, call.params, call.session_id,
-                                                    call.prefix_group)
+                                                    call.samples)
         return VerifierStream(self.stub.Generate(request, timeout=timeout_s, metadata=metadata))
 
     def release_session(self, session_id: str, timeout_s: float, metadata: list[tuple[str, str]]) -> bool:

@@ -375,9 +375,8 @@ class RoutedVerifiers:
         UnavailableError when none serves within the route wait (or `timeout_s`)."""
         members = self._candidates(avoid, min(self.route_wait_s, timeout_s))
         by_address = {m.address: m for m in members}
-        key = call.session_id or (f"group:{call.prefix_group}" if call.prefix_group else "")
         route = self.router.route(call.prompt_ids, [Candidate(m.address, self.pool.block_size(m)) for m in members],
-                                  key)
+                                  call.session_id)
         self.metrics.routed_requests.labels(route.address, route.reason).inc()
         self.metrics.routed_prefix_tokens.inc(route.matched_tokens)
         try:

@@ -33,8 +33,8 @@ from specinfer.errors import UnavailableError, UserError
 from specinfer.logprobs import space_for
 from specinfer.model_source import resolve
 from specinfer.serving.convert import (
-    finish_to_proto, load_to_proto, logprobs_to_proto, params_from_verifier_request, shape_to_proto, space_to_proto,
-    stats_to_proto,
+    finish_to_proto, load_to_proto, logprobs_to_proto, params_from_verifier_request, samples_from_verifier_request,
+    shape_to_proto, space_to_proto, stats_to_proto,
 )
 from specinfer.serving.capacity import LatencyModel, TokenPace, VerifierLoad
 from specinfer.serving.grpc_server import RunningServer, model_service_main, remaining_timeout, start_model_service
@@ -62,7 +62,7 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         self.latency = LatencyModel()
         self.pace = TokenPace()
         self._lock = threading.Lock()
-        self._active: dict[int, Generation | None] = {}  # per call: its generation once started
+        self._active: dict[int, list[Generation] | None] = {}  # per call: its samples' generations once started
         self._handed_over: set[int] = set()
         self._is_draining = False
 
@@ -96,11 +96,14 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         return pb.ReleaseSessionResponse(released=self.engine.scheduler.release_session(request.session_id))
 
     def Generate(self, request, context):
+        """One request's verified steps; with num_samples = n > 1, its n samples in this one call
+        (`Engine.start_samples`: the prompt read once), each message naming its sample."""
         prompt_ids, params = list(request.prompt_ids), params_from_verifier_request(request)
         params.checked(self.cfg.limits)  # the deployment's limits, whoever calls: before admission
         check_verifier_request(len(prompt_ids), params.max_new_tokens, params.ssm_names, self.cfg.limits)
-        if request.prefix_group and request.session_id:  # a session's cache trims what a group shares
-            raise UserError("prefix_group: not with a session_id")
+        progress = samples_from_verifier_request(request)
+        if params.num_samples > 1 and request.session_id:  # a session's next turn continues one text
+            raise UserError("num_samples: samples cannot continue a session; use num_samples = 1")
         timeout_s = remaining_timeout(context, self.cfg.default_deadline_s)
         key = self._enter()
         abandon = _abandon_when(context, time.monotonic() + timeout_s)
@@ -111,39 +114,54 @@ class VerifierServicer(pb_grpc.VerifierServicer):
 
         try:
             with server_span(self.tracer, "verifier.generate", context, request_id=request.request_id,
-                             session_id=request.session_id, prompt_tokens=len(prompt_ids)) as span:
-                generation = self.engine.start(prompt_ids, params, request.request_id, request.session_id or None,
-                                               timeout_s, StepSpans(self.tracer, self.metrics, span),
-                                               request.prefix_group or None)
+                             session_id=request.session_id, prompt_tokens=len(prompt_ids),
+                             num_samples=params.num_samples) as span:
+                observer = StepSpans(self.tracer, self.metrics, span)
+                if params.num_samples > 1:
+                    samples = self.engine.start_samples(prompt_ids, params, request.request_id, timeout_s, observer,
+                                                        progress)
+                else:
+                    samples = [(0, self.engine.start(prompt_ids, params, request.request_id,
+                                                     request.session_id or None, timeout_s, observer))]
                 with self._lock:
-                    self._active[key] = generation
-                span.set_attribute("reused_prefix_tokens", generation.session.num_reused)
-                yield from self._steps(generation, span, context, should_stop)
+                    self._active[key] = [g for _, g in samples]
+                span.set_attribute("reused_prefix_tokens", max(g.session.num_reused for _, g in samples))
+                yield from self._steps(samples, span, context, should_stop)
         finally:
             with self._lock:
                 self._active.pop(key, None)
                 self._handed_over.discard(key)
 
-    def _steps(self, generation, span, context, should_stop):
-        """The request's verified steps, each one message, timing each per output token."""
+    def _steps(self, samples, span, context, should_stop):
+        """The call's verified steps: each step of each sample one message (its samples step
+        together, in one pass), timing each per output token."""
         is_ok, last_at = False, None
+        live = list(samples)
         try:
-            while not generation.is_done:
+            while live:
                 should_stop()
-                (kept,) = self.engine.step([generation], should_stop)
+                kept_all = self.engine.step([g for _, g in live], should_stop)
                 now = time.monotonic()
-                if kept and last_at is not None:  # from the second step: the first one also read the prompt
-                    self._observe((now - last_at) / len(kept))
-                last_at = now if kept else last_at
-                if generation.is_done:  # before the last message: the caller may close the stream on it
-                    is_ok = True
-                    span.set_attribute("output_tokens", len(generation.result.output_ids))
-                    span.set_attribute("llm_steps", generation.result.num_llm_steps)
-                yield self._response(generation, kept)
+                for kept in kept_all:
+                    if kept and last_at is not None:  # from the second step: the first one also read the prompt
+                        self._observe((now - last_at) / len(kept))
+                last_at = now if any(kept_all) else last_at
+                for (index, generation), kept in zip(list(live), kept_all):
+                    if generation.is_done:
+                        live.remove((index, generation))
+                    if not live and generation.is_done:  # before the last message: the caller may close on it
+                        is_ok = True
+                        results = [g.result for _, g in samples]
+                        span.set_attribute("output_tokens", sum(len(r.output_ids) for r in results))
+                        span.set_attribute("llm_steps", max(r.num_llm_steps for r in results))
+                    yield self._response(generation, kept, index)
+                    if generation.is_done:
+                        self.engine.finish(generation)  # its KV is free for the others at once
         finally:
             if not is_ok and context.is_active() is False:
                 span.add_event("cancelled")
-            self.engine.finish(generation)
+            for _, generation in samples:
+                self.engine.finish(generation)
 
     def _observe(self, token_s: float) -> None:
         self.latency.add(max(1, self.engine.scheduler.num_open), token_s)
@@ -170,8 +188,8 @@ class VerifierServicer(pb_grpc.VerifierServicer):
     def in_flight(self) -> list[tuple[int, int]]:
         with self._lock:
             active = list(self._active.items())
-        return [(key, g.params.max_new_tokens - len(g.result.output_ids) if g is not None else 0)
-                for key, g in active if key not in self._handed_over]
+        return [(key, max((g.params.max_new_tokens - len(g.result.output_ids) for g in gens), default=0)
+                 if gens is not None else 0) for key, gens in active if key not in self._handed_over]
 
     def token_s(self) -> float | None:
         return self.pace.value
@@ -180,9 +198,9 @@ class VerifierServicer(pb_grpc.VerifierServicer):
         with self._lock:
             self._handed_over.update(k for k in keys if k in self._active)
 
-    def _response(self, generation, kept: list[int]) -> pb.VerifierGenerateResponse:
+    def _response(self, generation, kept: list[int], index: int = 0) -> pb.VerifierGenerateResponse:
         result, num_cached = generation.result, generation.session.num_reused
-        response = pb.VerifierGenerateResponse(token_ids=kept, cached_prompt_tokens=num_cached)
+        response = pb.VerifierGenerateResponse(token_ids=kept, cached_prompt_tokens=num_cached, sample_index=index)
         if generation.params.num_logprobs is not None:
             response.logprobs.extend(logprobs_to_proto(result.output_logprobs[len(result.output_ids) - len(kept):]))
             response.logprob_space = space_to_proto(space_for(generation.params.sampling.is_greedy))

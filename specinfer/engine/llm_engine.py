@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ from specinfer.engine.drafting.speculator import Built, DraftSession, Proposal, 
 from specinfer.engine.drafting.tree import TokenTree
 from specinfer.engine.verification.verifier import Verifier
 from specinfer.errors import UserError
-from specinfer.params import GenerationParams, SamplingParams, TreeBudget, TreeShape
+from specinfer.params import GenerationParams, SampleProgress, SamplingParams, TreeBudget, TreeShape, sample_params
 
 
 @dataclass(frozen=True)
@@ -264,6 +265,41 @@ class Engine:
         noise = None if params.sampling.is_greedy else SamplingNoise(params.sampling.seed, llm_cfg.vocab_size,
                                                                       self.verifier.runner.model.device)
         return Generation(prompt_ids, params, stops, drafts, choose, self.max_context, session, noise, observer)
+
+    def start_samples(self, prompt_ids: list[int], params: GenerationParams, request_id: str = "",
+                      timeout_s: float | None = None, observer: StepObserver | None = None,
+                      progress: tuple[SampleProgress, ...] = ()) -> list[tuple[int, Generation]]:
+        """The `params.num_samples` samples of one prompt (SpecInfer's serving of n > 1), each
+        `(index, its decode loop)`. Sample i is the request `start` makes of it alone, seeded with
+        `sample_seed(seed, i)` (`params.sample_params`; a sampled request without a seed gets one
+        first); the samples form one prefix group of their own, so the first reads the prompt and
+        the others adopt its blocks. `progress` continues a request part way: only the samples it
+        lists, each from the tokens it has (they follow the prompt as its earlier output)."""
+        if not params.sampling.is_greedy and params.sampling.seed is None:
+            params = replace(params, sampling=replace(params.sampling, seed=fresh_seed()))
+        num = params.num_samples
+        progress = progress or tuple(SampleProgress(i) for i in range(num))
+        indices = [p.index for p in progress]
+        if len(set(indices)) != len(indices) or not all(0 <= i < num for i in indices):
+            raise UserError(f"samples: each index once, each < num_samples={num}, got {indices}")
+        for p in progress:
+            if len(p.token_ids) >= params.max_new_tokens:
+                raise UserError(f"samples: sample {p.index} has {len(p.token_ids)} tokens, "
+                                f"not fewer than max_new_tokens={params.max_new_tokens}")
+        group = f"samples:{uuid.uuid4().hex}"  # its own: no other call's cached blocks, whatever their key
+        started: list[tuple[int, Generation]] = []
+        try:
+            for p in progress:
+                own = sample_params(params, p.index)
+                own = replace(own, max_new_tokens=own.max_new_tokens - len(p.token_ids),
+                              num_resumed_tokens=own.num_resumed_tokens + len(p.token_ids))
+                started.append((p.index, self.start(list(prompt_ids) + list(p.token_ids), own, request_id, None,
+                                                    timeout_s, observer, group)))
+        except BaseException:
+            for _, generation in started:
+                self.finish(generation)
+            raise
+        return started
 
     def _processors(self, prompt_ids: list[int], params: GenerationParams) -> RequestLogits | None:
         """The request's logits processors and grammar state; None where it has neither."""

@@ -14,7 +14,7 @@ from specinfer import limits
 from specinfer.errors import UserError
 from specinfer.logprobs import PROCESSED, RAW, TokenLogprob
 from specinfer.serving.capacity import LoadPoint, VerifierLoad
-from specinfer.params import Constraint, GenerationParams, SamplingParams, TreeBudget, TreeShape
+from specinfer.params import Constraint, GenerationParams, SampleProgress, SamplingParams, TreeBudget, TreeShape
 from specinfer.stats import GenerationStats, sum_from_mean
 from specinfer.v1 import specinfer_pb2 as pb
 
@@ -144,19 +144,32 @@ def params_from_verifier_request(msg: pb.VerifierGenerateRequest) -> GenerationP
         shape=shape_from_proto(msg.shape), is_speculative=bool(msg.speculate), ssm_names=tuple(msg.ssm_names),
         stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), is_ignore_eos=bool(msg.ignore_eos),
         num_logprobs=_optional_uint(msg, "logprobs"), constraint=_constraint_of(msg),
-        num_resumed_tokens=int(msg.num_resumed_tokens),
+        num_resumed_tokens=int(msg.num_resumed_tokens), num_samples=max(1, int(msg.num_samples)),
     )
 
 
+def samples_from_verifier_request(msg: pb.VerifierGenerateRequest) -> tuple[SampleProgress, ...]:
+    """The samples a call continues (empty: every sample from the prompt)."""
+    if msg.samples and msg.num_samples <= 1:
+        raise UserError("samples: only with num_samples > 1")
+    return tuple(SampleProgress(int(s.index), tuple(int(t) for t in s.token_ids)) for s in msg.samples)
+
+
 def verifier_request_to_proto(request_id: str, prompt_ids: tuple[int, ...] | list[int], params: GenerationParams,
-                              session_id: str = "", prefix_group: str = "") -> pb.VerifierGenerateRequest:
+                              session_id: str = "", samples: tuple[SampleProgress, ...] = ()
+                              ) -> pb.VerifierGenerateRequest:
+    """One verifier call; with `params.num_samples` > 1, every sample of the request (or those in
+    `samples`, each from its tokens so far)."""
     msg = pb.VerifierGenerateRequest(
         request_id=request_id, prompt_ids=list(prompt_ids), max_new_tokens=params.max_new_tokens,
         sampling=sampling_to_proto(params.sampling), speculate=params.is_speculative,
         shape=shape_to_proto(params.shape), stop_token_ids=list(params.stop_token_ids), session_id=session_id,
-        ignore_eos=params.is_ignore_eos, ssm_names=list(params.ssm_names), prefix_group=prefix_group,
+        ignore_eos=params.is_ignore_eos, ssm_names=list(params.ssm_names),
         num_resumed_tokens=params.num_resumed_tokens,
     )
+    if params.num_samples > 1:
+        msg.num_samples = params.num_samples
+        msg.samples.extend(pb.SampleProgress(index=s.index, token_ids=list(s.token_ids)) for s in samples)
     if params.num_logprobs is not None:
         msg.logprobs = params.num_logprobs
     if params.constraint is not None:
