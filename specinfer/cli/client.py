@@ -21,14 +21,14 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Mapping, Sequence
 
 import grpc
 
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags, constraint_fields, processor_values
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, GATEWAY_PORT
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, GATEWAY_PORT, parse_tree_width
 from specinfer.logprobs import TokenLogprob
 from specinfer.stats import GenerationStats
 from specinfer.serving.convert import logprobs_from_proto, space_from_proto, stats_from_proto
@@ -164,8 +164,6 @@ class GatewayClient:
         self.target = target
         self.timeout_s = timeout_s
         if token is not None:
-            from dataclasses import replace
-
             security = replace(security or ChannelSecurity(), token=token)
         self.channel = open_channel(target, security, message_options(max_message_bytes))
         self.stub = pb_grpc.GatewayStub(self.channel)
@@ -262,8 +260,6 @@ class GatewayClient:
 
 # -- CLI glue: `specinfer client generate|info|get|cancel` ----------------------------------
 def _tree_width(text: str) -> tuple[int, ...]:
-    from specinfer.limits import parse_tree_width
-
     try:
         return parse_tree_width(text)
     except ValueError as exc:

@@ -7,13 +7,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+import shutil
 
 from specinfer.engine.runtime.load import (
-    ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts, split_pool,
+    ModelPaths, check_context, check_models, encode_prompts, load_tokenizer, read_prompts, split_pool,
 )
 from specinfer.errors import UserError
 from specinfer.limits import CALIBRATION_TOKENS, DEFAULT_IS_PREFIX_CACHING, parse_tree_width
 from specinfer.model_source import resolve
+from specinfer.engine.runtime.exec_config import ExecConfig
+from specinfer.params import TreeShape
+from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
 
 
 def resolve_paths(
@@ -30,7 +34,7 @@ def resolve_paths(
     if args.llm is None:
         if ssm_dirs:
             raise UserError("--ssm given without --llm")
-        from specinfer.pool.demo_models import ensure_demo_models
+        from specinfer.pool.demo_models import ensure_demo_models  # torch: this module also serves `specinfer up`
 
         demo = ensure_demo_models(cache_dir, progress=True)
         paths = ModelPaths(demo.llm, () if is_none else tuple(demo.ssms), model_free)
@@ -59,8 +63,9 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     `auto` mode, and calibrates the load-aware policy where `auto` mode will use it. What is
     measured (the SSMs' dtype, the LLM's cost model) is cached under `cache_dir`; every step of
     the start-up is told on stderr. Returns (tokenizer, prompt ids, engine)."""
-    from specinfer.engine.llm_engine import EngineConfig
-    from specinfer.engine.scheduling.scheduler import SchedulerConfig
+    from specinfer.engine.llm_engine import EngineConfig  # torch: as in resolve_paths
+    from specinfer.engine.runtime.assemble import load_engine  # torch: as in resolve_paths
+    from specinfer.engine.scheduling.scheduler import SchedulerConfig  # torch: as in resolve_paths
 
     llm_cfg, ssm_cfgs = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
@@ -88,15 +93,13 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
 
 def exec_config(args: argparse.Namespace):
     """`--attention`, `--cuda-graphs` and `--offload` as the engine's `ExecConfig`."""
-    from specinfer.engine.runtime.exec_config import ExecConfig
-
     return ExecConfig(attention=getattr(args, "attention", "auto"), cuda_graphs=getattr(args, "cuda_graphs", None),
                       offload=getattr(args, "offload", False))
 
 
 def tensor_parallel(args: argparse.Namespace):
     """`--tensor-parallel N`: a group of N ranks on this host whose rank 0 is this process."""
-    from specinfer.engine.runtime.parallel import ParallelConfig
+    from specinfer.engine.runtime.parallel import ParallelConfig  # torch: as in resolve_paths
 
     num_ranks = getattr(args, "tensor_parallel", 1)
     if num_ranks < 1:
@@ -107,8 +110,6 @@ def tensor_parallel(args: argparse.Namespace):
 def tree_shape(args: argparse.Namespace):
     """The token tree shape of `--tree-width`, `--max-tree-nodes`, `--tree-sampling` and
     `--min-path-prob`: what `tree` mode expands, and what bounds `auto` mode's choices."""
-    from specinfer.params import TreeShape
-
     widths = parse_tree_width(args.tree_width)
     if args.max_tree_nodes < 1:
         raise UserError(f"--max-tree-nodes must be >= 1, got {args.max_tree_nodes}")
@@ -122,7 +123,7 @@ def tree_shape(args: argparse.Namespace):
 def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None, sampling, constraint=None):
     """The request parameters of the mode flags (`--mode`, else auto with a pool and incremental
     without), with `constraint` (structured output, or None). Returns (mode, params)."""
-    from specinfer.engine.llm_engine import mode_params
+    from specinfer.engine.llm_engine import mode_params  # torch: as in resolve_paths
 
     shape = tree_shape(args)
     mode = mode or ("auto" if has_ssm else "incremental")
@@ -132,8 +133,6 @@ def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None,
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
-
     # the same SamplingParams and Constraint `specinfer client generate` sends, checked before any model loads
     params = sampling_from_flags(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  seed=args.seed)
@@ -173,16 +172,12 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
 
 
 def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.pool.demo_models import DemoBudget, ensure_demo_models
+    from specinfer.pool.demo_models import DEFAULT_DEMO_DIR_NAME, DemoBudget, ensure_demo_models  # torch: as above
 
     budget = DemoBudget.tiny() if args.tiny else DemoBudget.full()
     if args.tiny:
         cache_dir = cache_dir / "tiny"
     if args.force:
-        import shutil
-
-        from specinfer.pool.demo_models import DEFAULT_DEMO_DIR_NAME
-
         shutil.rmtree(cache_dir / DEFAULT_DEMO_DIR_NAME, ignore_errors=True)
     demo = ensure_demo_models(cache_dir, budget=budget, progress=True)
     print(json.dumps({"llm": str(demo.llm), "ssms": [str(s) for s in demo.ssms], "prompts": str(demo.prompts)}))

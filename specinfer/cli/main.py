@@ -10,11 +10,14 @@ import argparse
 import sys
 from pathlib import Path
 
+from specinfer.cli.client import add_client_parser, run_client
+from specinfer.cli.launcher import add_up_parser, run_up
 from specinfer.cli.flags import add_dtype_flags, add_exec_flags, add_kv_flags, add_model_free_flag, add_prefix_caching_flag
 from specinfer.cli.request_flags import add_constraint_flags, add_processor_flags
 from specinfer.serving.shared_flags import resolve_declared
 from specinfer.engine.runtime.cpu import configure_cpu_runtime
 from specinfer.errors import UserError
+from specinfer.pool.commands import add_pool_parsers, run_pool_command
 from specinfer.limits import DEFAULT_MAX_TREE_NODES, PAPER_TREE_WIDTH
 from specinfer.util import default_cache_dir
 
@@ -140,14 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--omp-wait-policy", choices=["ACTIVE", "PASSIVE"], help="with --concurrency: OpenMP idle waits")
     add_kv_flags(b)  # with --concurrency: the stack's verifiers' (in process, the cache fits the prompts)
 
-    from specinfer.cli.launcher import add_up_parser
-
     add_up_parser(sub)
-    from specinfer.cli.client import add_client_parser
-
     add_client_parser(sub)
-    from specinfer.pool.commands import add_pool_parsers
-
     add_pool_parsers(sub)
 
     d = sub.add_parser("demo-models", help="build (or find cached) demo LLM and SSMs")
@@ -163,39 +160,27 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         cache_dir = default_cache_dir(getattr(args, "cache_dir", None))
-        if args.command == "generate":
-            from specinfer.cli.commands import run_generate
+        if args.command in ("generate", "demo-models"):
+            from specinfer.cli.commands import run_demo_models, run_generate  # torch: not at start-up
 
-            return run_generate(args, cache_dir)
+            return (run_generate if args.command == "generate" else run_demo_models)(args, cache_dir)
         if args.command == "bench" and args.shared_prefix_tokens:
-            from specinfer.cli.bench_prefix import run_prefix_bench, run_serving_prefix_bench
+            from specinfer.cli.bench_prefix import run_prefix_bench, run_serving_prefix_bench  # torch: as above
 
-            if args.concurrency:
-                return run_serving_prefix_bench(args, cache_dir)
-            return run_prefix_bench(args, cache_dir)
+            return (run_serving_prefix_bench if args.concurrency else run_prefix_bench)(args, cache_dir)
         if args.command == "bench" and args.concurrency:
-            from specinfer.cli.bench_serving import run_serving_bench
+            from specinfer.cli.bench_serving import run_serving_bench  # torch: as above
 
             return run_serving_bench(args, cache_dir)
         if args.command == "bench":
-            from specinfer.cli.bench import run_bench
+            from specinfer.cli.bench import run_bench  # torch: as above
 
             return run_bench(args, cache_dir)
-        if args.command == "demo-models":
-            from specinfer.cli.commands import run_demo_models
-
-            return run_demo_models(args, cache_dir)
         if args.command == "up":
-            from specinfer.cli.launcher import run_up
-
             return run_up(args, cache_dir)
         if args.command in ("make-ssm", "boost-tune"):
-            from specinfer.pool.commands import run_pool_command
-
             return run_pool_command(args)
         if args.command == "client":
-            from specinfer.cli.client import run_client
-
             return run_client(args)
         raise UserError(f"unknown command {args.command!r}")
     except UserError as exc:

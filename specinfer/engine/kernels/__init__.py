@@ -36,14 +36,14 @@ def use_interpreter() -> None:
 
 def is_interpreted() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (tensors on CPU)."""
-    from specinfer.engine.kernels.tree_attention import is_interpreted as kernels_interpreted
+    from specinfer.engine.kernels.tree_attention import is_interpreted as kernels_interpreted  # triton: on first use
 
     return kernels_interpreted()
 
 
 def __getattr__(name: str):
     if name == "HAS_TRITON":
-        from specinfer.engine.kernels.tree_attention import HAS_TRITON
+        from specinfer.engine.kernels.tree_attention import HAS_TRITON  # triton: as in is_interpreted
 
         return HAS_TRITON
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -57,8 +57,8 @@ def enable_triton(runner, fused_commit: bool = True, **attention_kwargs):
     `runner.kv` (same tensors) so that `ModelRunner.commit` moves the accepted path with one
     launch for all layers.
     """
-    from specinfer.engine.kernels.commit import FusedCommitKVCache
-    from specinfer.engine.kernels.tree_attention import TritonAttention
+    from specinfer.engine.kernels.commit import FusedCommitKVCache  # triton: as in is_interpreted
+    from specinfer.engine.kernels.tree_attention import TritonAttention  # triton: as in is_interpreted
 
     backend = TritonAttention.for_config(runner.cfg, **attention_kwargs)
     runner.model.attention_backend = backend

@@ -108,7 +108,7 @@ class CostModel:
         `is_busy` on the result says whether the machine stayed busy. Past `max_seconds` (a loaded
         machine) no further round starts once one was timed. `timer(runner, work)` returns a
         pass's seconds (default: the wall time of `runner.run`)."""
-        from specinfer.engine.runtime.runner import Work
+        from specinfer.engine.runtime.runner import Work  # torch: the policy itself runs without it
 
         timer = timer or _time_pass
         context, sizes = cls.fit_shape(runner, sizes, context)
