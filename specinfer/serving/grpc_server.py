@@ -31,7 +31,7 @@ from specinfer.serving.metrics import MetricsServer, RpcMetrics, new_registry
 from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
 from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, bind_problem, message_options
 from specinfer.serving.tracing import error_trace_id, setup_tracing
-from specinfer.serving.logs import setup_logging
+from specinfer.serving import logs
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")
@@ -418,7 +418,7 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
     from specinfer.engine.runtime.cpu import configure_cpu_runtime  # the gateway serves without the engine
 
     configure_cpu_runtime()  # before the first BLAS call, which is when MKL reads it
-    setup_logging(service, log_level)
+    logs.setup_logging(service, log_level)
     if num_threads > 0:
         import torch  # torch: after configure_cpu_runtime, and never in the gateway
 
