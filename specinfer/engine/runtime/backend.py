@@ -17,7 +17,6 @@ import torch
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.engine.kernels import enable_triton
-from specinfer.engine.kernels.cuda_graphs import GraphRunner
 
 
 def triton_unusable_reason(device) -> str | None:
@@ -76,4 +75,6 @@ def apply_exec(runner, cfg: ExecConfig) -> None:
     if cfg.attention == "triton":
         enable_triton(runner)
     if cfg.cuda_graphs:
+        from specinfer.engine.kernels.cuda_graphs import GraphRunner  # triton: its graphs capture the kernels
+
         runner.graphs = GraphRunner(runner).install()
