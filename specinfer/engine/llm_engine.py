@@ -71,7 +71,8 @@ class LocalSpeculation:
     speculation). The trees all requests asked for in a step are built together: one batched SSM
     pass per tree level covers every request (Section 5). Thread-safe, so the verifier service
     can host its pool co-located: whichever request thread needs a tree first builds every tree
-    asked so far."""
+    asked so far. Its `Drafter` does not draft ahead: here the SSMs run on the LLM's thread and
+    cores, so a tree drafted during verification would only delay the pass."""
 
     def __init__(self, speculator: Speculator, names: list[str] | None = None):
         self.drafter = Drafter(speculator)
