@@ -14,7 +14,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
-from tqdm.auto import tqdm
 
 CACHE_DIR_ENV = "SPECINFER_CACHE_DIR"
 
@@ -63,6 +62,8 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
 
 def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0, leave: bool = False):
     """A tqdm bar on stderr; a silent one when not `enabled`."""
+    from tqdm.auto import tqdm  # numpy and more: not at CLI start-up, which imports this module
+
     return tqdm(total=total, desc=desc, disable=not enabled, leave=leave, dynamic_ncols=True, initial=initial)
 
 

@@ -35,7 +35,6 @@ from specinfer.limits import (
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, LAUNCHER_GRACE_S, SPECULATOR_PORT, VERIFIER_PORT
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.util import CACHE_DIR_ENV
-from specinfer.chat_template import ChatRenderer, ChatTemplate
 from specinfer.cli.client import GatewayClient, GatewayError, print_text
 from specinfer.engine.runtime.exec_config import ExecConfig
 
@@ -467,6 +466,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     chat_template = args.chat_template or (Path(os.environ["SPECINFER_CHAT_TEMPLATE"])
                                            if os.environ.get("SPECINFER_CHAT_TEMPLATE") else None)
     if chat_template is not None:  # before any model is built or process starts
+        from specinfer.chat_template import ChatTemplate  # jinja2 and numpy: not at CLI start-up
+
         ChatTemplate.from_file(chat_template, None, "--chat-template")
     _check_exec(args)  # before any model is built or process starts
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack")
@@ -535,6 +536,8 @@ def _check_exec(args: argparse.Namespace) -> None:
 def prompt_text(prompt: str, llm: Path, chat_template: Path | None, is_raw: bool) -> str:
     """What `up --prompt` sends: the prompt as one user message in the chat template the gateway
     uses (its --chat-template, else the model's), or as it is with `--raw` or a model without one."""
+    from specinfer.chat_template import ChatRenderer, ChatTemplate  # jinja2 and numpy: not at CLI start-up
+
     if is_raw:
         return prompt
     template = ChatTemplate.from_file(chat_template, llm) if chat_template else ChatTemplate.from_dir(llm)

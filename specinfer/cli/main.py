@@ -164,18 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             from specinfer.cli.commands import run_demo_models, run_generate  # torch: not at start-up
 
             return (run_generate if args.command == "generate" else run_demo_models)(args, cache_dir)
-        if args.command == "bench" and args.shared_prefix_tokens:
-            from specinfer.cli.bench_prefix import run_prefix_bench, run_serving_prefix_bench  # torch: as above
-
-            return (run_serving_prefix_bench if args.concurrency else run_prefix_bench)(args, cache_dir)
-        if args.command == "bench" and args.concurrency:
-            from specinfer.cli.bench_serving import run_serving_bench  # torch: as above
-
-            return run_serving_bench(args, cache_dir)
         if args.command == "bench":
-            from specinfer.cli.bench import run_bench  # torch: as above
+            import specinfer.cli.bench, specinfer.cli.bench_prefix, specinfer.cli.bench_serving  # noqa: E401 (torch)
 
-            return run_bench(args, cache_dir)
+            bench, prefix, serving = specinfer.cli.bench, specinfer.cli.bench_prefix, specinfer.cli.bench_serving
+            if args.shared_prefix_tokens:
+                run = prefix.run_serving_prefix_bench if args.concurrency else prefix.run_prefix_bench
+            else:
+                run = serving.run_serving_bench if args.concurrency else bench.run_bench
+            return run(args, cache_dir)
         if args.command == "up":
             return run_up(args, cache_dir)
         if args.command in ("make-ssm", "boost-tune"):
