@@ -247,7 +247,8 @@ def test_the_function_import_count_has_teeth(tmp_path):
 
 # ---- long functions ------------------------------------------------------------------------------
 # A function over 60 lines does several things: product code splits it into named steps. The few
-# left are declarations read top to bottom (flag tables) and the Triton kernel with its launcher.
+# left are declarations read top to bottom (flag tables, `specinfer up`'s checks before it starts a
+# stack) and the Triton kernel with its launcher.
 MAX_LINES = 60
 MAX_LONG_FUNCTIONS = 5
 
