@@ -71,7 +71,7 @@ def main() -> int:
 
     from specinfer.engine.models.config import ModelConfig
     from specinfer.engine.llm_engine import Engine, mode_params
-    from specinfer.engine.runtime.load import load_runner
+    from specinfer.engine.runtime.assemble import load_runner
     from specinfer.engine.runtime.parallel import ParallelConfig
     from specinfer.engine.runtime.runner import ModelRunner
 

@@ -117,7 +117,7 @@ def is_gguf_file(path: Path) -> bool:
 
 def read_gguf(path: Path) -> GGUFMetadata:
     """The metadata of a one-file GGUF of a supported architecture; UserError otherwise."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # gguf: only for a .gguf file
 
     path = Path(path)
     try:
@@ -157,7 +157,7 @@ def _field_values(reader) -> dict:
 def _index_tensors(path: Path, arch: str, values: dict, gguf_tensors: dict) -> tuple[TensorEntry, ...]:
     """The file's weights under their transformers names; UserError naming a tensor whose ggml
     type is not dequantized here."""
-    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map  # gguf: as in read_gguf
 
     num_layers = int(values[f"{arch}.block_count"])
     model_arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
@@ -368,7 +368,7 @@ def llama3_rope(freqs: np.ndarray, theta: float, head_dim: int) -> dict:
 def _tokenizer(path: Path, arch: str, values: dict) -> tuple[str | None, dict]:
     """(tokenizer.json text, tokenizer_config) as transformers builds them from the same
     metadata: its converter for the tokenizer, its post-processor for BOS/EOS."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING  # transformers: GGUF only
 
     def group(name: str) -> dict:
         return {hf: values[f"tokenizer.{k}"] for k, hf in GGUF_TOKENIZER_MAPPING[name].items()
@@ -395,8 +395,8 @@ def _tokenizer(path: Path, arch: str, values: dict) -> tuple[str | None, dict]:
 
 
 def _convert_tokenizer(arch: str, tokenizer_dict: dict, cfg: dict) -> str:
-    from tokenizers import processors
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from tokenizers import processors  # tokenizers: as in _tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer  # transformers: GGUF only
 
     tok, _ = convert_gguf_tokenizer(arch, tokenizer_dict)
     # transformers' tokenizer classes set this post-processor from add_bos_token / add_eos_token

@@ -62,7 +62,7 @@ def staged_dir(out_dir: Path) -> Iterator[Path]:
 
 def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0, leave: bool = False):
     """A tqdm bar on stderr; a silent one when not `enabled`."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # numpy and more: not at CLI start-up, which imports this module
 
     return tqdm(total=total, desc=desc, disable=not enabled, leave=leave, dynamic_ncols=True, initial=initial)
 
@@ -71,7 +71,7 @@ def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0, leave: 
 def quiet_transformers() -> Iterator[None]:
     """Silences transformers' progress bars and load reports (e.g. 'Writing model shards'), then
     restores them."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # transformers: only where it is already in use
 
     had_bars = hf_logging.is_progress_bar_enabled()
     level = hf_logging.get_verbosity()

@@ -218,7 +218,7 @@ def test_service_flags_and_environment():
 def test_tensor_parallel_ranks_run_the_triton_backend(models):
     """Each rank of a two-rank group (gloo) runs Triton attention on its half of the heads; the
     greedy output equals the one-process SDPA model's."""
-    from specinfer.engine.runtime.load import load_runner
+    from specinfer.engine.runtime.assemble import load_runner
     from specinfer.engine.runtime.parallel import ParallelConfig
 
     if models[0].parent.name.startswith("mha"):

@@ -17,7 +17,8 @@ from specinfer.engine.runtime import dtype_choice as dc
 from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runtime.load import ModelPaths, load_engine
+from specinfer.engine.runtime.assemble import load_engine
+from specinfer.engine.runtime.load import ModelPaths
 from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape

@@ -32,7 +32,7 @@ from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.engine.drafting.tree import window_starts
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.models.config import ModelConfig
-from specinfer.engine.runtime.load import load_runner
+from specinfer.engine.runtime.assemble import load_runner
 from specinfer.engine.runtime.parallel import ParallelConfig
 from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
 from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy

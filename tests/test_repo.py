@@ -206,3 +206,64 @@ def test_it(call):
     lines = [i + 1 for i, line in enumerate(timing.splitlines()) if "    assert" in line and "fine" not in line]
     assert clock_assertions({"helper.py": helper, "t.py": timing}) == [f"t.py:{n}" for n in lines]
     assert len(lines) == 5
+
+
+# ---- imports inside functions ----------------------------------------------------------------------
+# An import inside a function hides a module's dependencies and pays a lookup per call; product code
+# keeps one only to keep something heavy or optional (torch, triton, transformers) off a light path,
+# and says why on its line.
+MAX_FUNCTION_IMPORTS = 40
+PRODUCT = ("specinfer", "services")
+
+
+def product_files(root: Path = ROOT) -> list[Path]:
+    return [p for folder in PRODUCT for p in sorted((root / folder).rglob("*.py"))
+            if not p.name.endswith(("_pb2.py", "_pb2_grpc.py"))]
+
+
+def function_imports(path: Path) -> list[int]:
+    """Lines of the import statements inside functions (methods and nested functions included)."""
+    lines = set()
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            lines |= {n.lineno for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return sorted(lines)
+
+
+def test_few_imports_inside_functions_each_with_its_reason():
+    found = {p: function_imports(p) for p in product_files()}
+    total = sum(len(lines) for lines in found.values())
+    assert 0 < total <= MAX_FUNCTION_IMPORTS, f"{total} imports inside functions (at most {MAX_FUNCTION_IMPORTS})"
+    unexplained = [f"{p.relative_to(ROOT)}:{n}" for p, lines in found.items() for n in lines
+                   if "#" not in p.read_text().splitlines()[n - 1]]
+    assert not unexplained, "imports inside functions without a reason on their line: " + ", ".join(unexplained)
+
+
+def test_the_function_import_count_has_teeth(tmp_path):
+    (tmp_path / "m.py").write_text("import os\n\n\ndef f():\n    import json\n\n    def g():\n        from a import b\n"
+                                   "\n\nclass C:\n    def h(self):\n        import re\n")
+    assert function_imports(tmp_path / "m.py") == [5, 8, 13]
+
+
+# ---- long functions ------------------------------------------------------------------------------
+# A function over 60 lines does several things: product code splits it into named steps. The few
+# left are declarations read top to bottom (flag tables, `specinfer up`'s checks before it starts a
+# stack) and the Triton kernel with its launcher.
+MAX_LINES = 60
+MAX_LONG_FUNCTIONS = 5
+
+
+def long_functions(path: Path) -> list[str]:
+    return [f"{fn.name} ({fn.end_lineno - fn.lineno + 1} lines)" for fn in ast.walk(ast.parse(path.read_text()))
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > MAX_LINES]
+
+
+def test_few_long_functions():
+    found = [f"{p.relative_to(ROOT)}: {f}" for p in product_files() for f in long_functions(p)]
+    assert len(found) <= MAX_LONG_FUNCTIONS, "functions over 60 lines:\n" + "\n".join(found)
+
+
+def test_the_long_function_count_has_teeth(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(60))
+    (tmp_path / "m.py").write_text(f"def short():\n{body[:-len('    x59 = 59')-1]}\n\n\ndef long():\n{body}")
+    assert long_functions(tmp_path / "m.py") == ["long (61 lines)"]

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runtime.load import load_grammars
+from specinfer.engine.runtime.assemble import load_grammars
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.errors import UserError

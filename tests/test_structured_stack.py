@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runtime.load import load_grammars
+from specinfer.engine.runtime.assemble import load_grammars
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import Constraint, SamplingParams
 from specinfer.tokenizer import TextTokenizer

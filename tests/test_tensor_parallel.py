@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
 from specinfer.engine.models.transformer import KVCache
 from specinfer.engine.runtime.parallel import GroupBroken, ParallelConfig, ShardSpec, build_shard, serve_worker
-from specinfer.engine.runtime.load import load_runner
+from specinfer.engine.runtime.assemble import load_runner
 from specinfer.engine.runtime.runner import ModelRunner, Work
 from specinfer.engine.scheduling.scheduler import SchedulerConfig
 from specinfer.errors import UnavailableError, UserError

@@ -2,8 +2,9 @@
 
 SpecInfer's serving system (Section 5) puts a request manager in front of the LLM: it receives
 client requests, schedules them, and streams results back. Here that is: validate, tokenize,
-admit (`Admission`: a limit measured from the verifier's step times and its KV budget, with a
-brief queue), start a `RequestRun`, and let the client's RPC
+admit (`Admission`: a limit on running requests fitted to the step times the verifiers measure,
+and the free KV they report; a request whose predicted wait exceeds its bound is refused at once
+with a retry hint), start a `RequestRun`, and let the client's RPC
 observe it. A request can be observed again later by id (resume): from this gateway's live run,
 from the store's record, or, for an interrupted request, by starting a new verifier call that
 continues from the tokens generated so far. Sizes come before contents: a text is measured

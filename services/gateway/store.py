@@ -28,6 +28,9 @@ from typing import Callable
 from specinfer.errors import UnavailableError
 from specinfer.limits import DEFAULT_REQUEST_TTL_S, DEFAULT_SESSION_TTL_S
 from specinfer.stats import GenerationStats
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 RUNNING, INTERRUPTED, FINISHED, CANCELLED, FAILED = "running", "interrupted", "finished", "cancelled", "failed"
 TERMINAL_STATUSES = frozenset({FINISHED, CANCELLED, FAILED})
@@ -326,10 +329,6 @@ class RedisStore(Store):
     def __init__(self, url: str, request_ttl_s: int = DEFAULT_REQUEST_TTL_S,
                  session_ttl_s: int = DEFAULT_SESSION_TTL_S,
                  key_prefix: str = "specinfer:", timeout_s: float = 0.5):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         super().__init__(request_ttl_s, session_ttl_s, key_prefix)
         self._errors = redis.RedisError
         self._watch_error = redis.WatchError

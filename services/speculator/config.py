@@ -25,6 +25,7 @@ from specinfer.serving.shared_flags import (
 )
 from specinfer.serving.security import ServerSecurity, server_security
 from specinfer.util import default_cache_dir
+from specinfer.engine.runtime.load import split_pool
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,6 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
     for flag in flags:
         add_flag(p, flag)
     a = read_flags(p, flags, argv, env)
-    from specinfer.engine.runtime.load import split_pool
-
     ssm_dirs, model_free = split_pool(a["ssm"], a["model_free"])
     if not ssm_dirs:
         raise UserError("the speculator needs at least one SSM (a directory or .gguf file): --ssm or "

@@ -29,6 +29,8 @@ from specinfer.params import TreeShape
 from specinfer.limits import MAX_TREE_DEPTH, PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from specinfer.engine.runtime.dtype_choice import load_ssm
+from specinfer.engine.runtime.load import resolve_device
 
 log = logging.getLogger(__name__)
 DEFAULT_SHAPE = TreeShape(PAPER_TREE_WIDTH)
@@ -123,9 +125,6 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, SpeculatorServicer]:
     """Loads the SSMs and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
-    from specinfer.engine.runtime.dtype_choice import load_ssm
-    from specinfer.engine.runtime.load import resolve_device
-
     device = resolve_device(cfg.device)
     for ssm in cfg.ssm_dirs:  # a GGUF's metadata files under this service's cache directory
         resolve(ssm, cfg.cache_dir)

@@ -29,6 +29,7 @@ from specinfer.serving.shared_flags import (
     tensor_parallel_flag, tree_width_flag,
 )
 from specinfer.util import default_cache_dir
+from specinfer.engine.runtime.load import split_pool
 
 
 @dataclass(frozen=True)
@@ -129,12 +130,10 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         raise UserError("the verifier needs the LLM (a directory or .gguf file): --model or SPECINFER_MODEL_DIR")
     security = server_security(a, env)
     is_load_aware = not a["fixed_tree"] and pick(None, env, "SPECINFER_LOAD_AWARE", parse_bool, True)
-    from specinfer.engine.runtime.parallel import ParallelConfig
+    from specinfer.engine.runtime.parallel import ParallelConfig  # torch: configurations parse without it
 
     parallel = ParallelConfig.from_env(a["tensor_parallel"], env)
     execution = ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"], offload=a["offload"])
-    from specinfer.engine.runtime.load import split_pool
-
     if a["ssm"] and a["speculator"]:
         raise UserError("--ssm (a pool in this process) and --speculator (speculator services): choose one")
     co_located: tuple[str, ...] = ()

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from opentelemetry import trace
 
@@ -27,7 +26,7 @@ from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.loop import DraftTree, Generation
 from specinfer.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.drafting.tree import TokenTree
-from specinfer.limits import check_verifier_request
+from specinfer.limits import MODEL_DTYPES, check_verifier_request
 from specinfer.params import TreeShape
 from specinfer.errors import UnavailableError, UserError
 from specinfer.logprobs import space_for
@@ -42,6 +41,17 @@ from specinfer.serving.metrics import ModelMetrics, SpecDecodeMetrics
 from specinfer.serving.tracing import server_span
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from specinfer.engine.models.checkpoint import safetensors_files
+from specinfer.engine.runtime.assemble import load_grammars, load_runner
+from specinfer.engine.runtime.load import resolve_device, split_pool
+from specinfer.engine.runtime.parallel import ParallelConfig, ShardSpec, serve_rank, shard_config
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.memory import Memory, device_memory, plan_kv
+from specinfer.engine.verification.verifier import Verifier
+from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
+from specinfer.engine.runtime.cpu import configure_cpu_runtime
+from specinfer.serving.logs import setup_logging
+from specinfer.engine.runtime.backend import resolve_exec
 
 log = logging.getLogger(__name__)
 
@@ -260,11 +270,6 @@ def build(cfg: VerifierConfig, exporter=None, is_worker_threaded: bool = True
           ) -> tuple[RunningServer, VerifierServicer]:
     """Loads the LLM and starts serving (used by `main` and by tests). Without a worker thread,
     the caller runs `server.run_worker()` on this thread."""
-    from specinfer.engine.models.checkpoint import safetensors_files
-    from specinfer.engine.runtime.load import load_runner, resolve_device
-
-    from specinfer.engine.runtime.parallel import ParallelConfig
-
     resolve(cfg.model_dir, cfg.cache_dir)  # a GGUF's metadata files under this service's cache directory
     parallel = cfg.parallel or (ParallelConfig.spawned(cfg.tensor_parallel) if cfg.tensor_parallel > 1 else None)
     plan = kv_plan(cfg, parallel.num_ranks if parallel else 1)
@@ -292,12 +297,6 @@ def kv_plan(cfg: VerifierConfig, num_ranks: int = 1):
     1/N of the KV heads, and every rank sizes alike, from its device's total memory (its share of
     the host's RAM on a CPU), so that all hold the same number of slots. Co-located SSMs hold as
     many slots: their caches count too."""
-    from specinfer.engine.models.config import ModelConfig
-    from specinfer.engine.runtime.load import resolve_device, split_pool
-    from specinfer.engine.runtime.memory import Memory, device_memory, plan_kv
-    from specinfer.engine.runtime.parallel import shard_config
-    from specinfer.limits import MODEL_DTYPES
-
     llm_cfg = ModelConfig.from_dir(cfg.model_dir)
     device = resolve_device(cfg.device)
     ssm_dtype = cfg.ssm_dtype if cfg.ssm_dtype in MODEL_DTYPES else cfg.dtype  # auto: at most the LLM's size
@@ -322,9 +321,6 @@ def _take_down(server: RunningServer, reason: str) -> None:
 
 
 def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> tuple[RunningServer, VerifierServicer]:
-    from specinfer.engine.runtime.load import load_grammars, resolve_device
-    from specinfer.engine.verification.verifier import Verifier
-
     speculation = (RemoteSpeculation(cfg.speculators, runner.cfg.vocab_size, cfg.speculator_step_timeout_s,
                                      cfg.max_message_bytes, cfg.speculator_security)
                    if cfg.speculators else co_located_pool(cfg.co_located, runner, cfg.ssm_dtype,
@@ -385,21 +381,12 @@ def _exit_after(seconds: float) -> None:
 
 
 def _serve_rank(argv: list[str] | None) -> int:
-    from specinfer.engine.runtime.load import resolve_device
-    from specinfer.engine.runtime.parallel import ShardSpec, serve_rank
-    from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
-    from specinfer.engine.runtime.cpu import configure_cpu_runtime
-    from specinfer.errors import UnavailableError, UserError
-    from specinfer.serving.logs import setup_logging
-
     configure_cpu_runtime()
     try:
         cfg = parse_config(argv)
         setup_logging("verifier", cfg.log_level)
         kv_tokens = kv_plan(cfg, cfg.parallel.num_ranks).num_tokens  # as rank 0 sizes it
         num_slots = -(-kv_tokens // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
-        from specinfer.engine.runtime.backend import resolve_exec
-
         device = resolve_device(cfg.device)
         attention = resolve_exec(cfg.execution, device, is_parallel=True).attention  # as rank 0 resolves it
         serve_rank(ShardSpec(str(cfg.model_dir), cfg.dtype, device, num_slots, attention), cfg.parallel)

@@ -40,6 +40,8 @@ from specinfer.serving.tracing import outgoing_metadata
 from specinfer.serving.trees import tree_from_proto
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from specinfer.engine.runtime.dtype_choice import load_ssm
+from specinfer.engine.runtime.load import split_pool
 
 log = logging.getLogger(__name__)
 _CLOSED = object()
@@ -454,11 +456,6 @@ def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, exec
     pool semantics; None for an empty pool (incremental decoding). The SSMs run on the LLM's
     attention backend and CUDA graphs (`execution`, an ExecConfig), never offloaded, in `dtype`
     ("auto": the fastest here, `prefer` on ties, the measurement cached under `cache_dir`)."""
-    from dataclasses import replace
-
-    from specinfer.engine.runtime.dtype_choice import load_ssm
-    from specinfer.engine.runtime.load import split_pool
-
     dirs, names = split_pool(entries, is_model_free=False)  # the configuration resolved the pool
     if not dirs and not names:
         return None

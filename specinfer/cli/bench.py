@@ -18,6 +18,14 @@ from pathlib import Path
 
 from specinfer.engine.runtime.load import ModelPaths
 from specinfer.util import quiet_transformers
+import torch
+from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
+from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
+from specinfer.engine.llm_engine import mode_params
+from specinfer.limits import parse_tree_width
+from specinfer.params import SamplingParams
+from specinfer.engine.runtime.dtype_choice import dtype_name
+from specinfer.pool.hf_model import load_hf_model
 
 
 @dataclass
@@ -51,8 +59,6 @@ class ArmResult:
 
 
 def machine_info(dtype: str) -> dict:
-    import torch
-
     cpu = platform.processor() or ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -83,10 +89,6 @@ class _TransformersArms:
     together; the call here passes arguments only)."""
 
     def __init__(self, paths: ModelPaths, dtype: str, ssm_dtype: str, device: str):
-        import torch
-
-        from specinfer.pool.hf_model import load_hf_model
-
         self.torch = torch
         self.device = device
         self.llm = load_hf_model(paths.llm, getattr(torch, dtype), device)
@@ -112,28 +114,9 @@ class _TransformersArms:
         return out[0, len(ids):].tolist(), self.num_calls, seconds
 
 
-def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
-    from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
-    from specinfer.engine.llm_engine import mode_params
-    from specinfer.limits import parse_tree_width
-    from specinfer.params import SamplingParams
-
-    widths = parse_tree_width(args.tree_width)
-    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
-    prompts = bench_prompts(args, demo_prompts)
-    if args.num_prompts > 0:
-        prompts = prompts[: args.num_prompts]
-    _, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)
-    single = None
-    if args.tensor_parallel > 1:  # the same LLM in one process: "tp1_" arms, interleaved with the sharded ones
-        _, _, single = load_for_prompts(argparse.Namespace(**{**vars(args), "tensor_parallel": 1}), paths, prompts,
-                                        cache_dir)
-    ssm_dtypes, ssm_dtype_choice = resolved_ssm_dtypes(engine, paths)
-    pool = engine.source.names
-    model_free = tuple(paths.model_free)
-    ssm_names = tuple(n for n in pool if n not in model_free)
-    shape = tree_shape(args)  # the static arms' expansion (and every arm's sampling settings)
+def _arms(args: argparse.Namespace, ssm_names: tuple[str, ...], model_free: tuple[str, ...], is_tp1: bool
+          ) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """The engine's arms: name -> (mode, pool members used)."""
     # "defaults" is what `specinfer generate` does with these models and no other flag: dynamic
     # trees of the whole pool, load-aware. The static arms (SpecInfer's expansion, --tree-width)
     # speculate with the first SSM only; "+pool" arms add the model-free members (merged into the
@@ -150,7 +133,7 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         arms["tree+" + "+".join(model_free)] = ("tree", ssm_names[:1] + model_free)
     if len(ssm_names) > 1:
         arms["tree_merged"] = ("tree", ssm_names)
-    if single is not None:
+    if is_tp1:
         arms |= {f"tp1_{name}": arms[name] for name in ("incremental", "tree") if name in arms}
     # --logprobs: the tree arm returning logprobs; --samples N: N samples of each prompt stepping
     # together, sharing the prompt's KV (one prefix group) or each reading it (separate requests).
@@ -158,6 +141,97 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         arms["tree_logprobs"] = ("tree", ssm_names[:1])
     if ssm_names and args.samples > 1:
         arms[f"tree_n{args.samples}_shared"] = arms[f"tree_n{args.samples}_separate"] = ("tree", ssm_names[:1])
+    return arms
+
+
+def _run_samples(engine, num_samples: int, shape, is_shared: bool, ids: list[int], max_new: int, names_used
+                 ) -> tuple[list[int], int, float, int]:
+    """Greedy samples are all the same output: sample 0's is returned when they agree."""
+    params = mode_params("tree", max_new, shape, ssm_names=tuple(names_used))
+    scheduler = engine.scheduler
+    caching = scheduler.cfg
+    scheduler.reset_prefix_cache()
+    if not is_shared:  # each sample reads the prompt: no prefix cache to share it through
+        scheduler.cfg = replace(caching, is_prefix_caching=False)
+    started = time.perf_counter()
+    try:
+        gens = [engine.start(ids, params, prefix_group="bench" if is_shared else None) for _ in range(num_samples)]
+        results = engine.generate_batch(gens)
+    finally:
+        scheduler.cfg = caching
+    seconds = time.perf_counter() - started
+    same = all(r.output_ids == results[0].output_ids for r in results)
+    return ((results[0].output_ids if same else []), sum(r.num_llm_steps for r in results), seconds,
+            sum(len(r.output_ids) for r in results))
+
+
+def _config(args: argparse.Namespace, paths, engine, num_prompts: int, widths, ssm_dtypes, ssm_dtype_choice,
+            constraint, processed) -> dict:
+    """The report's configuration: what was run, as resolved."""
+    return {
+        "llm": str(paths.llm),
+        "ssms": [str(s) for s in paths.ssms] + list(paths.model_free),
+        "num_prompts": num_prompts,
+        "max_new_tokens": args.max_new_tokens,
+        "tree_width": list(widths),
+        "max_tree_nodes": args.max_tree_nodes,
+        "min_path_prob": args.min_path_prob,
+        "ssm_dtype": ssm_dtypes[0] if len(set(ssm_dtypes)) == 1 else (ssm_dtypes or None),  # resolved
+        "ssm_dtype_choice": ssm_dtype_choice,  # with --ssm-dtype auto: what was measured
+        "tensor_parallel": args.tensor_parallel,
+        "attention": "sdpa" if engine.verifier.runner.model.attention_backend is None else "triton",  # resolved
+        "cuda_graphs": engine.verifier.runner.graphs is not None,
+        "offload": args.offload,
+        "logprobs": args.logprobs,
+        "samples": args.samples,
+        # Sampled arms are seeded per prompt: they equal incremental sampling token for token too.
+        "decoding": f"sampled, temperature {args.temperature}" if args.temperature else "greedy",
+        "constraint": None if constraint is None else {"kind": constraint.kind, "spec": constraint.spec,
+                                                       "choices": list(constraint.choices)},
+        "processors": {k: v for k, v in asdict(processed).items() if k not in ("temperature", "seed")}
+        if processed.has_processors else None,
+        "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
+    }
+
+
+def _forget(engine) -> None:
+    """No arm learns from another's outputs, and every arm reads its prompt: none is served
+    another's KV."""
+    for member in engine.source.speculator.model_free:
+        if hasattr(member, "cache"):
+            member.cache.clear()
+    engine.scheduler.reset_prefix_cache()
+
+
+def _run_interleaved(names: list[str], prompt_ids: list[list[int]], max_new_tokens: int, run_arm, results: dict
+                     ) -> None:
+    """A warm-up of every arm (allocators, caches, lazy inits), then every prompt through every
+    arm, the arms' order rotating from prompt to prompt."""
+    for name in names:
+        run_arm(name, prompt_ids[0], min(8, max_new_tokens))
+    for i, ids in enumerate(prompt_ids):
+        order = names[i % len(names):] + names[: i % len(names)]
+        for name in order:
+            results[name].add(*run_arm(name, ids, max_new_tokens))
+        print(f"bench: prompt {i + 1}/{len(prompt_ids)} done", file=sys.stderr, flush=True)
+
+
+def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
+    widths = parse_tree_width(args.tree_width)
+    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
+    prompts = bench_prompts(args, demo_prompts)
+    if args.num_prompts > 0:
+        prompts = prompts[: args.num_prompts]
+    _, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)
+    single = None
+    if args.tensor_parallel > 1:  # the same LLM in one process: "tp1_" arms, interleaved with the sharded ones
+        _, _, single = load_for_prompts(argparse.Namespace(**{**vars(args), "tensor_parallel": 1}), paths, prompts,
+                                        cache_dir)
+    ssm_dtypes, ssm_dtype_choice = resolved_ssm_dtypes(engine, paths)
+    model_free = tuple(paths.model_free)
+    ssm_names = tuple(n for n in engine.source.names if n not in model_free)
+    shape = tree_shape(args)  # the static arms' expansion (and every arm's sampling settings)
+    arms = _arms(args, ssm_names, model_free, is_tp1=single is not None)
     # --json-schema, --regex, --choice, --grammar and the penalties apply to every arm; the
     # "incremental_free" arm decodes without them, for what they cost a step.
     constraint = constraint_from_flags(args)
@@ -178,11 +252,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         mode, names_used = arms[name]
         target = single if name.startswith("tp1_") else engine
         if name.startswith(f"tree_n{args.samples}_"):
-            return run_samples(name.endswith("_shared"), ids, max_new, names_used)
-        for member in target.source.speculator.model_free:  # no arm learns from another's outputs
-            if hasattr(member, "cache"):
-                member.cache.clear()
-        target.scheduler.reset_prefix_cache()  # every arm reads its prompt: none is served another's KV
+            return _run_samples(engine, args.samples, shape, name.endswith("_shared"), ids, max_new, names_used)
+        _forget(target)
         extra = {"num_logprobs": args.logprobs} if name == "tree_logprobs" else {}
         sampling = SamplingParams(args.temperature, seed=len(ids)) if args.temperature else SamplingParams()
         if name != "incremental_free":
@@ -191,63 +262,14 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         r = target.generate(ids, mode_params(mode, max_new, shape, sampling, ssm_names=tuple(names_used), **extra))
         return r.output_ids, r.num_llm_steps, r.latency_s, None, r.processing_s
 
-    def run_samples(is_shared: bool, ids: list[int], max_new: int, names_used) -> tuple[list[int], int, float, int]:
-        """Greedy samples are all the same output: sample 0's is returned when they agree."""
-        params = mode_params("tree", max_new, shape, ssm_names=tuple(names_used))
-        scheduler = engine.scheduler
-        caching = scheduler.cfg
-        scheduler.reset_prefix_cache()
-        if not is_shared:  # each sample reads the prompt: no prefix cache to share it through
-            scheduler.cfg = replace(caching, is_prefix_caching=False)
-        started = time.perf_counter()
-        try:
-            gens = [engine.start(ids, params, prefix_group="bench" if is_shared else None) for _ in range(args.samples)]
-            results = engine.generate_batch(gens)
-        finally:
-            scheduler.cfg = caching
-        seconds = time.perf_counter() - started
-        same = all(r.output_ids == results[0].output_ids for r in results)
-        return ((results[0].output_ids if same else []), sum(r.num_llm_steps for r in results), seconds,
-                sum(len(r.output_ids) for r in results))
-
-    for name in names:  # warm-up: allocators, caches, lazy inits
-        run_arm(name, prompt_ids[0], min(8, args.max_new_tokens))
-    for i, ids in enumerate(prompt_ids):
-        order = names[i % len(names):] + names[: i % len(names)]
-        for name in order:
-            results[name].add(*run_arm(name, ids, args.max_new_tokens))
-        print(f"bench: prompt {i + 1}/{len(prompt_ids)} done", file=sys.stderr, flush=True)
-
-    pool_members = member_verdicts(engine, paths.ssms)
+    _run_interleaved(names, prompt_ids, args.max_new_tokens, run_arm, results)
     reference = results["incremental"].outputs
     report = {
         "machine": machine_info(args.dtype),
-        "config": {
-            "llm": str(paths.llm),
-            "ssms": [str(s) for s in paths.ssms] + list(paths.model_free),
-            "num_prompts": len(prompt_ids),
-            "max_new_tokens": args.max_new_tokens,
-            "tree_width": list(widths),
-            "max_tree_nodes": args.max_tree_nodes,
-            "min_path_prob": args.min_path_prob,
-            "ssm_dtype": ssm_dtypes[0] if len(set(ssm_dtypes)) == 1 else (ssm_dtypes or None),  # resolved
-            "ssm_dtype_choice": ssm_dtype_choice,  # with --ssm-dtype auto: what was measured
-            "tensor_parallel": args.tensor_parallel,
-            "attention": "sdpa" if engine.verifier.runner.model.attention_backend is None else "triton",  # resolved
-            "cuda_graphs": engine.verifier.runner.graphs is not None,
-            "offload": args.offload,
-            "logprobs": args.logprobs,
-            "samples": args.samples,
-            # Sampled arms are seeded per prompt: they equal incremental sampling token for token too.
-            "decoding": f"sampled, temperature {args.temperature}" if args.temperature else "greedy",
-            "constraint": None if constraint is None else {"kind": constraint.kind, "spec": constraint.spec,
-                                                           "choices": list(constraint.choices)},
-            "processors": {k: v for k, v in asdict(processed).items() if k not in ("temperature", "seed")}
-            if processed.has_processors else None,
-            "note": "LLM steps exclude our prefill; transformers counts every LLM forward call",
-        },
+        "config": _config(args, paths, engine, len(prompt_ids), widths, ssm_dtypes, ssm_dtype_choice, constraint,
+                          processed),
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},
-        "pool_members": pool_members,  # what each SSM's drafts alone brought in the dynamic trees
+        "pool_members": member_verdicts(engine, paths.ssms),  # what each SSM's drafts alone brought in dynamic trees
     }
     report["summary"] = summary(report["results"])
     engine.verifier.runner.close()
@@ -301,8 +323,6 @@ def summary(results: dict) -> dict:
 def resolved_ssm_dtypes(engine, paths: ModelPaths) -> tuple[list[str], dict | None]:
     """The dtype each SSM runs in, and, for those measured (`--ssm-dtype auto`), by SSM
     directory name: the choice and the milliseconds per pass of every candidate."""
-    from specinfer.engine.runtime.dtype_choice import dtype_name
-
     runners = engine.source.speculator.runners if engine.source is not None else []
     choices = {p.name: r.dtype_choice.to_json() for p, r in zip(paths.ssms, runners) if r.dtype_choice is not None}
     return [dtype_name(r.model.dtype) for r in runners], choices or None

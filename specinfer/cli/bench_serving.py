@@ -22,8 +22,22 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+import os
+import subprocess
+import json
+import urllib.request
 
 from specinfer.errors import UserError
+from specinfer.engine.runtime.dtype_choice import dtype_name
+from specinfer.engine.runtime.assemble import load_engine
+from specinfer.engine.runtime.load import check_models, load_tokenizer
+from specinfer.engine.llm_engine import mode_params
+from specinfer.params import TreeShape
+from specinfer.cli.client import GatewayClient
+from specinfer.cli.commands import bench_prompts, resolve_paths
+from specinfer.cli.launcher import Stack, StackConfig, check_ports
+from specinfer.limits import parse_tree_width
+from specinfer.cli.bench import machine_info, print_report
 
 
 @dataclass(frozen=True)
@@ -85,9 +99,6 @@ def noisy_phase(client, prompts: list[str], seconds: float, max_tokens: int) -> 
     """Busies every CPU with spinning processes for `seconds` while load-aware requests run, greedy
     and sampled in turn, so the policy and the guard learn under load the measurement will not
     have; returns what ran."""
-    import os
-    import subprocess
-
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
     num_requests, errors = 0, []
     try:
@@ -128,11 +139,6 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
     """Per-token time of the same greedy tree decoding through the services (gateway ->
     verifier -> speculator, one request at a time) and in one process, prompt by prompt
     alternating which goes first."""
-    from specinfer.engine.runtime.dtype_choice import dtype_name
-    from specinfer.engine.runtime.load import load_engine, load_tokenizer, check_models
-    from specinfer.engine.llm_engine import mode_params
-    from specinfer.params import TreeShape
-
     llm_cfg, _ = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
     engine = load_engine(type(paths)(paths.llm, paths.ssms[:1], paths.model_free), dtype, "cpu", max_kv_tokens=8192,
@@ -170,9 +176,6 @@ def measure_http_overhead(client, http_url: str, model: str, prompts: list[str],
     """Per-token time of the same greedy requests through the gateway's gRPC API and its
     OpenAI-compatible HTTP API (whole responses, one request at a time, prompt by prompt
     alternating which goes first), and whether both answer the same text."""
-    import json
-    import urllib.request
-
     totals = {"grpc": [0.0, 0], "http": [0.0, 0]}
     is_equal = True
     for i, prompt in enumerate(prompts):
@@ -198,14 +201,7 @@ def measure_http_overhead(client, http_url: str, model: str, prompts: list[str],
             "ratio": round(ms["http"] / ms["grpc"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts)}
 
 
-def run_serving_bench(args, cache_dir: Path) -> int:
-    from specinfer.cli.client import GatewayClient
-    from specinfer.cli.commands import bench_prompts, resolve_paths
-    from specinfer.cli.launcher import Stack, StackConfig, check_ports
-    from specinfer.engine.runtime.load import check_models
-    from specinfer.limits import parse_tree_width
-
-    levels = _parse_levels(args.concurrency)
+def _check_flags(args) -> None:
     if args.rounds < 1 or args.requests_per_level < 1:
         raise UserError("--rounds and --requests-per-level must be >= 1")
     if args.noisy_phase_s < 0:
@@ -214,11 +210,10 @@ def run_serving_bench(args, cache_dir: Path) -> int:
         raise UserError("--num-speculators must be >= 0 (0 = the verifier hosts the SSMs itself)")
     if args.compare_pipeline and args.co_located:
         raise UserError("--compare-pipeline compares speculator processes: leave out --co-located")
-    widths = parse_tree_width(args.tree_width)
-    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="the serving benchmark")
-    check_models(paths)
-    prompts = bench_prompts(args, demo_prompts)
-    temperatures = [float(t) for t in str(args.temperatures).split(",")]
+
+
+def _stack(args, paths, cache_dir: Path) -> Stack:
+    """The stack under test, as `specinfer up` starts it, with no cache shared between arms."""
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port, http_port=args.port + 3,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 4, dtype=args.dtype,
                               ssm_dtype=args.ssm_dtype, cache_dir=cache_dir, verifier_threads=args.verifier_threads,
@@ -232,8 +227,49 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                               is_prefix_caching=False, kv_budget=args.kv_budget,
                               kv_memory_fraction=args.kv_memory_fraction))
     # As `specinfer up` starts it: the verifier hosts the pool unless speculator processes are asked for.
-    stack = Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
-                          is_co_located=args.co_located or not args.num_speculators or not paths.ssms))
+    return Stack(replace(stack.cfg, model_free=paths.model_free, num_speculators=max(1, args.num_speculators),
+                         is_co_located=args.co_located or not args.num_speculators or not paths.ssms))
+
+
+def _table(client, prompts: list[str], levels: list[int], arms: list, args, temperature: float) -> dict:
+    """Every arm at every concurrency level at one temperature, rounds in rotating arm order."""
+    table = {}
+    single: dict[str, dict[int, list[int]]] = {}
+    for level in levels:
+        num_requests = max(args.requests_per_level, level)
+        per_round = max(level, -(-num_requests // args.rounds))
+        loads: dict[str, list[dict]] = {arm.name: [] for arm in arms}
+        for r in range(-(-num_requests // per_round)):
+            first = r * per_round
+            for arm in arms[r % len(arms):] + arms[: r % len(arms)]:  # rotating order
+                loads[arm.name].append(run_load(client, prompts, level, min(per_round, num_requests - first),
+                                                arm, args.max_new_tokens, temperature, first))
+        row = {}
+        for arm in arms:
+            out = summarize(loads[arm.name])
+            outputs = out.pop("outputs")
+            if temperature == 0.0:
+                reference = single.setdefault(arm.name, outputs if level == levels[0] else {})
+                out["greedy_equals_single"] = all(reference.get(i, o) == o for i, o in outputs.items())
+            row[arm.name] = out
+            print(f"bench: T={temperature} c={level} {arm.name}: {out['output_tokens_per_s']} tok/s",
+                  file=sys.stderr, flush=True)
+        base = row["incremental"]["output_tokens_per_s"]
+        for arm in arms:
+            row[arm.name]["speedup_vs_incremental"] = round(row[arm.name]["output_tokens_per_s"] / max(base, 1e-9), 3)
+        table[str(level)] = row
+    return table
+
+
+def run_serving_bench(args, cache_dir: Path) -> int:
+    levels = _parse_levels(args.concurrency)
+    _check_flags(args)
+    widths = parse_tree_width(args.tree_width)
+    paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="the serving benchmark")
+    check_models(paths)
+    prompts = bench_prompts(args, demo_prompts)
+    temperatures = [float(t) for t in str(args.temperatures).split(",")]
+    stack = _stack(args, paths, cache_dir)
     # "defaults": what a request that names no tree gets (the verifier's dynamic trees, load-aware).
     arms = [ArmSpec("incremental", False, ()), ArmSpec("fixed_tree", True, widths), ArmSpec("defaults", True, ())]
     plain_pool: tuple[str, ...] = ()
@@ -266,36 +302,10 @@ def run_serving_bench(args, cache_dir: Path) -> int:
                                                         prompts[: args.requests_per_level], widths,
                                                         args.max_new_tokens)
         for temperature in temperatures:
-            table = {}
-            single: dict[str, dict[int, list[int]]] = {}
-            for level in levels:
-                num_requests = max(args.requests_per_level, level)
-                per_round = max(level, -(-num_requests // args.rounds))
-                loads: dict[str, list[dict]] = {arm.name: [] for arm in arms}
-                for r in range(-(-num_requests // per_round)):
-                    first = r * per_round
-                    for arm in arms[r % len(arms):] + arms[: r % len(arms)]:  # rotating order
-                        loads[arm.name].append(run_load(client, prompts, level, min(per_round, num_requests - first),
-                                                        arm, args.max_new_tokens, temperature, first))
-                row = {}
-                for arm in arms:
-                    out = summarize(loads[arm.name])
-                    outputs = out.pop("outputs")
-                    if temperature == 0.0:
-                        reference = single.setdefault(arm.name, outputs if level == levels[0] else {})
-                        out["greedy_equals_single"] = all(reference.get(i, o) == o for i, o in outputs.items())
-                    row[arm.name] = out
-                    print(f"bench: T={temperature} c={level} {arm.name}: {out['output_tokens_per_s']} tok/s",
-                          file=sys.stderr, flush=True)
-                base = row["incremental"]["output_tokens_per_s"]
-                for arm in arms:
-                    row[arm.name]["speedup_vs_incremental"] = round(row[arm.name]["output_tokens_per_s"] / max(base, 1e-9), 3)
-                table[str(level)] = row
+            table = _table(client, prompts, levels, arms, args, temperature)
             report["results"][f"temperature={temperature}"] = table
     finally:
         stack.stop()
-    from specinfer.cli.bench import machine_info, print_report
-
     report["machine"] = machine_info(args.dtype)
     print_report(report, args.output)
     return 0

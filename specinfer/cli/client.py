@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator, Mapping, Sequence
 
 import grpc
@@ -167,8 +167,6 @@ class GatewayClient:
         self.target = target
         self.timeout_s = timeout_s
         if token is not None:
-            from dataclasses import replace
-
             security = replace(security or ChannelSecurity(), token=token)
         self.channel = open_channel(target, security, message_options(max_message_bytes))
         self.stub = pb_grpc.GatewayStub(self.channel)

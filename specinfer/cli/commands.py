@@ -9,11 +9,15 @@ import sys
 from pathlib import Path
 
 from specinfer.engine.runtime.load import (
-    ModelPaths, check_context, check_models, encode_prompts, load_engine, load_tokenizer, read_prompts, split_pool,
+    ModelPaths, check_context, check_models, encode_prompts, load_tokenizer, read_prompts, split_pool,
 )
 from specinfer.errors import UserError
 from specinfer.limits import CALIBRATION_TOKENS, DEFAULT_IS_PREFIX_CACHING, parse_tree_width
 from specinfer.model_source import resolve
+from specinfer.pool.demo_pretrained import ensure_pretrained_demo
+from specinfer.engine.runtime.exec_config import ExecConfig
+from specinfer.params import TreeShape
+from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
 
 
 def resolve_paths(
@@ -31,8 +35,6 @@ def resolve_paths(
     if args.llm is None:
         if ssm_dirs:
             raise UserError("--ssm given without --llm")
-        from specinfer.pool.demo_pretrained import ensure_pretrained_demo
-
         demo = ensure_pretrained_demo(cache_dir, progress=True, is_draft_awaited=is_draft_awaited)
         paths = ModelPaths(demo.llm, () if is_none else tuple(demo.ssms), model_free)
         demo_prompts = demo.prompts
@@ -60,8 +62,9 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
     `auto` mode, and calibrates the load-aware policy where `auto` mode will use it. What is
     measured (the SSMs' dtype, the LLM's cost model) is cached under `cache_dir`; every step of
     the start-up is told on stderr. Returns (tokenizer, prompt ids, engine)."""
-    from specinfer.engine.llm_engine import EngineConfig
-    from specinfer.engine.scheduling.scheduler import SchedulerConfig
+    from specinfer.engine.llm_engine import EngineConfig  # torch: as in resolve_paths
+    from specinfer.engine.runtime.assemble import load_engine  # torch: as in resolve_paths
+    from specinfer.engine.scheduling.scheduler import SchedulerConfig  # torch: as in resolve_paths
 
     llm_cfg, ssm_cfgs = check_models(paths)
     tokenizer = load_tokenizer(paths, llm_cfg)
@@ -89,15 +92,13 @@ def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[
 
 def exec_config(args: argparse.Namespace):
     """`--attention`, `--cuda-graphs` and `--offload` as the engine's `ExecConfig`."""
-    from specinfer.engine.runtime.exec_config import ExecConfig
-
     return ExecConfig(attention=getattr(args, "attention", "auto"), cuda_graphs=getattr(args, "cuda_graphs", None),
                       offload=getattr(args, "offload", False))
 
 
 def tensor_parallel(args: argparse.Namespace):
     """`--tensor-parallel N`: a group of N ranks on this host whose rank 0 is this process."""
-    from specinfer.engine.runtime.parallel import ParallelConfig
+    from specinfer.engine.runtime.parallel import ParallelConfig  # torch: as in resolve_paths
 
     num_ranks = getattr(args, "tensor_parallel", 1)
     if num_ranks < 1:
@@ -108,8 +109,6 @@ def tensor_parallel(args: argparse.Namespace):
 def tree_shape(args: argparse.Namespace):
     """The token tree shape of `--tree-width`, `--max-tree-nodes`, `--tree-sampling` and
     `--min-path-prob`: what `tree` mode expands, and what bounds `auto` mode's choices."""
-    from specinfer.params import TreeShape
-
     widths = parse_tree_width(args.tree_width)
     if args.max_tree_nodes < 1:
         raise UserError(f"--max-tree-nodes must be >= 1, got {args.max_tree_nodes}")
@@ -123,7 +122,7 @@ def tree_shape(args: argparse.Namespace):
 def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None, sampling, constraint=None):
     """The request parameters of the mode flags (`--mode`, else auto with a pool and incremental
     without), with `constraint` (structured output, or None). Returns (mode, params)."""
-    from specinfer.engine.llm_engine import mode_params
+    from specinfer.engine.llm_engine import mode_params  # torch: as in resolve_paths
 
     shape = tree_shape(args)
     mode = mode or ("auto" if has_ssm else "incremental")
@@ -133,8 +132,6 @@ def generation_params(args: argparse.Namespace, has_ssm: bool, mode: str | None,
 
 
 def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
-
     # the same SamplingParams and Constraint `specinfer client generate` sends, checked before any model loads
     params = sampling_from_flags(args, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                  seed=args.seed)
@@ -177,12 +174,10 @@ def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
     """The demo models: SmolLM2-135M-Instruct and its draft; with --tiny, the small pair trained
     here from Python's standard library, which needs no download (tests, the compose smoke)."""
     if args.tiny:
-        from specinfer.pool.demo_models import DemoBudget, ensure_demo_models
+        from specinfer.pool.demo_models import DemoBudget, ensure_demo_models  # torch: this module also serves `specinfer up`
 
         demo = ensure_demo_models(cache_dir / "tiny", budget=DemoBudget.tiny(), progress=True, force=args.force)
     else:
-        from specinfer.pool.demo_pretrained import ensure_pretrained_demo
-
         demo = ensure_pretrained_demo(cache_dir, progress=True, force=args.force)
     print(json.dumps({"llm": str(demo.llm), "ssms": [str(s) for s in demo.ssms], "prompts": str(demo.prompts)}))
     return 0

@@ -21,15 +21,22 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH
+from specinfer.limits import (
+    DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH, parse_tree_width,
+)
 from specinfer.limits import GATEWAY_PORT, HTTP_PORT, LAUNCHER_GRACE_S, SPECULATOR_PORT, VERIFIER_PORT
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.serving.shared_flags import add_declared, up_flags
 from specinfer.util import CACHE_DIR_ENV
+from specinfer.cli.client import GatewayClient, GatewayError, print_text
+from specinfer.engine.runtime.exec_config import ExecConfig
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,13 @@ class Stack:
         self.add(name, [sys.executable, "-m", module, *args], port, env)
 
     def start(self) -> None:
+        common_env = self._common_env()
+        speculators = self._start_speculators(common_env)
+        verifiers = self._start_verifiers(common_env, speculators)
+        self._start_gateway(common_env, verifiers)
+
+    def _common_env(self) -> dict[str, str]:
+        """Every child's environment."""
         cfg = self.cfg
         # the internal token: in the environment, never on a command line (visible to `ps`); the gateway
         # logs warnings only (it logs every request at info), the model services tell their start-up too
@@ -222,6 +236,11 @@ class Stack:
             common_env["SPECINFER_SUFFIX_CACHE_TOKENS"] = str(cfg.suffix_cache_tokens)
         if not cfg.is_prefix_caching:
             common_env["SPECINFER_PREFIX_CACHING"] = "off"
+        return common_env
+
+    def _start_speculators(self, common_env: dict[str, str]) -> list[str]:
+        """Spawns the speculators (none when the verifiers host the pool); their addresses."""
+        cfg = self.cfg
         spec_targets = []
         groups = [] if cfg.is_co_located else _split(cfg.ssms, cfg.num_speculators)
         for i, group in enumerate(groups):
@@ -238,6 +257,11 @@ class Stack:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + cfg.num_verifiers + i)
             self._spawn(f"speculator-{i}", "services.speculator", args, port, env)
             spec_targets.append(f"{cfg.host}:{port}")
+        return spec_targets
+
+    def _start_verifiers(self, common_env: dict[str, str], spec_targets: list[str]) -> list[str]:
+        """Spawns the verifiers, each with every speculator; their addresses."""
+        cfg = self.cfg
         threads = cfg.verifier_threads or default_verifier_threads(cfg.num_verifiers)
         args = ["--model", str(cfg.llm), "--host", cfg.host, "--dtype", cfg.dtype,
                 "--tree-width", cfg.tree_width, "--threads", str(threads)]
@@ -257,6 +281,10 @@ class Stack:
                 env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + i)
             self._spawn(verifier_name(cfg, i), "services.verifier", args + ["--port", str(port)], port, env)
             verifier_targets.append(f"{cfg.host}:{port}")
+        return verifier_targets
+
+    def _start_gateway(self, common_env: dict[str, str], verifier_targets: list[str]) -> None:
+        cfg = self.cfg
         env = dict(common_env, SPECINFER_GATEWAY_HOST=cfg.host, SPECINFER_GATEWAY_PORT=str(cfg.gateway_port),
                    SPECINFER_HTTP_PORT=str(cfg.http_port),
                    SPECINFER_VERIFIER_ADDR=",".join(verifier_targets), SPECINFER_MODEL_DIR=str(cfg.llm))
@@ -274,10 +302,7 @@ class Stack:
         """Returns once every child answers health checks as SERVING under this stack's instance id.
         StackFailed when a child exits first (a port it cannot bind: exit code 2), when another
         process answers on a child's port (exit code 2), or at the start-up timeout."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        from specinfer.serving.grpc_server import instance_health_name
+        from specinfer.serving.grpc_server import instance_health_name  # the servers' stack: not at CLI start-up
 
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         request = health_pb2.HealthCheckRequest(service=instance_health_name(self.instance_id))
@@ -379,8 +404,7 @@ def add_up_parser(sub) -> None:
 
 
 def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.commands import resolve_paths
-    from specinfer.limits import parse_tree_width
+    from specinfer.cli.commands import check_models, resolve_paths  # tokenizers: not at CLI start-up
 
     parse_tree_width(args.tree_width)
     if args.num_verifiers < 1:
@@ -402,16 +426,14 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     check_ports(ports)  # before the demo models are built (minutes) or any process starts
     chat_template = args.chat_template
     if chat_template is not None:  # before any model is built or process starts
-        from specinfer.chat_template import ChatTemplate
+        from specinfer.chat_template import ChatTemplate  # jinja2 and numpy: not at CLI start-up
 
         ChatTemplate.from_file(chat_template, None, "--chat-template")
     _check_exec(args)  # before any model is built or process starts
     paths, _ = resolve_paths(args, cache_dir, ssm_needed_by="the stack", is_draft_awaited=False)
-    from specinfer.engine.runtime.load import check_models
-
     llm_cfg, _ = check_models(paths)
     if args.tensor_parallel != 1:  # one rank always divides the model
-        from specinfer.engine.runtime.parallel import check_divisible
+        from specinfer.engine.runtime.parallel import check_divisible  # torch, kept out of this supervisor
 
         check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
     cfg = StackConfig(
@@ -460,14 +482,13 @@ def _check_exec(args: argparse.Namespace) -> None:
     """Explicit execution flags the device cannot honour fail before any process starts. Only
     those can fail (the defaults fall back to what the device supports), so torch, which this
     supervising process does not otherwise need, is imported only for them."""
-    from specinfer.cli.commands import exec_config
-    from specinfer.engine.runtime.exec_config import ExecConfig
+    from specinfer.cli.commands import exec_config  # tokenizers: not at CLI start-up
 
     chosen = exec_config(args)
     if chosen == ExecConfig():
         return
-    from specinfer.engine.runtime.backend import resolve_exec
-    from specinfer.engine.runtime.load import resolve_device
+    from specinfer.engine.runtime.backend import resolve_exec  # torch: only for explicit flags (see above)
+    from specinfer.engine.runtime.load import resolve_device  # tokenizers: not at CLI start-up
 
     resolve_exec(chosen, resolve_device("auto"), args.tensor_parallel > 1)
 
@@ -475,7 +496,7 @@ def _check_exec(args: argparse.Namespace) -> None:
 def prompt_text(prompt: str, llm: Path, chat_template: Path | None, is_raw: bool) -> str:
     """What `up --prompt` sends: the prompt as one user message in the chat template the gateway
     uses (its --chat-template, else the model's), or as it is with `--raw` or a model without one."""
-    from specinfer.chat_template import ChatRenderer, ChatTemplate
+    from specinfer.chat_template import ChatRenderer, ChatTemplate  # jinja2 and numpy: not at CLI start-up
 
     if is_raw:
         return prompt
@@ -488,8 +509,6 @@ def prompt_text(prompt: str, llm: Path, chat_template: Path | None, is_raw: bool
 
 def _answer(target: str, prompt: str, max_tokens: int, is_json: bool) -> None:
     """The reply to `up --prompt`: its text as it comes and a line of statistics, or one JSON object."""
-    from specinfer.cli.client import GatewayClient, GatewayError, print_text
-
     try:
         with GatewayClient(target, timeout_s=300) as client:
             if is_json:
@@ -503,6 +522,4 @@ def _answer(target: str, prompt: str, max_tokens: int, is_json: bool) -> None:
 def _as_dict(reply) -> dict:
     if isinstance(reply, dict):
         return reply
-    from dataclasses import asdict, is_dataclass
-
     return asdict(reply) if is_dataclass(reply) else {"reply": str(reply)}

@@ -16,6 +16,9 @@ from specinfer.serving.shared_flags import (
     add_declared, add_exclusive, bench_arm_flags, bench_flags, demo_models_flags, generate_flags,
     generate_request_flags, model_flags, output_flag, prompt_flag, prompts_flag, resolve_declared, spec_flags,
 )
+from specinfer.cli.client import add_client_parser, run_client
+from specinfer.cli.launcher import add_up_parser, run_up
+from specinfer.pool.commands import add_pool_parsers, run_pool_command
 from specinfer.util import default_cache_dir
 
 
@@ -45,14 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_request_flags(b)
     add_declared(b, *bench_arm_flags())
 
-    from specinfer.cli.launcher import add_up_parser
-
     add_up_parser(sub)
-    from specinfer.cli.client import add_client_parser
-
     add_client_parser(sub)
-    from specinfer.pool.commands import add_pool_parsers
-
     add_pool_parsers(sub)
 
     d = sub.add_parser("demo-models", help="fetch the demo LLM (SmolLM2-135M-Instruct) and build its draft, "
@@ -67,39 +64,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
         cache_dir = default_cache_dir(getattr(args, "cache_dir", None))
-        if args.command == "generate":
-            from specinfer.cli.commands import run_generate
+        if args.command in ("generate", "demo-models"):
+            from specinfer.cli.commands import run_demo_models, run_generate  # torch: not at start-up
 
-            return run_generate(args, cache_dir)
-        if args.command == "bench" and args.shared_prefix_tokens:
-            from specinfer.cli.bench_prefix import run_prefix_bench, run_serving_prefix_bench
-
-            if args.concurrency:
-                return run_serving_prefix_bench(args, cache_dir)
-            return run_prefix_bench(args, cache_dir)
-        if args.command == "bench" and args.concurrency:
-            from specinfer.cli.bench_serving import run_serving_bench
-
-            return run_serving_bench(args, cache_dir)
+            return (run_generate if args.command == "generate" else run_demo_models)(args, cache_dir)
         if args.command == "bench":
-            from specinfer.cli.bench import run_bench
+            import specinfer.cli.bench, specinfer.cli.bench_prefix, specinfer.cli.bench_serving  # noqa: E401 (torch)
 
-            return run_bench(args, cache_dir)
-        if args.command == "demo-models":
-            from specinfer.cli.commands import run_demo_models
-
-            return run_demo_models(args, cache_dir)
+            bench, prefix, serving = specinfer.cli.bench, specinfer.cli.bench_prefix, specinfer.cli.bench_serving
+            if args.shared_prefix_tokens:
+                run = prefix.run_serving_prefix_bench if args.concurrency else prefix.run_prefix_bench
+            else:
+                run = serving.run_serving_bench if args.concurrency else bench.run_bench
+            return run(args, cache_dir)
         if args.command == "up":
-            from specinfer.cli.launcher import run_up
-
             return run_up(args, cache_dir)
         if args.command in ("make-ssm", "boost-tune"):
-            from specinfer.pool.commands import run_pool_command
-
             return run_pool_command(args)
         if args.command == "client":
-            from specinfer.cli.client import run_client
-
             return run_client(args)
         raise UserError(f"unknown command {args.command!r}")
     except UserError as exc:

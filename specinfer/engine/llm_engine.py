@@ -2,7 +2,8 @@
 
 One `Engine` serves both paths. In process (`Engine.from_runners`: `specinfer generate`,
 `specinfer bench`) the scheduler runs inline on the caller's thread and trees come from local
-SSMs, every request's tree of a step from one batched SSM pass per level (`LocalSpeculation`).
+SSMs, every request's tree of a step from one batched SSM pass per level (`LocalSpeculation`,
+whose `drafting.drafter.Drafter` is the speculator service's too).
 In the verifier service the scheduler runs on the model's thread, trees stream from speculator
 services, and each request steps on its own RPC thread. Either way a step is
 `specinfer.engine.loop.run_step`. Incremental decoding is the same loop with root-only trees:
@@ -12,7 +13,6 @@ the baseline for every speedup, and the fallback when no SSM is available.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,6 +31,7 @@ from specinfer.engine.verification.processors import RequestLogits
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.verification.sampling import SamplingNoise, fresh_seed
 from specinfer.engine.scheduling.scheduler import Scheduler, SchedulerConfig
+from specinfer.engine.drafting.drafter import Ask, Drafter, Outcome
 from specinfer.engine.drafting.speculator import Built, DraftSession, Proposal, Speculator
 from specinfer.engine.drafting.tree import TokenTree
 from specinfer.engine.verification.verifier import Verifier
@@ -71,9 +72,11 @@ class LocalSpeculation:
     speculation). The trees all requests asked for in a step are built together: one batched SSM
     pass per tree level covers every request (Section 5). Thread-safe, so the verifier service
     can host its pool co-located: whichever request thread needs a tree first builds every tree
-    asked so far."""
+    asked so far. Its `Drafter` does not draft ahead: here the SSMs run on the LLM's thread and
+    cores, so a tree drafted during verification would only delay the pass."""
 
     def __init__(self, speculator: Speculator, names: list[str] | None = None):
+        self.drafter = Drafter(speculator)
         self.speculator = speculator
         # `names` names the SSMs (then the model-free members go by their own names) or every member.
         names = list(names or [f"ssm-{i}" for i in range(len(speculator.runners))])
@@ -118,18 +121,15 @@ class LocalSpeculation:
 
     def drafts(self, request_id: str, prompt_ids: list[int], params: GenerationParams, shape: TreeShape,
                timeout_s: float | None) -> "LocalDrafts":
-        return LocalDrafts(self, self.speculator.open(prompt_ids, params.sampling, shape, self.pool(params.ssm_names)))
+        return LocalDrafts(self, self.drafter.open(prompt_ids, params.sampling, shape, self.pool(params.ssm_names)))
 
     def build_asked(self) -> None:
+        """Builds every tree asked so far, in one batch; each request reads its verified steps first."""
         with self.lock:
             asked, self._asked = self._asked, []
-            started = time.perf_counter()
-            for drafts in asked:
-                drafts.apply_feedback()
-            built = self.speculator.propose([d.asked for d in asked])
-            seconds = time.perf_counter() - started
-            for drafts, one in zip(asked, built):
-                drafts.built = (one, seconds)
+            asks = [Ask(d.session, d.asked, d.take_outcomes()) for d in asked]
+            for drafts, built in zip(asked, self.drafter.build(asks)):
+                drafts.built = built
 
 
 class LocalDrafts:
@@ -142,7 +142,7 @@ class LocalDrafts:
         self.session = session
         self.asked: Proposal | None = None
         self.built: tuple[Built, float] | None = None
-        self._feedback: list[tuple[Built | None, list[int]]] = []  # verified steps not yet read
+        self._outcomes: list[Outcome] = []  # verified steps the pool has not read yet
         self.is_steady = False
         self._has_built_ssm_tree = False  # the tree built last came from the SSMs (not the model-free alone)
         self._has_ever_built_ssm_tree = False  # the SSMs have read the prompt
@@ -169,7 +169,6 @@ class LocalDrafts:
         if self.built is None:
             self.local.run_drafting(self.local.build_asked)
         (built, seconds), is_dynamic = self.built, self.asked.budget is not None
-        self.session.last = built
         if is_dynamic:  # its SSMs' first pass reads what they have not seen yet: one pass, whatever its
             # length on the tokens of the steps they sat out; but not the prompt (their first tree)
             self.is_steady = not built.num_levels or self._has_ever_built_ssm_tree
@@ -181,20 +180,16 @@ class LocalDrafts:
     def after_step(self, verified: list[int]) -> None:
         """Records a verified step; the SSMs read it when the next tree is built (on the thread
         that builds trees, as their cache updates are model work)."""
-        self._feedback.append((self.session.last, verified))
+        self._outcomes.append((self.session.last, verified[:-1], verified[-1]))
         self.session.last = None
 
-    def apply_feedback(self) -> None:
-        for built, verified in self._feedback:
-            self.local.speculator.feedback(self.session.states, built, verified[:-1], verified[-1])
-        self._feedback = []
+    def take_outcomes(self) -> list[Outcome]:
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
 
     def close(self) -> None:
         with self.local.lock:
-            for built, verified in self._feedback:  # the last steps' outcomes still calibrate
-                self.local.speculator.learn(built, verified[:-1], verified[-1])
-            self._feedback = []
-            self.local.speculator.release(self.session.states)
+            self.local.drafter.close(self.session, self.take_outcomes())
 
 
 class Engine:

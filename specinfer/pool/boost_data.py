@@ -33,6 +33,9 @@ import torch
 from specinfer.errors import UserError
 from specinfer.pool.tuning_config import DataConfig
 from specinfer.util import progress_bar
+from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.params import SamplingParams
+from specinfer.engine.runtime.runner import chain_work
 
 PAD_ID = 0
 
@@ -138,9 +141,6 @@ def draw_prompts(regions: Sequence[_Region], count: int, min_len: int, max_len: 
 def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig, seed: int,
                            progress: bool) -> tuple[list[list[int]], list[bool]]:
     """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset)."""
-    from specinfer.engine.llm_engine import mode_params
-    from specinfer.params import SamplingParams
-
     rng = random.Random(seed)
     order = list(range(len(prompts)))
     rng.shuffle(order)
@@ -162,8 +162,6 @@ def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig
 def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress: bool,
                     batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """One teacher-forced LLM pass per sequence: (top-1 ids, top-k ids, top-k probs) per position."""
-    from specinfer.engine.runtime.runner import chain_work
-
     out = []
     with progress_bar(len(sequences), "LLM targets", progress) as bar:
         for lo in range(0, len(sequences), batch):
@@ -232,8 +230,6 @@ def assemble(prompts: Sequence[list[int]], continuations: Sequence[list[int]], s
 def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
                progress: bool = True) -> tuple[BoostData, BoostData]:
     """(training data, held-out evaluation data) for the LLM in `llm_runner`."""
-    from specinfer.engine.llm_engine import Engine
-
     texts = [p.read_text(encoding="utf-8", errors="replace") for p in corpus]
     token_lists = [enc.ids for enc in tokenizer.tok.encode_batch(texts, add_special_tokens=False)]
     min_len = max(1, cfg.prompt_tokens // 2)

@@ -46,6 +46,15 @@ from specinfer.pool.boost_data import BoostData, build_data, read_corpus
 from specinfer.pool.tuning_config import DataConfig, TrainConfig
 from specinfer.errors import UserError
 from specinfer.util import progress_bar, quiet_transformers, staged_dir, write_atomic, write_json
+from safetensors.torch import load_file, save_file
+from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.tokenizer import TextTokenizer
+from specinfer.pool.hf_model import load_hf_model
+from specinfer.model_source import resolve
+from specinfer.pool.make_ssm import copy_tokenizer_files
+from specinfer.engine.runtime.load import ModelPaths, check_models, resolve_device
+from safetensors import safe_open
 
 STATE_DIR = ".boost"
 RUN_FORMAT = 1
@@ -69,8 +78,6 @@ class BoostConfig:
                 "corpus": [str(c) for c in self.corpus], "data": asdict(self.data), "train": asdict(self.train)}
 
     def ssm_names(self) -> list[str]:
-        from specinfer.model_source import resolve
-
         return [f"ssm-{i}-{resolve(p.resolve()).name}" for i, p in enumerate(self.ssms)]
 
 
@@ -115,16 +122,10 @@ def _prepare_state(cfg: BoostConfig, resume: bool) -> Path:
 
 
 def load_or_build_data(cfg: BoostConfig, state: Path, progress: bool) -> tuple[BoostData, BoostData]:
-    from safetensors.torch import load_file, save_file
-
     path = state / "data.safetensors"
     if path.is_file():
         tensors = load_file(str(path))
         return BoostData.from_tensors(tensors, "train"), BoostData.from_tensors(tensors, "eval")
-    from specinfer.engine.models.config import ModelConfig
-    from specinfer.engine.runtime.runner import ModelRunner
-    from specinfer.tokenizer import TextTokenizer
-
     d = cfg.data
     kv_tokens = max(d.gen_batch_size, 8) * (d.prompt_tokens + d.continuation_tokens + 16)
     llm = ModelRunner.from_dir(cfg.llm, "float32", cfg.device, max_kv_tokens=kv_tokens)
@@ -138,8 +139,6 @@ def tune_one(cfg: BoostConfig, state: Path, index: int, source: Path, final_dir:
              evals: BoostData, agreed: torch.Tensor, progress: bool, on_step: StepHook | None) -> tuple[dict, torch.Tensor]:
     """Tunes SSM `index` on the positions no earlier SSM gets right; returns its summary entry and
     the training positions it gets right afterwards."""
-    from safetensors.torch import load_file, save_file
-
     ssm_state = state / f"ssm-{index}"
     ssm_state.mkdir(exist_ok=True)
     if (final_dir / DONE_NAME).is_file():  # finished in an earlier (interrupted) run
@@ -238,8 +237,6 @@ class Trainer:
     # -- checkpoints: weights + AdamW moments + step, as safetensors, replaced atomically --
 
     def save(self, ckpt: Path) -> None:
-        from safetensors.torch import save_file
-
         tensors = {f"param.{n}": p.detach().cpu().contiguous() for n, p in self.params.items()}
         for n, p in self.params.items():
             st = self.optimizer.state.get(p)
@@ -251,8 +248,6 @@ class Trainer:
         write_atomic(ckpt.with_suffix(".safetensors"), lambda tmp: save_file(tensors, str(tmp), metadata=meta))
 
     def resume_from(self, ckpt: Path) -> None:
-        from safetensors import safe_open
-
         path = ckpt.with_suffix(".safetensors")
         if not path.is_file():
             return
@@ -323,17 +318,12 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
 def load_model(model_dir: Path, device: str):
     """An SSM (a checkpoint directory, safetensors only, or a GGUF file) as a float32
     transformers causal LM of its family."""
-    from specinfer.pool.hf_model import load_hf_model
-
     return load_hf_model(model_dir, torch.float32, device)
 
 
 def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
     """The tuned SSM as an ordinary HF checkpoint with the source's tokenizer (a GGUF's, as
     built from its metadata); `boost.json` last."""
-    from specinfer.model_source import resolve
-    from specinfer.pool.make_ssm import copy_tokenizer_files
-
     with staged_dir(out_dir) as tmp:
         with quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
@@ -342,8 +332,6 @@ def save_final(model, source: Path, out_dir: Path, entry: dict) -> None:
 
 
 def make_summary(cfg: BoostConfig, state: Path, entries: list[dict], train: BoostData, evals: BoostData) -> dict:
-    from safetensors.torch import load_file
-
     before_any = torch.zeros_like(evals.mask)
     after_any = torch.zeros_like(evals.mask)
     for i in range(len(entries)):
@@ -377,8 +365,6 @@ def _rate(hits: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def config_from_args(args: argparse.Namespace) -> BoostConfig:
-    from specinfer.engine.runtime.load import ModelPaths, check_models, resolve_device
-
     check_models(ModelPaths(args.llm, tuple(args.ssm)))  # dirs, architectures, same vocabulary
     data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,
                       continuation_tokens=args.continuation_tokens, sampled_fraction=args.sampled_fraction,

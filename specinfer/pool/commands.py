@@ -81,9 +81,9 @@ def boost_tune_flags() -> list[Flag]:
 def run_pool_command(args: argparse.Namespace) -> int:
     """Runs `make-ssm` or `boost-tune` (by `args.command`)."""
     if args.command == "make-ssm":
-        from specinfer.pool.make_ssm import run_make_ssm
+        from specinfer.pool.make_ssm import run_make_ssm  # torch: not at CLI start-up
 
         return run_make_ssm(args)
-    from specinfer.pool.boost_tune import run_boost_tune
+    from specinfer.pool.boost_tune import run_boost_tune  # torch: not at CLI start-up
 
     return run_boost_tune(args)

@@ -9,6 +9,7 @@ the tests build.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from transformers import LlamaConfig
 
 SPECIAL_TOKENS = ("<s>", "</s>", "<unk>")
 BOS_ID, EOS_ID = 0, 1
@@ -27,8 +28,6 @@ class ModelShape:
     max_position_embeddings: int = 1024
 
     def llama_config(self, vocab_size: int):
-        from transformers import LlamaConfig
-
         return LlamaConfig(
             vocab_size=vocab_size,
             hidden_size=self.hidden_size,

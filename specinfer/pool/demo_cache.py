@@ -17,9 +17,8 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from pathlib import Path
-
-import torch
 
 from specinfer.pool.demo_budget import DemoBudget
 from specinfer.util import write_json
@@ -94,7 +93,7 @@ def write_manifest(out_dir: Path, budget: DemoBudget, seed: int, metrics: dict, 
         "seed": seed,
         "budget": asdict(budget),
         "python": sys.version.split()[0],
-        "torch": torch.__version__,
+        "torch": version("torch"),
         "metrics": metrics,
         "build_minutes": round(minutes, 3),
         "files": files,

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from specinfer.pool.demo_budget import EOS_ID, SPECIAL_TOKENS, DemoBudget, ModelShape
 from specinfer.pool.thread_tuner import ThreadTuner
 from specinfer.util import progress_bar, write_json
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaForCausalLM
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,6 @@ class TrainResult:
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int, progress: bool = False):
     """Byte-level BPE in the reference models' format: specials 0-2, no BOS added on encode."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -113,8 +113,6 @@ def sample_batches(stream: torch.Tensor, batch_size: int, seq_len: int, seed: in
 
 
 def new_model(shape: ModelShape, vocab_size: int, seed: int):
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(seed)
     model = LlamaForCausalLM(shape.llama_config(vocab_size)).float()
     model.train()

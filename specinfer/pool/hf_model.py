@@ -13,12 +13,11 @@ import torch
 from specinfer.engine.models.checkpoint import load_state_dict, safetensors_files
 from specinfer.model_source import ModelSource, resolve
 from specinfer.util import quiet_transformers
+from transformers import AutoConfig, AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING
 
 
 def load_hf_model(model: str | Path | ModelSource, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """The model in `dtype` on `device`, in eval mode (safetensors only; pickle is refused)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
-
     source = resolve(model)
     with quiet_transformers():
         if source.is_gguf:

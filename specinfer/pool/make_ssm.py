@@ -42,6 +42,7 @@ from specinfer.errors import UserError
 from specinfer.engine.models.checkpoint import load_state_dict
 from specinfer.model_source import resolve
 from specinfer.util import staged_dir, write_json
+from safetensors.torch import save_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
@@ -189,8 +190,6 @@ def make_ssm(llm_dir: str | Path, out_dir: str | Path, layers: str, mlp_keep: fl
 
 
 def write_checkpoint(out: Path, tensors: dict[str, torch.Tensor], config: dict, source: Path) -> None:
-    from safetensors.torch import save_file
-
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     write_json(out / "config.json", config)
     gen = source / "generation_config.json"

@@ -27,10 +27,11 @@ from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_gr
 from specinfer.errors import EXIT_CANNOT_BIND, BindError, CapacityError, NotFoundError, UnavailableError, UserError
 from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
 from specinfer.serving.drain import Drainable, drain, handover_margin
-from specinfer.serving.metrics import RpcMetrics, new_registry
+from specinfer.serving.metrics import MetricsServer, RpcMetrics, new_registry
 from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
 from specinfer.serving.settings import DEFAULT_GRACE_S, LOCAL_HOST, bind_problem, message_options
 from specinfer.serving.tracing import error_trace_id, setup_tracing
+from specinfer.serving import logs
 
 log = logging.getLogger(__name__)
 S = TypeVar("S")
@@ -372,8 +373,6 @@ def start_model_server(service: str, host: str, port: int, grace_s: float, metri
                        security: ServerSecurity | None = None, instance_id: str = "") -> RunningServer:
     """Starts a model-hosting service (verifier, speculator): its gRPC server with RPC metrics,
     and its /metrics endpoint when a port is set; stopping drains RPCs, then the model worker."""
-    from specinfer.serving.metrics import MetricsServer
-
     def on_stop():
         stop_worker()
         if metrics:
@@ -416,13 +415,12 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
     `build` returns (server, worker loop) with the worker not yet running. A UserError while
     loading (a missing checkpoint, no CUDA) is one log line and exit code 2; a port it cannot
     bind is one line naming the address and the setting that moves it, and EXIT_CANNOT_BIND."""
-    from specinfer.engine.runtime.cpu import configure_cpu_runtime
-    from specinfer.serving.logs import setup_logging
+    from specinfer.engine.runtime.cpu import configure_cpu_runtime  # the gateway serves without the engine
 
     configure_cpu_runtime()  # before the first BLAS call, which is when MKL reads it
-    setup_logging(service, log_level)
+    logs.setup_logging(service, log_level)
     if num_threads > 0:
-        import torch
+        import torch  # torch: after configure_cpu_runtime, and never in the gateway
 
         torch.set_num_threads(num_threads)
     try:

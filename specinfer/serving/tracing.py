@@ -30,7 +30,7 @@ def setup_tracing(service_name: str, otlp_endpoint: str | None, exporter: SpanEx
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter  # only with an endpoint
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
         log.info("exporting traces to %s", otlp_endpoint)

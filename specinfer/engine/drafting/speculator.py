@@ -180,9 +180,9 @@ class Built(NamedTuple):
 class DraftSession:
     """One request's drafting state in a pool: its members' states (SSM caches, model-free
     contexts), sampling, shape and random stream, and the tree it was handed last with what
-    feedback needs of it. The one per-request type of every pool host: the in-process engine and
-    a co-located verifier (`llm_engine.LocalDrafts`), and the speculator service
-    (`workers.SpeculatorWorker`)."""
+    feedback needs of it. The one per-request type of every pool host, all of which hold and build
+    them through one `drafter.Drafter`: the in-process engine and a co-located verifier
+    (`llm_engine.LocalSpeculation`), and the speculator service (`workers.SpeculatorWorker`)."""
 
     states: list[Any]
     params: SamplingParams

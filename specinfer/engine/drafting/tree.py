@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+import heapq
 
 
 @dataclass
@@ -92,8 +93,6 @@ def counted_tree(tree: TokenTree, paths: list[list[int]], max_nodes: int, min_pr
     """Grows `tree` (its root only) from the branches of `paths` by empirical probability: a
     node's count over its parent's, multiplied along the path; the likeliest first. Returns each
     node's count over its parent's (the root's 1)."""
-    import heapq
-
     trie: list[dict[int, int]] = [{}]  # trie node -> token -> child trie node
     counts = [len(paths)]
     for path in paths:

@@ -34,18 +34,21 @@ def use_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _tree_attention():
+    """The kernel module, imported on first use: it imports triton, which `use_interpreter` must precede."""
+    from specinfer.engine.kernels import tree_attention  # triton: on first use
+
+    return tree_attention
+
+
 def is_interpreted() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (tensors on CPU)."""
-    from specinfer.engine.kernels.tree_attention import is_interpreted as kernels_interpreted
-
-    return kernels_interpreted()
+    return _tree_attention().is_interpreted()
 
 
 def __getattr__(name: str):
     if name == "HAS_TRITON":
-        from specinfer.engine.kernels.tree_attention import HAS_TRITON
-
-        return HAS_TRITON
+        return _tree_attention().HAS_TRITON
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -57,10 +60,9 @@ def enable_triton(runner, fused_commit: bool = True, **attention_kwargs):
     `runner.kv` (same tensors) so that `ModelRunner.commit` moves the accepted path with one
     launch for all layers.
     """
-    from specinfer.engine.kernels.commit import FusedCommitKVCache
-    from specinfer.engine.kernels.tree_attention import TritonAttention
+    from specinfer.engine.kernels.commit import FusedCommitKVCache  # triton: as in _tree_attention
 
-    backend = TritonAttention.for_config(runner.cfg, **attention_kwargs)
+    backend = _tree_attention().TritonAttention.for_config(runner.cfg, **attention_kwargs)
     runner.model.attention_backend = backend
     runner.tree_backend = backend
     if fused_commit:

@@ -169,6 +169,3 @@ def engine_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str
     if "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state:
         state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
     return decoder_weights(cfg, state, family_of(cfg).tensors)
-
-
-llama_weights = engine_weights  # the name it had while the engine ran the Llama family only

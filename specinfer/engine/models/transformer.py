@@ -221,6 +221,3 @@ class DecoderModel:
             )  # (1, H, n, D)
             outs.append(o[0].transpose(0, 1).reshape(s.q_end - s.q_start, self.q_size))  # (n, H * D)
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-LlamaModel = DecoderModel  # the name it had while the engine ran the Llama family only

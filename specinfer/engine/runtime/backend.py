@@ -16,11 +16,12 @@ import torch
 
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
+from specinfer.engine.kernels import enable_triton
 
 
 def triton_unusable_reason(device) -> str | None:
     """None when Triton kernels can run for tensors on `device`, else why not."""
-    from specinfer.engine.kernels.tree_attention import HAS_TRITON, is_interpreted
+    from specinfer.engine.kernels.tree_attention import HAS_TRITON, is_interpreted  # triton: on choosing
 
     if not HAS_TRITON:
         return "triton is not installed"
@@ -72,10 +73,8 @@ def apply_exec(runner, cfg: ExecConfig) -> None:
     """Installs a resolved config's attention backend and CUDA graphs on a loaded one-process runner
     (offloading is applied while loading, see `ModelRunner.from_dir`)."""
     if cfg.attention == "triton":
-        from specinfer.engine.kernels import enable_triton
-
         enable_triton(runner)
     if cfg.cuda_graphs:
-        from specinfer.engine.kernels.cuda_graphs import GraphRunner
+        from specinfer.engine.kernels.cuda_graphs import GraphRunner  # triton: its graphs capture the kernels
 
         runner.graphs = GraphRunner(runner).install()

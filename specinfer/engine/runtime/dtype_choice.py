@@ -49,6 +49,9 @@ from specinfer.engine.runtime.machine_cache import (  # noqa: F401 (device_name,
 )
 from specinfer.engine.scheduling.policy import is_busy
 from specinfer.limits import AUTO_DTYPE, MODEL_DTYPES
+from specinfer.engine.runtime.runner import ModelRunner, Work
+from specinfer.engine.runtime.backend import resolve_exec
+from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -206,8 +209,6 @@ def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelCo
 
 def _trial_runners(make_runner: Callable[[str], object], cands: list[str], cfg: ModelConfig) -> tuple[dict, dict]:
     """Each candidate that works: its runner, and its trial passes by size over the trial context."""
-    from specinfer.engine.runtime.runner import Work
-
     sizes, context = trial_shapes(cfg)
     vocab = cfg.vocab_size
     works, runners = {}, {}
@@ -259,8 +260,6 @@ def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exe
                  ) -> DtypeChoice:
     """The cached choice for this machine and SSM (`weights_id`: its `weights_digest`), else one
     measured now (told to `report` first: it takes a moment) and cached unless the machine stayed busy."""
-    from specinfer.engine.runtime.runner import ModelRunner
-
     cands = candidates(device)
     key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo, weights_id)
     cached = read_cached(cache_dir, key)
@@ -292,10 +291,6 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
     """An SSM's runner in `dtype`; with "auto", in the dtype `choose_dtype` picks (preferring
     `prefer`, the LLM's, on ties), reported on one line through `report` (default: logged) and
     kept as the runner's `dtype_choice`."""
-    from specinfer.engine.runtime.backend import resolve_exec
-    from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
-    from specinfer.engine.runtime.runner import ModelRunner
-
     if dtype != AUTO_DTYPE:
         return ModelRunner.from_dir(model_dir, dtype=dtype, device=device, max_kv_tokens=max_kv_tokens,
                                     exec_cfg=exec_cfg)

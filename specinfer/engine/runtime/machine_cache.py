@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from specinfer.engine.models.checkpoint import safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,6 @@ def weights_digest(model: str | Path, cache_dir: Path | None = None) -> str:
     a model that is one file, that file's). A file's hash is computed once and remembered under
     `cache_dir` by its path, size and modification time (the content decides the digest; those
     only say when to hash again)."""
-    from specinfer.engine.models.checkpoint import safetensors_files
-
     model = Path(model)
     if model.is_file():
         return _file_sha256(model, cache_dir)[:32]

@@ -126,7 +126,7 @@ def _cgroup_limit(root: Path) -> tuple[int | None, int]:
 
 def device_memory(device) -> Memory:
     """What is free on `device`: a CUDA device's memory, else the host's RAM."""
-    import torch
+    import torch  # torch: the light configuration path plans memory too
 
     dev = torch.device(device)
     if dev.type != "cuda":

@@ -38,9 +38,11 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Mapping
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.models.checkpoint import engine_weights, open_checkpoint, parse_dtype
@@ -305,8 +307,6 @@ class Leader:
             listener(reason)
 
     def _watch(self) -> None:
-        from multiprocessing.connection import wait
-
         sentinels = {p.sentinel: p for p in self.workers}
         while sentinels and not self._closed.is_set():
             for s in wait(list(sentinels), timeout=0.5):
@@ -431,7 +431,7 @@ def build_shard(spec: ShardSpec, pc: ParallelConfig) -> tuple[DecoderModel, Shar
                          dtype, device)
     model.group = group
     if spec.attention == "triton":  # metadata from each step's masks, built on every rank
-        from specinfer.engine.kernels.tree_attention import TritonAttention
+        from specinfer.engine.kernels.tree_attention import TritonAttention  # triton: only for the triton backend
 
         model.attention_backend = TritonAttention.for_config(model.cfg)
     return model, group
@@ -461,8 +461,6 @@ def start_group(spec: ShardSpec, pc: ParallelConfig) -> tuple[DecoderModel, Lead
     group and loads its own shard."""
     workers = []
     if not pc.is_launched:
-        import torch.multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         for rank in range(1, pc.num_ranks):
             p = ctx.Process(target=_spawned_rank, args=(rank, spec, pc, torch.get_num_threads()),

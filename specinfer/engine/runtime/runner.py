@@ -25,6 +25,8 @@ from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNE
 from specinfer.engine.models.checkpoint import engine_weights, load_state_dict, parse_dtype
 from specinfer.engine.models.transformer import DecoderModel, ForwardBatch, KVCache, SeqAttention, windowed
 from specinfer.engine.drafting.tree import is_chain, visibility, window_starts
+from specinfer.engine.runtime.backend import apply_exec, resolve_exec
+from specinfer.engine.runtime.offload import offload_model
 
 DEFAULT_BLOCK_SIZE = DEFAULT_KV_BLOCK_SIZE
 
@@ -82,11 +84,9 @@ class ModelRunner:
         max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS,
         block_size: int = DEFAULT_BLOCK_SIZE, exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
-        """Loads a checkpoint directory or a GGUF file into one process (`load.load_runner`
+        """Loads a checkpoint directory or a GGUF file into one process (`assemble.load_runner`
         shards it over a tensor-parallel group). `exec_cfg` picks the attention backend, CUDA
         graphs and offloading (resolved for `device` here)."""
-        from specinfer.engine.runtime.backend import resolve_exec
-
         cfg = ModelConfig.from_dir(model_dir)
         torch_dtype = parse_dtype(dtype)  # an unknown dtype or flag fails before any weights are read
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
@@ -104,13 +104,9 @@ class ModelRunner:
         """A one-process runner over weights already read (`checkpoint.engine_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
         build runners in several dtypes."""
-        from specinfer.engine.runtime.backend import apply_exec, resolve_exec
-
         torch_dtype = parse_dtype(dtype)
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
         if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
-            from specinfer.engine.runtime.offload import offload_model
-
             model = offload_model(DecoderModel(cfg, weights, torch_dtype, "cpu", is_packed=False), device)
         else:
             model = DecoderModel(cfg, weights, torch_dtype, device)
@@ -140,7 +136,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         spans: list[tuple[int, int]] = []
         is_all_rows = True
-        single_write: slice | None = None
+        single_write: slice | None = None  # set only when one item is in the batch
         tree = self.tree_backend if self.model.attention_backend is self.tree_backend else None
         requests = []  # with `tree`: each item's kernels.TreeRequest
         windows = _Windows(self.window, tree is not None, device)
@@ -155,19 +151,10 @@ class ModelRunner:
             q_start = len(token_ids)
             token_ids.extend(work.token_ids)
             positions.extend(work.positions)
-            base = seq.contiguous_start(end)
-            if base is not None:
-                context: slice | torch.Tensor = slice(base, base + end)
-                if len(works) == 1:
-                    single_write = slice(base + start, base + end)
-                write_slots.extend(range(base + start, base + end))
-            else:
-                all_slots = seq.slots(0, end)
-                context = torch.tensor(all_slots, dtype=torch.long, device=device)
-                write_slots.extend(all_slots[start:])
+            context, single_write = self._place(seq, start, end, write_slots, len(works) == 1)
             starts = windows.starts_of(work)
             if tree is not None:
-                from specinfer.engine.kernels.tree_attention import TreeRequest
+                from specinfer.engine.kernels.tree_attention import TreeRequest  # triton: only with a tree backend
 
                 requests.append(TreeRequest(q_start, seq.num_committed, work.parents, context, num_new=n,
                                             window_starts=starts))
@@ -193,6 +180,19 @@ class ModelRunner:
         if tree is not None:
             tree.prepare(batch.seqs, requests, device, window_seqs=batch.window_seqs)
         return batch, spans
+
+    def _place(self, seq: SequenceKV, start: int, end: int, write_slots: list[int], is_alone: bool
+               ) -> tuple[slice | torch.Tensor, slice | None]:
+        """Where an item's tokens [start, end) attend (its context's KV slots) and are written
+        (appended to `write_slots`); the write as one slice too where the item is alone in the
+        batch and its slots are contiguous."""
+        base = seq.contiguous_start(end)
+        if base is not None:
+            write_slots.extend(range(base + start, base + end))
+            return slice(base, base + end), (slice(base + start, base + end) if is_alone else None)
+        all_slots = seq.slots(0, end)
+        write_slots.extend(all_slots[start:])
+        return torch.tensor(all_slots, dtype=torch.long, device=self.model.device), None
 
     @staticmethod
     def _mask(work: Work, num_committed: int, end: int, device) -> tuple[torch.Tensor | None, bool]:

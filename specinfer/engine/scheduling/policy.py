@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from specinfer.limits import CALIBRATION_CONTEXT, CALIBRATION_SIZES, DYNAMIC_MAX_DEPTH, DYNAMIC_MAX_NODES
 from specinfer.params import TreeBudget
+from specinfer.engine.runtime.runner import Work
 
 PRIOR_GREEDY = (1.5, 6.0, 3.0)  # (accepted tokens, nodes, SSM levels) of a speculative step before any evidence
 PRIOR_SAMPLED = (0.8, 4.0, 2.0)
@@ -108,8 +109,6 @@ class CostModel:
         `is_busy` on the result says whether the machine stayed busy. Past `max_seconds` (a loaded
         machine) no further round starts once one was timed. `timer(runner, work)` returns a
         pass's seconds (default: the wall time of `runner.run`)."""
-        from specinfer.engine.runtime.runner import Work
-
         timer = timer or _time_pass
         context, sizes = cls.fit_shape(runner, sizes, context)
         seq = runner.new_sequence()

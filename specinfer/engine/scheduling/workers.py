@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 
-from specinfer.engine.drafting.pipeline import build_ahead, settle
-from specinfer.engine.drafting.speculator import Built, DraftSession, Proposal, SSMTree, Speculator
+from specinfer.engine.drafting.drafter import Ask, Drafter
+from specinfer.engine.drafting.speculator import DraftSession, Speculator
 from specinfer.engine.drafting.tree import TokenTree
 from specinfer.errors import UnavailableError
 from specinfer.limits import DEFAULT_MAX_BATCH
@@ -182,31 +182,37 @@ class BatchWorker:
 
 
 class SpeculatorWorker:
-    """Builds token trees for many requests at once (one batched SSM pass per tree level)."""
+    """The speculator service's model thread: the trees its requests ask for, built in batches by
+    one `Drafter` (one batched SSM pass per tree level)."""
 
     def __init__(self, speculator: Speculator, max_batch: int = DEFAULT_MAX_BATCH, metrics: WorkerMetrics | None = None,
                  is_threaded: bool = True, is_pipelined: bool = False):
-        self.speculator = speculator
-        self.metrics = metrics
+        on_ahead = None if metrics is None else (lambda outcome: metrics.ahead_trees.labels("speculator", outcome).inc())
         # Pipelined: while the verifier verifies a greedy request's tree, this worker, when idle,
         # drafts the request's next tree from the outcome its SSMs believe (`engine.pipeline`).
-        self.is_pipelined = is_pipelined and bool(speculator.runners)
-        self.max_context = min((r.max_context for r in speculator.runners), default=0)
-        self.num_ahead = {"stood": 0, "dropped": 0}
-        self._wanted: dict[int, DraftSession] = {}  # sessions whose next tree may be drafted ahead
-        self.num_open = 0
-        self._count_lock = threading.Lock()
+        self.drafter = Drafter(speculator, is_pipelined, on_ahead)
+        self.speculator = speculator
+        self.metrics = metrics
         if metrics is not None:
             for runner in speculator.runners:
                 runner.on_forward = metrics.iteration_tokens.observe
         self.worker = BatchWorker("speculator-worker", self._process, max_batch, metrics, is_threaded)
 
+    @property
+    def is_pipelined(self) -> bool:
+        return self.drafter.is_pipelined
+
+    @property
+    def num_ahead(self) -> dict[str, int]:
+        return self.drafter.num_ahead
+
+    @property
+    def num_open(self) -> int:
+        return self.drafter.num_open
+
     def open(self, context_ids: list[int], params: SamplingParams, shape: TreeShape,
              ssm_indices: list[int] | None = None) -> DraftSession:
-        session = self.speculator.open(context_ids, params, shape, ssm_indices)
-        with self._count_lock:
-            self.num_open += 1
-        return session
+        return self.drafter.open(context_ids, params, shape, ssm_indices)
 
     def step(self, session: DraftSession, feedback: tuple[list[int], int] | None, max_depth: int,
              shape: TreeShape | None = None, timeout: float | None = None, is_model_free_only: bool = False,
@@ -224,87 +230,51 @@ class SpeculatorWorker:
             pass
 
     def _process(self, jobs: list[Job]) -> tuple[list[Job], bool] | None:
-        self._propose(jobs)
+        self._build(jobs)
         if self.metrics is not None:
             used = sum(r.allocator.num_used for r in self.speculator.runners)
             free = sum(r.allocator.num_free for r in self.speculator.runners)
             self.metrics.observe_kv(used, free)
             self.metrics.requests_running.set(self.num_open)
-        if not self._wanted:
+        if not self.drafter.has_wanted:
             return None
         if self.worker.has_waiting:  # trees asked for come first; drafting ahead waits for a lull
             return [_AHEAD_JOB], True
-        self._draft_ahead()
+        self.drafter.draft_ahead()
         return None
 
-    def _draft_ahead(self) -> None:
-        sessions, self._wanted = list(self._wanted.values()), {}
-        items = [(s.last_proposal, s.last.ssm_trees if s.last is not None else None) for s in sessions]
-        for session, ahead in zip(sessions, build_ahead(self.speculator, items, self.max_context)):
-            session.ahead = ahead
-
-    def _settle(self, session: DraftSession, feedback: tuple[list[int], int], proposal: Proposal
-                ) -> list[SSMTree | None] | None:
-        """Applies the verifier's feedback; the SSM trees of a tree drafted ahead that stands."""
-        ahead, session.ahead = session.ahead, None
-        if ahead is None:
-            built, session.last = session.last, None
-            self.speculator.feedback(session.states, built, *feedback)
-            return None
-        trees = settle(self.speculator, session.states, ahead, *feedback, proposal.shape.widths,
-                       proposal.is_model_free_only or not proposal.max_depth)
-        outcome = "stood" if trees is not None else "dropped"
-        self.num_ahead[outcome] += 1
-        if self.metrics is not None:
-            self.metrics.ahead_trees.labels("speculator", outcome).inc()
-        return trees
-
-    def _propose(self, jobs: list[Job]) -> None:
-        start = time.perf_counter()
-        proposing: list[Job] = []
-        served: list[DraftSession] = []
-        for job in jobs:
-            if job.kind == "ahead":
-                continue
-            session = job.args[0]
-            self._wanted.pop(id(session), None)
-            if job.kind == "close":
-                self.speculator.release(session.states)
-                with self._count_lock:
-                    self.num_open -= 1
-                job.future.set_result(None)
-                continue
-            _, feedback, max_depth, shape, is_model_free_only, budget = job.args
-            if shape is not None:
-                session.shape = shape
-            # One speculator's merged tree stays within the request's shape (the verifier reserved KV for
-            # that much per speculator); model-free members draft as deep as the request's bound allows.
+    @staticmethod
+    def _ask(session: DraftSession, feedback: tuple[list[int], int] | None, max_depth: int,
+             shape: TreeShape | None, is_model_free_only: bool, budget: TreeBudget | None) -> Ask:
+        """One step's ask: one speculator's merged tree stays within the request's shape (the
+        verifier reserved KV for that much per speculator); model-free members draft as deep as
+        the request's bound allows. Depth 0 asks for the root alone."""
+        if shape is not None:
+            session.shape = shape
+        proposal = None
+        if max_depth > 0:
             proposal = session.proposal(session.shape.clipped(max_depth), max_depth, is_model_free_only,
                                         session.shape.max_nodes if budget is None else budget.max_nodes + 1, budget)
-            ready = self._settle(session, feedback, proposal) if feedback is not None else None
-            session.last_proposal, session.is_last_ahead = proposal, ready is not None
-            if ready is not None:
-                session.last = Built(self.speculator.merge(proposal, ready), ready, None, len(proposal.shape.widths))
-                session.last_batch_size = 0
-                served.append(session)
-                job.future.set_result((session.last.tree, time.perf_counter() - start, session.last.num_levels))
-            elif max_depth > 0:
-                proposing.append(job)
+        outcomes = []
+        if feedback is not None:
+            outcomes.append((session.last, *feedback))
+            session.last = None
+        return Ask(session, proposal, outcomes)
+
+    def _build(self, jobs: list[Job]) -> None:
+        steps = []
+        for job in jobs:
+            if job.kind == "close":
+                self.drafter.close(job.args[0])
+                job.future.set_result(None)
+            elif job.kind == "step":
+                steps.append(job)
+        asks = [self._ask(*job.args) for job in steps]
+        for job, ask, (built, seconds) in zip(steps, asks, self.drafter.build(asks)):
+            if built is None:
+                job.future.set_result((self.drafter.root_tree(ask.session), seconds, 0))
             else:
-                session.last = None
-                root = self.speculator.root(session.states)
-                job.future.set_result((TokenTree.with_root(root), time.perf_counter() - start, 0))
-        if proposing:
-            batch = [j.args[0].last_proposal for j in proposing]
-            for job, built in zip(proposing, self.speculator.propose(batch)):
-                session = job.args[0]
-                session.last, session.last_batch_size = built, len(proposing)
-                served.append(session)
-                job.future.set_result((built.tree, time.perf_counter() - start, built.num_levels))
-        if self.is_pipelined:
-            for session in served:
-                if session.params.is_greedy:
-                    self._wanted[id(session)] = session
+                job.future.set_result((built.tree, seconds, built.num_levels))
 
 
 _AHEAD_JOB = Job("ahead", ())
