@@ -16,11 +16,12 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
 
 from specinfer.pool.demo_budget import DemoBudget
+from specinfer.pool.demo_pretrained import DemoPaths
 from specinfer.util import write_json
 
 DEFAULT_DEMO_DIR_NAME = "demo-models-v1"
@@ -30,19 +31,6 @@ HELDOUT_NAME = "heldout_files.json"
 TRAINING_NAME = "training.json"
 MANIFEST_FORMAT = 1
 PARTIAL_MARK = ".partial-"
-
-
-@dataclass(frozen=True)
-class DemoPaths:
-    root: Path
-    llm: Path
-    ssms: tuple[Path, ...]
-    prompts: Path
-
-    @classmethod
-    def from_manifest(cls, root: Path, manifest: dict) -> "DemoPaths":
-        return cls(root=root, llm=root / manifest["llm"], ssms=tuple(root / s for s in manifest["ssms"]),
-                   prompts=root / manifest["prompts"])
 
 
 def demo_dir_name(budget: DemoBudget, seed: int) -> str:

