@@ -217,7 +217,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="the serving benchmark")
     check_models(paths)
-    prompts = bench_prompts(args, demo_prompts)
+    prompts = bench_prompts(args, demo_prompts, paths.llm)
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = Stack(StackConfig(llm=paths.llm, ssms=paths.ssms[:1], gateway_port=args.port, http_port=args.port + 3,
                               verifier_port=args.port + 1, speculator_base_port=args.port + 4, dtype=args.dtype,

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             from specinfer.cli.launcher import run_up
 
             return run_up(args, cache_dir)
-        if args.command in ("make-ssm", "boost-tune"):
+        if args.command in ("make-ssm", "boost-tune", "make-draft"):
             from specinfer.pool.commands import run_pool_command
 
             return run_pool_command(args)

@@ -1,6 +1,9 @@
-"""Command-line entry points of the SSM pool (SpecInfer Section 3): `make-ssm` and `boost-tune`.
+"""Command-line entry points of the SSM pool (SpecInfer Section 3): `make-ssm`, `boost-tune` and
+`make-draft`.
 
 `specinfer make-ssm` cuts an SSM from the LLM's own layers (`specinfer.pool.make_ssm`);
+`specinfer make-draft` cuts one and distills it from the LLM within a time budget
+(`specinfer.pool.make_draft`);
 `specinfer boost-tune` aligns a pool of SSMs with the LLM by collective boost-tuning
 (`specinfer.pool.boost_tune`). The pool is then served merged (`Speculator.propose`), with the
 "merge" or "mixed" tree policy (`TreeShape.policy`).
@@ -11,14 +14,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specinfer.pool.tuning_config import DataConfig, TrainConfig
+from specinfer.pool.tuning_config import DataConfig, DraftConfig, TrainConfig
 
 
 def add_pool_parsers(subparsers) -> None:
-    """Adds the `make-ssm` and `boost-tune` subcommands to the CLI's subparsers (torch-free: every
+    """Adds the `make-ssm`, `boost-tune` and `make-draft` subcommands to the CLI's subparsers (torch-free: every
     command builds this parser, `specinfer up`'s long-lived supervisor and `client` among them)."""
     add_make_ssm_parser(subparsers)
     add_boost_tune_parser(subparsers)
+    add_make_draft_parser(subparsers)
 
 
 def add_make_ssm_parser(subparsers) -> argparse.ArgumentParser:
@@ -63,14 +67,38 @@ def add_boost_tune_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
+def add_make_draft_parser(subparsers) -> argparse.ArgumentParser:
+    d = DraftConfig()
+    p = subparsers.add_parser("make-draft", help="build a draft (SSM) for an LLM: cut from its layers and distilled "
+                                                 "on its own answers, within a time budget")
+    p.add_argument("--llm", type=Path, required=True, help="LLM checkpoint directory or .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="the draft's checkpoint directory (then: --ssm OUT)")
+    p.add_argument("--minutes", type=float, default=d.minutes,
+                   help=f"time budget of the whole build (default {d.minutes:g}); an interrupted build resumes "
+                        "where it stopped when run again")
+    p.add_argument("--corpus", type=Path,
+                   help="a text file to draw prompts from (default: the built-in chat prompts, in the LLM's chat "
+                        "template)")
+    p.add_argument("--layers", default=d.layers,
+                   help=f"the LLM layers the draft keeps: N = the first N, or indices like 0,1,29 (default {d.layers})")
+    p.add_argument("--mlp-keep", type=float, default=d.mlp_keep, help="fraction of MLP channels kept per layer")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--cache-dir", type=Path, help="where a GGUF's metadata files are made and reused")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--quiet", action="store_true", help="no progress")
+    return p
 
 
 def run_pool_command(args: argparse.Namespace) -> int:
-    """Runs `make-ssm` or `boost-tune` (by `args.command`)."""
+    """Runs `make-ssm`, `boost-tune` or `make-draft` (by `args.command`)."""
     if args.command == "make-ssm":
         from specinfer.pool.make_ssm import run_make_ssm
 
         return run_make_ssm(args)
+    if args.command == "make-draft":
+        from specinfer.pool.make_draft import run_make_draft
+
+        return run_make_draft(args)
     from specinfer.pool.boost_tune import run_boost_tune
 
     return run_boost_tune(args)
