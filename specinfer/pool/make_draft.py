@@ -258,13 +258,13 @@ def teacher_data(plan: DraftPlan, clock: Clock, progress: bool, say) -> tuple[Bo
             started = clock.elapsed_s
             lo = index * cfg.gen_batch_size
             chunk = [train_prompts[(lo + k) % len(train_prompts)] for k in range(cfg.gen_batch_size)]
-            batch = _teacher_batch(engine, llm, chunk, data_cfg, cfg.seed * 7919 + 2 + index, False)
+            batch = _teacher_batch(engine, llm, chunk, data_cfg, cfg.seed * 7919 + 2 + index, progress)
             path = data_dir / f"batch-{index:04d}.safetensors"
             write_atomic(path, lambda tmp: save_file(batch.to_tensors("train"), str(tmp)))
             index += 1
             batch_s = clock.elapsed_s - started
             bar.update(min(round(batch_s), bar.total - bar.n))
-            bar.set_postfix(batches=index, positions=index * cfg.gen_batch_size * cfg.continuation_tokens)
+            bar.set_postfix(answers=index * cfg.gen_batch_size)
     done.write_text(json.dumps({"batches": index}))
     del engine, llm
     train = _concat(sorted(data_dir.glob("batch-*.safetensors")), "train")
