@@ -202,3 +202,23 @@ def test_shipped_prompt_sets_are_distinct_chats():
     texts = [p[0]["content"] for p in seeds]
     assert len(set(texts)) == len(texts)
     assert not set(texts) & {p[0]["content"] for p in bench}  # the benchmark's questions are held out
+
+
+def test_training_shortens_to_the_time_left(tmp_path):
+    from types import SimpleNamespace
+
+    from specinfer.pool.tuning_config import TrainConfig
+
+    now = [0.0]
+    clock = md.Clock(1.0, now=lambda: now[0])  # 60 s
+    trainer = SimpleNamespace(cfg=TrainConfig(steps=200), step=0)
+    check = md._keep_to_budget(trainer, clock, reserve_s=10.0, steps_path=tmp_path / "steps.json")
+    for done in range(1, 11):  # one second a step: at step 10, 40 s (40 steps) are left after the reserve
+        now[0] = float(done)
+        check(0, done)
+    assert trainer.cfg.steps == 50
+    assert json.loads((tmp_path / "steps.json").read_text())["steps"] == 50
+    for done in range(11, 21):  # the pace holds: nothing changes
+        now[0] = float(done)
+        check(0, done)
+    assert trainer.cfg.steps == 50

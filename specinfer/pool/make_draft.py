@@ -277,8 +277,8 @@ def _teacher_batch(engine, llm, prompts: Sequence[list[int]], data_cfg, seed: in
     from specinfer.pool.boost_data import assemble, generate_continuations, targets_for
 
     continuations, sampled = generate_continuations(engine, prompts, data_cfg, seed, progress)
-    keep = [n for n, c in enumerate(continuations) if len(c) >= 1]
-    prompts = [prompts[n] for n in keep]
+    keep = [n for n, c in enumerate(continuations) if len(c) >= 2] or [0]  # an answer that ends at once teaches
+    prompts = [prompts[n] for n in keep]  # nothing (one kept, so a batch is never empty)
     continuations = [continuations[n] for n in keep]
     sampled = [sampled[n] for n in keep]
     scores = targets_for(llm, prompts, continuations, sampled, data_cfg.kl_top_k, progress)
@@ -345,12 +345,13 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
         started = clock.elapsed_s
         trainer.fit(train, weights, ckpt, False, None)
         step_s = (clock.elapsed_s - started) / TIMING_STEPS
-        eval_s = 1.2 * step_s * len(evals) / cfg.batch_size + 15.0  # the held-out agreement, then saving
-        steps = max(TIMING_STEPS, TIMING_STEPS + int((clock.left_s - eval_s) / step_s))
+        steps = max(TIMING_STEPS, TIMING_STEPS + int((clock.left_s - eval_reserve_s(evals, cfg, step_s)) / step_s))
         write_json(steps_path, {"steps": steps, "step_s": round(step_s, 3)})
         say(f"distilling: {steps} steps of {step_s:.2f} s")
     trainer.cfg = replace(train_cfg, steps=steps)
-    trainer.fit(train, weights, ckpt, progress, None)
+    on_step = None if cfg.steps else _keep_to_budget(trainer, clock, eval_reserve_s(evals, cfg), steps_path)
+    trainer.fit(train, weights, ckpt, progress, on_step)
+    steps = trainer.cfg.steps
     after = agreement(model, evals, 8, "cpu", progress, "agreement after")
     cost = json.loads((plan.work / "costs.json").read_text())
     record = {
@@ -368,6 +369,29 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
     say(f"held-out top-1 agreement {record['agreement_before']:.1%} -> {record['agreement_after']:.1%}; "
         f"chain acceptance by depth {record['acceptance_by_depth_after']}")
     return record
+
+
+def eval_reserve_s(evals: BoostData, cfg: DraftConfig, step_s: float | None = None) -> float:
+    """Seconds kept for the held-out agreement (a forward pass per batch: under a training step's
+    cost) and saving; without a measured step cost, a rough allowance."""
+    return 15.0 + (1.2 * step_s * len(evals) / cfg.batch_size if step_s else 30.0)
+
+
+def _keep_to_budget(trainer, clock: Clock, reserve_s: float, steps_path: Path):
+    """A step hook that shortens the run when the measured pace says it would overrun the budget
+    (a busy machine slows training down): the steps left are what the time left allows."""
+    started, first = clock.elapsed_s, trainer.step
+
+    def check(_index: int, done: int) -> None:
+        if (done - first) % 10 or done == first:
+            return
+        step_s = (clock.elapsed_s - started) / (done - first)
+        fits = done + max(1, int((clock.left_s - reserve_s) / step_s))
+        if fits < trainer.cfg.steps:
+            trainer.cfg = replace(trainer.cfg, steps=fits)
+            write_json(steps_path, {"steps": fits, "step_s": round(step_s, 3)})
+
+    return check
 
 
 def _save(tensors: dict, path: Path) -> None:
