@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(g)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompts", type=Path, help='JSONL file with one {"prompt": "..."} per line')
+    src.add_argument("--prompts", type=Path, help='JSONL file with one {"prompt": "..."} or {"messages": [...]} '
+                                                 "(rendered with the model's chat template) per line")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--mode", choices=["incremental", "sequence", "tree", "auto"],
                    help="default: auto with a pool, else incremental. auto: dynamic trees, each step's grown from the "
@@ -82,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="compare incremental, sequence, tree and transformers' assisted generation")
     _add_model_flags(b)
-    b.add_argument("--prompts", type=Path, help="JSONL prompts (default: the demo models' held-out prompts)")
+    b.add_argument("--prompts", type=Path, help='JSONL of {"prompt": "..."} or {"messages": [...]} lines (rendered '
+                                            "with the model's chat template; default: the demo models' held-out "
+                                            "prompts)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     _add_spec_flags(b)
     b.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
