@@ -219,7 +219,7 @@ def _run_interleaved(names: list[str], prompt_ids: list[list[int]], max_new_toke
 def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
-    prompts = bench_prompts(args, demo_prompts)
+    prompts = bench_prompts(args, demo_prompts, paths.llm)
     if args.num_prompts > 0:
         prompts = prompts[: args.num_prompts]
     _, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)

@@ -94,7 +94,7 @@ def _throughputs(engine, batch: list[list[int]], params, rounds: int, caching_on
 
 def run_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
-    questions = bench_prompts(args, demo_prompts)
+    questions = bench_prompts(args, demo_prompts, paths.llm)
     num_together = args.concurrency_in_process
     if num_together < 1 or args.shared_prefix_tokens < 1:
         raise UserError("--shared-prefix-tokens and --concurrency-in-process must be >= 1")
@@ -200,7 +200,7 @@ def run_serving_prefix_bench(args: argparse.Namespace, cache_dir: Path) -> int:
                         "--prefix-groups >= 1")
     concurrency = levels[0]
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="bench")
-    questions = bench_prompts(args, demo_prompts)
+    questions = bench_prompts(args, demo_prompts, paths.llm)
     tokenizer = load_tokenizer(paths, check_models(paths)[0])
     groups = _prefix_groups(tokenizer, questions, args.prefix_groups, args.shared_prefix_tokens)
     num_requests = max(args.requests_per_level, concurrency)

@@ -267,7 +267,7 @@ def run_serving_bench(args, cache_dir: Path) -> int:
     widths = parse_tree_width(args.tree_width)
     paths, demo_prompts = resolve_paths(args, cache_dir, ssm_needed_by="the serving benchmark")
     check_models(paths)
-    prompts = bench_prompts(args, demo_prompts)
+    prompts = bench_prompts(args, demo_prompts, paths.llm)
     temperatures = [float(t) for t in str(args.temperatures).split(",")]
     stack = _stack(args, paths, cache_dir)
     # "defaults": what a request that names no tree gets (the verifier's dynamic trees, load-aware).

@@ -47,12 +47,24 @@ def resolve_paths(
     return paths, demo_prompts
 
 
-def bench_prompts(args: argparse.Namespace, demo_prompts: Path | None) -> list[str]:
+def bench_prompts(args: argparse.Namespace, demo_prompts: Path | None, llm: Path) -> list[str]:
     """The prompts of `--prompts`, else the demo models' held-out prompts."""
     path = args.prompts or demo_prompts
     if path is None:
         raise UserError("--prompts is required with --llm")
-    return read_prompts(path)
+    return prompt_texts(path, llm)
+
+
+def prompt_texts(path: Path, llm: Path) -> list[str]:
+    """A prompts file's prompts as text: {"prompt": ...} lines as they are, {"messages": [...]}
+    lines rendered with the LLM's chat template (as the gateway renders a chat request)."""
+    prompts = read_prompts(path, allow_messages=True)
+    if all(isinstance(p, str) for p in prompts):
+        return prompts
+    from specinfer.chat_template import ChatRenderer, ChatTemplate  # jinja2 and numpy: not at CLI start-up
+
+    renderer = ChatRenderer(ChatTemplate.from_dir(llm))
+    return [p if isinstance(p, str) else renderer.render(p) for p in prompts]
 
 
 def load_for_prompts(args: argparse.Namespace, paths: ModelPaths, prompts: list[str], cache_dir: Path | None = None):
@@ -139,11 +151,13 @@ def run_generate(args: argparse.Namespace, cache_dir: Path) -> int:
     if args.prompt is not None:
         prompts = [args.prompt]
     else:
-        prompts = read_prompts(args.prompts)
+        read_prompts(args.prompts, allow_messages=True)  # malformed: fails before any model is built or loaded
     if args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     parse_tree_width(args.tree_width)  # fail fast, before any model is built or loaded
     paths, _ = resolve_paths(args, cache_dir)
+    if args.prompt is None:
+        prompts = prompt_texts(args.prompts, paths.llm)
     mode, gen_params = generation_params(args, bool(paths.ssms or paths.model_free), args.mode, params, constraint)
     tokenizer, prompt_ids, engine = load_for_prompts(args, paths, prompts, cache_dir)
     out = open(args.output, "w") if args.output else sys.stdout

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             return run(args, cache_dir)
         if args.command == "up":
             return run_up(args, cache_dir)
-        if args.command in ("make-ssm", "boost-tune"):
+        if args.command in ("make-ssm", "boost-tune", "make-draft"):
             return run_pool_command(args)
         if args.command == "client":
             return run_client(args)

@@ -180,7 +180,7 @@ class Trainer:
         self.cfg = cfg
         self.index = index
         self.device = device
-        self.params = dict(model.named_parameters())
+        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # frozen ones stay
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay, foreach=False)
         self.step = 0

@@ -60,3 +60,49 @@ class TrainConfig:
             raise UserError(f"--lr must be a positive number, got {self.lr}")
         if self.kl_weight < 0:
             raise UserError(f"--kl-weight must be >= 0, got {self.kl_weight}")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The settings of `specinfer make-draft` (`specinfer.pool.make_draft`).
+
+    `minutes` bounds the whole build; of the time left after loading and cutting,
+    `data_share` goes to the LLM's teacher data and the rest to distillation.
+    """
+
+    minutes: float = 9.0
+    layers: str = "2"  # the LLM layers the draft keeps (`make_ssm.parse_layers`)
+    mlp_keep: float = 1.0
+    data_share: float = 0.6
+    prompt_tokens: int = 96  # corpus prompts are prompt_tokens // 2 .. prompt_tokens tokens long
+    continuation_tokens: int = 96
+    sampled_fraction: float = 0.5  # continuations sampled (the contexts stochastic requests visit)
+    temperature: float = 0.7
+    kl_top_k: int = 32
+    kl_weight: float = 1.0
+    eval_prompts: int = 16
+    gen_batch_size: int = 48
+    batch_size: int = 8
+    lr: float = 1e-3
+    max_batches: int = 0  # of teacher data; 0 = as many as the budget allows
+    steps: int = 0  # of distillation; 0 = as many as the budget allows
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_batches < 0 or self.steps < 0:
+            raise UserError("the batch and step counts must be >= 0 (0 = by the time budget)")
+        if not (self.minutes > 0 and math.isfinite(self.minutes)):
+            raise UserError(f"--minutes must be a positive number, got {self.minutes}")
+        if not 0.0 < self.data_share < 1.0:
+            raise UserError(f"the data share must be in (0, 1), got {self.data_share}")
+        if self.eval_prompts < 1 or self.gen_batch_size < 1 or self.batch_size < 1:
+            raise UserError("the evaluation prompts and batch sizes must be >= 1")
+        if self.continuation_tokens < 2:
+            raise UserError(f"continuation tokens must be >= 2, got {self.continuation_tokens}")
+
+    def data_config(self) -> DataConfig:
+        """The boost-tuning data settings of one batch of teacher data."""
+        return DataConfig(num_prompts=self.gen_batch_size, eval_prompts=self.eval_prompts,
+                          prompt_tokens=max(2, self.prompt_tokens), continuation_tokens=self.continuation_tokens,
+                          sampled_fraction=self.sampled_fraction, temperature=self.temperature,
+                          kl_top_k=self.kl_top_k, gen_batch_size=self.gen_batch_size, seed=self.seed)

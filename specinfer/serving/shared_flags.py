@@ -78,8 +78,9 @@ def llm_flag(of: str = "command") -> Flag:
     help_text = _variant(of, {
         "command": f"LLM checkpoint directory or .gguf file (default: {DEMO_MODELS})",
         "boost-tune": "LLM checkpoint directory or .gguf file",
+        "make-draft": "LLM checkpoint directory or .gguf file",
     })
-    return Flag("--llm", NONE, Path, None, help_text, is_required=of == "boost-tune")
+    return Flag("--llm", NONE, Path, None, help_text, is_required=of in ("boost-tune", "make-draft"))
 
 
 def ssm_flag(of: str = "command") -> Flag:
@@ -317,7 +318,7 @@ def sampling_flags(of: str = "generate") -> list[Flag]:
 
 
 def seed_flag(of: str = "request") -> Flag:
-    default = _variant(of, {"request": None, "boost-tune": BOOST_SEED})
+    default = _variant(of, {"request": None, "boost-tune": BOOST_SEED, "make-draft": BOOST_SEED})
     return Flag("--seed", NONE, int, default, "")
 
 
@@ -598,13 +599,15 @@ def request_id_argument() -> Flag:
 
 
 def quiet_flag(of: str) -> Flag:
-    help_text = _variant(of, {"healthcheck": "print nothing", "boost-tune": "no progress bars"})
+    help_text = _variant(of, {"healthcheck": "print nothing", "boost-tune": "no progress bars",
+                              "make-draft": "no progress"})
     return Flag("--quiet", NONE, parse_bool, False, help_text, is_toggle=True,
                 short="-q" if of == "healthcheck" else None)
 
 
 def out_flag(of: str) -> Flag:
-    help_text = _variant(of, {"make-ssm": "output checkpoint directory", "boost-tune": "output directory"})
+    help_text = _variant(of, {"make-ssm": "output checkpoint directory", "boost-tune": "output directory",
+                              "make-draft": "the draft's checkpoint directory (then: --ssm OUT)"})
     return Flag("--out", NONE, Path, None, help_text, is_required=True)
 
 

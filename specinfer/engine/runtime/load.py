@@ -82,12 +82,15 @@ def load_tokenizer(paths: ModelPaths, llm_cfg: ModelConfig) -> TextTokenizer:
     return TextTokenizer.from_dir(paths.llm, llm_cfg.eos_token_ids)
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Reads a JSONL file of {"prompt": "..."} lines."""
+def read_prompts(path: str | Path, allow_messages: bool = False) -> list[str | list[dict[str, str]]]:
+    """Reads a JSONL file of {"prompt": "..."} lines; with `allow_messages`, also of
+    {"messages": [{"role": ..., "content": ...}, ...]} lines, returned as their message lists
+    (for the caller to render with the model's chat template)."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"prompts file not found: {p}")
-    prompts = []
+    expected = 'a string field "prompt"' + (' or a list field "messages"' if allow_messages else "")
+    prompts: list[str | list[dict[str, str]]] = []
     for lineno, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -95,12 +98,25 @@ def read_prompts(path: str | Path) -> list[str]:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise UserError(f"{p}:{lineno}: not valid JSON ({exc.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise UserError(f"{p}:{lineno}: expected an object with a string field \"prompt\"")
-        prompts.append(obj["prompt"])
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif allow_messages and isinstance(obj, dict) and "messages" in obj:
+            prompts.append(_messages(obj["messages"], f"{p}:{lineno}"))
+        else:
+            raise UserError(f"{p}:{lineno}: expected an object with {expected}")
     if not prompts:
         raise UserError(f"prompts file {p} has no prompts")
     return prompts
+
+
+def _messages(value, where: str) -> list[dict[str, str]]:
+    """A chat's messages: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(value, list) or not value:
+        raise UserError(f'{where}: "messages" must be a non-empty list')
+    for m in value:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise UserError(f'{where}: every message must be {{"role": "...", "content": "..."}}')
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def encode_prompts(tokenizer: TextTokenizer, prompts: list[str]) -> list[list[int]]:

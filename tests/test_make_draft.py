@@ -1,0 +1,224 @@
+"""`make-draft` on a tiny random Llama: the distilled draft agrees with the LLM more than the
+untrained cut it starts from, loads as an SSM with greedy output exactly the LLM's, resumes an
+interrupted build, and refuses bad input with one line (exit code 2). Chat prompt files
+({"messages": [...]} lines) are rendered with the model's chat template."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.errors import UserError
+from specinfer.params import TreeShape
+from specinfer.pool import make_draft as md
+from specinfer.pool.make_draft import acceptance_by_depth, build_draft
+from specinfer.pool.tuning_config import DraftConfig
+from util import add_tokenizer, save_tiny_llama
+
+CORPUS_FILES = ("textwrap.py", "colorsys.py", "bisect.py", "shlex.py")
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+# Deterministic: a fixed number of teacher batches and steps (the time budget never binds).
+# The draft keeps the LLM's first and last layers: as cut it hardly ever agrees with the LLM.
+CFG = DraftConfig(minutes=60, layers="0,3", prompt_tokens=24, continuation_tokens=16, eval_prompts=8,
+                  gen_batch_size=8, batch_size=8, lr=3e-3, kl_top_k=8, max_batches=3, steps=80)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("make_draft")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / n).read_text() for n in CORPUS_FILES]
+    model = save_tiny_llama(root / "llm", vocab=300, hidden=32, layers=4, heads=4, kv_heads=2, intermediate=64,
+                            max_pos=256, seed=7, eos_token_id=None, init_std=0.2)
+    add_tokenizer(model, 300, texts)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    (root / "corpus.txt").write_text("\n".join(texts))
+    return model
+
+
+@pytest.fixture(scope="module")
+def built(llm, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("built") / "draft"
+    return out, build_draft(llm, out, progress=False, cfg=CFG)
+
+
+def test_distilled_draft_agrees_more_than_the_cut(built):
+    out, record = built
+    assert record == json.loads((out / md.PROVENANCE_NAME).read_text())
+    assert record["steps"] == CFG.steps and record["train_answers"] == CFG.max_batches * CFG.gen_batch_size
+    assert record["agreement_after"] >= record["agreement_before"] + 0.1, record
+    before, after = record["acceptance_by_depth_before"], record["acceptance_by_depth_after"]
+    assert len(after) == md.MAX_DEPTH and after[0] == record["agreement_after"]
+    assert after[1] > before[1]
+    assert all(a >= b for a, b in zip(after, after[1:]))  # a longer chain is never likelier
+    assert record["draft_pass_ms"] > 0 and record["llm_pass_ms"] > 0
+    assert not md.DraftPlan(Path("x"), out, CFG).work.exists()  # the work in progress is cleaned up
+
+
+def test_draft_is_a_checkpoint_whose_greedy_output_is_the_llms(llm, built):
+    out, _ = built
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and (out / "tokenizer.json").is_file()
+    assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
+    runner = ModelRunner.from_dir(llm, max_kv_tokens=4096)
+    draft = ModelRunner.from_dir(out, max_kv_tokens=4096)
+    plain, speculative = Engine.from_runners(runner), Engine.from_runners(runner, [draft])
+    accepted = 0
+    for prompt in ([5, 9, 17, 33, 40], [7, 8, 100, 3, 250, 12], [11, 12, 13, 14]):
+        expected = plain.generate(prompt, mode_params("incremental", 40)).output_ids
+        for mode, shape in (("tree", TreeShape((1, 1, 3, 1, 1, 1, 1, 1))), ("auto", TreeShape((1,) * 8))):
+            result = speculative.generate(prompt, mode_params(mode, 40, shape))
+            assert result.output_ids == expected, mode
+            accepted += sum(result.accepted_per_step)
+    assert accepted > 0
+
+
+def test_frozen_vocabulary_stays_the_llms(llm, built):
+    from safetensors.torch import load_file
+
+    ours = load_file(str(built[0] / "model.safetensors"))
+    theirs = load_file(str(llm / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        assert torch.equal(ours[name], theirs[name]), name
+    assert not torch.equal(ours["model.layers.0.mlp.up_proj.weight"], theirs["model.layers.0.mlp.up_proj.weight"])
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_interrupted_build_leaves_no_output_and_resumes_its_data(llm, tmp_path, monkeypatch):
+    out = tmp_path / "draft"
+    cfg = replace(CFG, max_batches=2, steps=4)
+    calls = []
+    real_batch = md._teacher_batch
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real_batch(*args, **kwargs)
+
+    monkeypatch.setattr(md, "_teacher_batch", counting)
+
+    def interrupted(*args, **kwargs):
+        raise Interrupt
+
+    monkeypatch.setattr(md, "save_draft", interrupted)
+    with pytest.raises(Interrupt):
+        build_draft(llm, out, progress=False, cfg=cfg)
+    assert not out.exists() and len(calls) == 3  # held-out batch + 2 training batches
+    monkeypatch.undo()
+    monkeypatch.setattr(md, "_teacher_batch", counting)
+    record = build_draft(llm, out, progress=False, cfg=cfg)
+    assert len(calls) == 3  # the teacher data was kept, not made again
+    assert record["train_answers"] == 2 * cfg.gen_batch_size and (out / "model.safetensors").is_file()
+
+
+def test_corpus_prompts(llm, tmp_path):
+    cfg = replace(CFG, max_batches=1, steps=2)
+    record = build_draft(llm, tmp_path / "d", progress=False, cfg=cfg, corpus=llm.parent / "corpus.txt")
+    assert record["source"] == "corpus" and record["train_answers"] == cfg.gen_batch_size
+
+
+def test_acceptance_by_depth_counts_whole_chains():
+    agree = torch.tensor([[True, True, True, True, True, False], [False, True, False, True, False, False]])
+    mask = torch.tensor([[False, True, True, True, True, True], [False, True, True, True, False, False]])
+    # row 0 (positions 1-5, the last missed): 4 of 5 at depth 1, 3 of 4 pairs, 2 of 3 triples, 1 of 2, 0 of 1;
+    # row 1 (positions 1-3; position 0 agrees but is no answer position): 2 of 3, 0 of 2, 0 of 1
+    assert acceptance_by_depth(agree, mask, 6) == [0.75, 0.5, 0.5, 0.5, 0.0]
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    from specinfer.cli.main import main
+
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no-llm", "no such checkpoint"), ("minutes", "--minutes"), ("layers", "--layers"),
+    ("not-empty", "not empty"), ("corpus", "--corpus"), ("no-template", "chat template"),
+])
+def test_bad_input_exits_2_with_one_line(llm, tmp_path, capsys, case, message):
+    out = tmp_path / "out"
+    argv = ["make-draft", "--llm", str(llm), "--out", str(out), "--quiet"]
+    if case == "no-llm":
+        argv[2] = str(tmp_path / "missing")
+    elif case == "minutes":
+        argv += ["--minutes", "0"]
+    elif case == "layers":
+        argv += ["--layers", "9"]
+    elif case == "not-empty":
+        out.mkdir()
+        (out / "x").write_text("x")
+    elif case == "corpus":
+        argv += ["--corpus", str(tmp_path / "missing.txt")]
+    elif case == "no-template":
+        bare = tmp_path / "bare"
+        shutil.copytree(llm, bare)
+        config = json.loads((bare / "tokenizer_config.json").read_text())
+        del config["chat_template"]
+        (bare / "tokenizer_config.json").write_text(json.dumps(config))
+        argv[2] = str(bare)
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and message in err and err.count("\n") == 1, err
+    assert not out.exists() or case == "not-empty"
+
+
+# ---- chat prompt files -----------------------------------------------------------------------
+
+
+def test_prompt_files_take_messages_rendered_with_the_chat_template(llm, tmp_path):
+    from specinfer.cli.commands import prompt_texts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi there"}]}) + "\n"
+                    + json.dumps({"prompt": "plain text"}) + "\n")
+    assert prompt_texts(path, llm) == ["<s>user: hi there\n<s>assistant:", "plain text"]
+    path.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(UserError, match="every message"):
+        prompt_texts(path, llm)
+    path.write_text(json.dumps({"text": "x"}) + "\n")
+    with pytest.raises(UserError, match='"messages"'):
+        prompt_texts(path, llm)
+
+
+def test_shipped_prompt_sets_are_distinct_chats():
+    from specinfer.engine.runtime.load import read_prompts
+
+    seeds = read_prompts(md.SEED_PROMPTS, allow_messages=True)
+    bench = read_prompts(Path(__file__).parent.parent / "specinfer" / "pool" / "data" / "heldout_chat_prompts.jsonl", allow_messages=True)
+    assert len(seeds) >= 200 and len(bench) >= 40
+    assert all(isinstance(p, list) and p[0]["role"] == "user" for p in seeds + bench)
+    texts = [p[0]["content"] for p in seeds]
+    assert len(set(texts)) == len(texts)
+    assert not set(texts) & {p[0]["content"] for p in bench}  # the benchmark's questions are held out
+
+
+def test_training_shortens_to_the_time_left(tmp_path):
+    from types import SimpleNamespace
+
+    from specinfer.pool.tuning_config import TrainConfig
+
+    now = [0.0]
+    clock = md.Clock(1.0, now=lambda: now[0])  # 60 s
+    trainer = SimpleNamespace(cfg=TrainConfig(steps=200), step=0)
+    check = md._keep_to_budget(trainer, clock, reserve_s=10.0, steps_path=tmp_path / "steps.json")
+    for done in range(1, 11):  # one second a step: at step 10, 40 s (40 steps) are left after the reserve
+        now[0] = float(done)
+        check(0, done)
+    assert trainer.cfg.steps == 50
+    assert json.loads((tmp_path / "steps.json").read_text())["steps"] == 50
+    for done in range(11, 21):  # the pace holds: nothing changes
+        now[0] = float(done)
+        check(0, done)
+    assert trainer.cfg.steps == 50
