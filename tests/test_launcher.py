@@ -367,3 +367,28 @@ def test_up_prompt_goes_as_a_chat_message_unless_raw(tmp_path, capsys):
     (plain / "tokenizer_config.json").write_text("{}")
     assert prompt_text("Hi?", plain, None, False) == "Hi?"
     assert "no chat template" in capsys.readouterr().err
+
+
+def test_a_second_ctrl_c_while_draining_still_stops_every_child(monkeypatch, tiny_pair, tmp_path, capsys):
+    """Ctrl-C drains the stack; a second one during the drain cuts the grace short instead of
+    leaving the children running."""
+    from specinfer.cli.main import main
+
+    stops = []
+
+    def start(self):
+        self.children = ["a child"]
+        raise KeyboardInterrupt
+
+    def stop(self, grace_s=15.0):
+        stops.append(grace_s)
+        if len(stops) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(Stack, "stop", stop)
+    args = ["up", "--llm", str(tiny_pair.llm), "--ssm", str(tiny_pair.ssms[0]), "--cache-dir", str(tmp_path),
+            "--gateway-port", str(_free_ports(1)), "--http-port", "0", "--verifier-port", str(_free_ports(1))]
+    assert main(args) == 0
+    assert len(stops) == 2 and stops[1] == 0
+    assert "stack stopped" in capsys.readouterr().err

@@ -474,7 +474,10 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         return 0
     finally:
         if stack.children:
-            stack.stop()
+            try:
+                stack.stop()
+            except KeyboardInterrupt:  # a second Ctrl-C while draining: no more grace, but no process left behind
+                stack.stop(grace_s=0)
             print("specinfer: stack stopped", file=sys.stderr, flush=True)
 
 
