@@ -19,8 +19,12 @@ _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `pack` applies to weights of `dtype` on `device` (a CPU with oneDNN)."""
-    return device.type == "cpu" and dtype in _PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    """Whether `pack` applies to weights of `dtype` on `device`: a CPU with oneDNN, and for
+    bfloat16 one whose instructions oneDNN's bfloat16 kernels need (AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT); elsewhere bfloat16 weights stay as they are."""
+    if device.type != "cpu" or dtype not in _PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
