@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.runtime.runner import ModelRunner
+from specinfer.engine.models.config import DRAFT_VOCAB_KEY, ModelConfig
+from specinfer.engine.models.transformer import UNSCORED_LOGIT
+from specinfer.engine.runtime.runner import ModelRunner, chain_work
+from specinfer.pool.boost_data import BoostData
 from specinfer.errors import UserError
 from specinfer.params import TreeShape
 from specinfer.pool import make_draft as md
@@ -27,9 +30,10 @@ CORPUS_FILES = ("textwrap.py", "colorsys.py", "bisect.py", "shlex.py")
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 # Deterministic: a fixed number of teacher batches and steps (the time budget never binds).
-# The draft keeps the LLM's first and last layers: as cut it hardly ever agrees with the LLM.
+# The draft keeps the LLM's first and last layers: as cut it hardly ever agrees with the LLM. Its
+# head keeps 60 of the 300 tokens.
 CFG = DraftConfig(minutes=60, layers="0,3", prompt_tokens=24, continuation_tokens=16, eval_prompts=8,
-                  gen_batch_size=8, batch_size=8, lr=3e-3, kl_top_k=8, max_batches=3, steps=80)
+                  gen_batch_size=8, batch_size=8, lr=3e-3, kl_top_k=8, max_batches=3, steps=80, vocab=60)
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +70,12 @@ def test_distilled_draft_agrees_more_than_the_cut(built):
 
 
 def test_draft_is_a_checkpoint_whose_greedy_output_is_the_llms(llm, built):
-    out, _ = built
+    out, record = built
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and (out / "tokenizer.json").is_file()
+    vocab = config[DRAFT_VOCAB_KEY]
+    assert len(vocab) == record["vocab_size"] == 60 and vocab == sorted(set(vocab))
+    assert 0.5 < record["vocab_coverage"] < 1.0  # the answers use a token the head dropped, now and then
     assert (out / "model.safetensors").is_file() and not list(out.glob("*.bin"))
     runner = ModelRunner.from_dir(llm, max_kv_tokens=4096)
     draft = ModelRunner.from_dir(out, max_kv_tokens=4096)
@@ -76,11 +83,56 @@ def test_draft_is_a_checkpoint_whose_greedy_output_is_the_llms(llm, built):
     accepted = 0
     for prompt in ([5, 9, 17, 33, 40], [7, 8, 100, 3, 250, 12], [11, 12, 13, 14]):
         expected = plain.generate(prompt, mode_params("incremental", 40)).output_ids
+        assert not set(expected) <= set(vocab)  # the LLM's output leaves the draft's vocabulary ...
         for mode, shape in (("tree", TreeShape((1, 1, 3, 1, 1, 1, 1, 1))), ("auto", TreeShape((1,) * 8))):
             result = speculative.generate(prompt, mode_params(mode, 40, shape))
-            assert result.output_ids == expected, mode
+            assert result.output_ids == expected, mode  # ... and is still the LLM's, token for token
             accepted += sum(result.accepted_per_step)
     assert accepted > 0
+
+
+def test_a_reduced_head_scores_its_vocabulary_as_the_whole_head_does_and_nothing_else(built, tmp_path):
+    out, _ = built
+    whole = tmp_path / "whole"
+    shutil.copytree(out, whole)
+    config = json.loads((whole / "config.json").read_text())
+    vocab = torch.tensor(config.pop(DRAFT_VOCAB_KEY))
+    (whole / "config.json").write_text(json.dumps(config))
+    logits = {}
+    for name, path in (("reduced", out), ("whole", whole)):
+        runner = ModelRunner.from_dir(path, max_kv_tokens=256)
+        seq = runner.new_sequence()
+        logits[name] = runner.run([chain_work(seq, [5, 9, 17, 33, 40], logits="all")])[0]
+    outside = torch.ones(300, dtype=torch.bool)
+    outside[vocab] = False
+    assert torch.all(logits["reduced"][:, outside] == UNSCORED_LOGIT)
+    torch.testing.assert_close(logits["reduced"][:, vocab], logits["whole"][:, vocab], rtol=1e-5, atol=1e-5)
+    assert torch.equal(logits["reduced"].argmax(-1), vocab[logits["whole"][:, vocab].argmax(-1)])
+    assert torch.softmax(logits["reduced"] / 0.01, -1)[:, outside].sum() == 0  # never proposed, at any temperature
+
+
+def test_the_vocabulary_is_the_most_frequent_answer_tokens_and_eos():
+    tokens = torch.zeros(2, 6, dtype=torch.long)
+    targets = torch.tensor([[0, 4, 4, 4, 2, 9], [0, 2, 2, 7, 7, 9]])
+    mask = torch.tensor([[False, True, True, True, True, False], [False, True, True, True, True, True]])
+    data = BoostData(tokens, torch.tensor([6, 6]), targets, mask, torch.tensor([False, False]),
+                     torch.zeros(2, 6, 0, dtype=torch.long), torch.zeros(2, 6, 0))
+    cfg = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 12, "hidden_size": 8,
+                                 "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                 "num_key_value_heads": 2, "eos_token_id": 11})
+    # 4 and 2 answer three times each, 7 twice, 9 once (its other position is outside the mask)
+    assert md.draft_vocabulary(data, 3, cfg).tolist() == [2, 4, 11]
+    assert md.draft_vocabulary(data, 4, cfg).tolist() == [2, 4, 7, 11]
+    assert md.draft_vocabulary(data, 0, cfg) is None and md.draft_vocabulary(data, 12, cfg) is None
+    assert md.coverage(torch.tensor([2, 4, 11]), data) == pytest.approx(6 / 9)
+
+
+@pytest.mark.parametrize("value", [[], [3, 3], [12], [-1], "1,2", [1.5]])
+def test_a_bad_draft_vocabulary_is_a_clear_error(value):
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 12, "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, DRAFT_VOCAB_KEY: value}
+    with pytest.raises(UserError, match=DRAFT_VOCAB_KEY):
+        ModelConfig.from_dict(raw)
 
 
 def test_frozen_vocabulary_stays_the_llms(llm, built):

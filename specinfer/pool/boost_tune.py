@@ -295,8 +295,11 @@ def logits_at(model, tokens: torch.Tensor, picked: tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
-def agreement(model, data: BoostData, batch: int, device: str, progress: bool, desc: str) -> torch.Tensor:
-    """(N, L) bool: the SSM's top-1 equals the LLM's top-1 (only inside `data.mask`)."""
+def agreement(model, data: BoostData, batch: int, device: str, progress: bool, desc: str,
+              vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, L) bool: the SSM's top-1 equals the LLM's top-1 (only inside `data.mask`); with
+    `vocab` (token ids), the SSM's top-1 among those tokens only, as a draft with that reduced
+    vocabulary proposes."""
     model.eval()
     out = torch.zeros_like(data.mask)
     with progress_bar(len(data), desc, progress) as bar:
@@ -304,7 +307,8 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
             rows = slice(lo, min(lo + batch, len(data)))
             width = int(data.lengths[rows].max())
             picked = torch.nonzero(data.mask[rows, :width], as_tuple=True)
-            top1 = logits_at(model, data.tokens[rows, :width].to(device), picked).argmax(-1).cpu()
+            logits = logits_at(model, data.tokens[rows, :width].to(device), picked)
+            top1 = (logits.argmax(-1) if vocab is None else vocab.to(device)[logits[:, vocab].argmax(-1)]).cpu()
             block = torch.zeros_like(data.mask[rows, :width])
             block[picked] = top1 == data.targets[rows, :width][picked]
             out[rows, :width] = block

@@ -64,6 +64,8 @@ def make_draft_flags() -> list[Flag]:
         Flag("--minutes", NONE, float, d.minutes, f"time budget of the whole build (default {d.minutes:g}); an "
              "interrupted build resumes where it stopped when run again"),
         corpus_flag("make-draft"), layers_flag("make-draft", d.layers), mlp_keep_flag(d.mlp_keep),
+        Flag("--vocab", NONE, int, d.vocab, f"tokens the draft's LM head scores, the LLM's most frequent answer "
+             f"tokens (default {d.vocab}; 0 = every token): a smaller head makes each draft pass cheaper"),
         seed_flag("make-draft"), cache_dir_flag("service"), overwrite_flag(), quiet_flag("make-draft"),
     ]
 

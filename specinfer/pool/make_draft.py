@@ -18,7 +18,11 @@ LLM's own outputs. This command does both within a time budget, in one go:
    (`boost_tune.Trainer`, `boost_tune.boost_loss`); the embeddings and LM head stay the LLM's
    (frozen: the head is most of a small draft's parameters, and training it would cost the most).
    The number of steps is set from the measured cost of the first steps, to end within budget.
-4. **Measurement.** Top-1 agreement with the LLM on held-out prompts, before and after, and the
+4. **A reduced vocabulary.** The draft's head keeps the LLM's `--vocab` most frequent answer
+   tokens (written into its config.json): most of a small draft's pass is its head, and the
+   tokens it drops are ones the LLM rarely answers with. It only ever proposes; the LLM decides.
+5. **Measurement.** Top-1 agreement with the LLM on held-out prompts, before and after (with the
+   reduced head, as the draft will propose), the held-out answers' coverage by its vocabulary, and the
    greedy chain acceptance by depth (the chance that the first k drafted tokens are all the
    LLM's); the draft's and the LLM's one-token pass costs.
 
@@ -46,7 +50,7 @@ from safetensors.torch import load_file, save_file
 
 from specinfer.chat_template import ChatRenderer, ChatTemplate
 from specinfer.engine.llm_engine import Engine
-from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.models.config import DRAFT_VOCAB_KEY, ModelConfig
 from specinfer.engine.runtime.load import read_prompts
 from specinfer.engine.runtime.runner import ModelRunner, chain_work
 from specinfer.errors import UserError
@@ -122,7 +126,8 @@ def build_draft(llm: str | Path, out: str | Path, minutes: float | None = None, 
     say = (lambda line: print(f"make-draft: {line}", file=sys.stderr, flush=True)) if progress else (lambda line: None)
     cut = cut_draft(plan, say)
     train, evals = teacher_data(plan, clock, progress, say)
-    record = distill(plan, cut, train, evals, clock, progress, say)
+    vocab = draft_vocabulary(train, cfg.vocab, ModelConfig.from_dir(cut))
+    record = distill(plan, cut, train, evals, clock, progress, say, vocab)
     record["build_minutes"] = round(clock.elapsed_s / 60, 2)
     write_json(plan.out / PROVENANCE_NAME, record)
 
@@ -311,8 +316,30 @@ def freeze_vocabulary(model) -> None:
         head.weight.requires_grad_(False)
 
 
+def draft_vocabulary(train: BoostData, size: int, cfg: ModelConfig) -> torch.Tensor | None:
+    """The `size` tokens the draft's head keeps (sorted ids), None for the whole vocabulary: the
+    LLM's most frequent answer tokens, by its top-1 at every answer position plus the probability
+    its top-k gives each token there (the tokens sampled answers take), and its EOS tokens."""
+    if not 0 < size < cfg.vocab_size:
+        return None
+    mask = train.mask
+    score = torch.bincount(train.targets[mask], minlength=cfg.vocab_size).double()
+    if train.topk_ids.shape[-1]:
+        score += torch.bincount(train.topk_ids[mask].flatten(), weights=train.topk_probs[mask].flatten().double(),
+                                minlength=cfg.vocab_size)
+    eos = [i for i in cfg.eos_token_ids if 0 <= i < cfg.vocab_size]
+    score[eos] = float("inf")
+    return torch.topk(score, size).indices.sort().values
+
+
+def coverage(vocab: torch.Tensor | None, data: BoostData) -> float:
+    """The share of the LLM's top-1 answer tokens of `data` that `vocab` holds."""
+    targets = data.targets[data.mask]
+    return 1.0 if vocab is None or not len(targets) else float(torch.isin(targets, vocab).float().mean())
+
+
 def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, clock: Clock, progress: bool,
-            say) -> dict:
+            say, vocab: torch.Tensor | None = None) -> dict:
 
 
     cfg = plan.cfg
@@ -320,7 +347,7 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
     freeze_vocabulary(model)
     before_path = plan.work / "before.safetensors"
     if not before_path.is_file():
-        before = agreement(model, evals, 8, "cpu", progress, "agreement before")
+        before = agreement(model, evals, 8, "cpu", progress, "agreement before", vocab)
         write_atomic(before_path, lambda tmp: _save({"agree": before}, tmp))
     before = load_file(str(before_path))["agree"]
     steps_path = plan.work / "steps.json"
@@ -346,7 +373,7 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
     on_step = None if cfg.steps else _keep_to_budget(trainer, clock, eval_reserve_s(evals, cfg), steps_path)
     trainer.fit(train, weights, ckpt, progress, on_step)
     steps = trainer.cfg.steps
-    after = agreement(model, evals, 8, "cpu", progress, "agreement after")
+    after = agreement(model, evals, 8, "cpu", progress, "agreement after", vocab)
     cost = json.loads((plan.work / "costs.json").read_text())
     record = {
         "from_llm": str(plan.llm.resolve()), "layers": json.loads((cut / "make_ssm.json").read_text())["layers"],
@@ -357,9 +384,11 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
         "agreement_before": rate(before, evals.mask), "agreement_after": rate(after, evals.mask),
         "acceptance_by_depth_before": acceptance_by_depth(before, evals.mask),
         "acceptance_by_depth_after": acceptance_by_depth(after, evals.mask),
+        "vocab_size": len(vocab) if vocab is not None else model.config.vocab_size,
+        "vocab_coverage": round(coverage(vocab, evals), 4),
         **cost, "settings": asdict(cfg),
     }
-    save_draft(model, plan, record)
+    save_draft(model, plan, record, vocab)
     say(f"held-out top-1 agreement {record['agreement_before']:.1%} -> {record['agreement_after']:.1%}; "
         f"chain acceptance by depth {record['acceptance_by_depth_after']}")
     return record
@@ -441,12 +470,17 @@ def pass_costs(llm_runner, draft: Path, reps: int = 7) -> dict:
             "draft_to_llm_pass_cost": round(draft_ms / llm_ms, 3)}
 
 
-def save_draft(model, plan: DraftPlan, record: dict) -> None:
-    """The draft as an ordinary checkpoint with the LLM's tokenizer files, at `plan.out`."""
+def save_draft(model, plan: DraftPlan, record: dict, vocab: torch.Tensor | None = None) -> None:
+    """The draft as an ordinary checkpoint with the LLM's tokenizer files, at `plan.out`; its
+    reduced vocabulary, if any, in its config.json (`DRAFT_VOCAB_KEY`, which other readers ignore)."""
 
     with staged_dir(plan.out) as tmp:
         with quiet_transformers():
             model.save_pretrained(tmp, safe_serialization=True)
+        if vocab is not None:
+            config = json.loads((tmp / "config.json").read_text())
+            config[DRAFT_VOCAB_KEY] = vocab.tolist()
+            write_json(tmp / "config.json", config)
         copy_tokenizer_files(resolve(plan.llm).meta_dir, tmp)
         gen = resolve(plan.llm).meta_dir / "generation_config.json"
         if gen.is_file() and not (tmp / "generation_config.json").is_file():
@@ -458,7 +492,8 @@ def save_draft(model, plan: DraftPlan, record: dict) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> DraftConfig:
-    return DraftConfig(minutes=args.minutes, layers=args.layers, mlp_keep=args.mlp_keep, seed=args.seed)
+    return DraftConfig(minutes=args.minutes, layers=args.layers, mlp_keep=args.mlp_keep, seed=args.seed,
+                       vocab=args.vocab)
 
 
 def run_make_draft(args: argparse.Namespace) -> int:

@@ -87,8 +87,13 @@ class DraftConfig:
     max_batches: int = 0  # of teacher data; 0 = as many as the budget allows
     steps: int = 0  # of distillation; 0 = as many as the budget allows
     seed: int = 0
+    # Tokens the draft's LM head scores: the LLM's most frequent answer tokens (0 = every token).
+    # A draft's pass is mostly its head (the LLM's whole vocabulary against a few layers).
+    vocab: int = 8192
 
     def __post_init__(self):
+        if self.vocab < 0:
+            raise UserError(f"--vocab must be >= 0 (0 = the whole vocabulary), got {self.vocab}")
         if self.max_batches < 0 or self.steps < 0:
             raise UserError("the batch and step counts must be >= 0 (0 = by the time budget)")
         if not (self.minutes > 0 and math.isfinite(self.minutes)):

@@ -55,6 +55,9 @@ class ModelConfig:
     embed_scale: float | None = None  # embeddings times this (in the model's dtype)
     query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5; None: head_dim's
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # A draft's reduced vocabulary (`DRAFT_VOCAB_KEY` in its config.json): the only tokens its LM
+    # head scores, sorted; () = every token.
+    head_token_ids: tuple[int, ...] = ()
 
     @property
     def attention_scale(self) -> float:
@@ -95,12 +98,29 @@ class ModelConfig:
         if fields["num_heads"] % fields["num_kv_heads"]:
             raise UserError(f"config.json: {fields['num_heads']} attention heads are not a multiple of "
                             f"{fields['num_kv_heads']} KV heads")
-        return cls(architecture=arch, family=fam.name, **fields)
+        return cls(architecture=arch, family=fam.name, head_token_ids=draft_vocab(raw, fields["vocab_size"]), **fields)
 
     @classmethod
     def from_dir(cls, model: str | Path | ModelSource) -> "ModelConfig":
         """The config of a checkpoint directory or a GGUF file (`model_source.resolve`)."""
         return cls.from_dict(resolve(model).read_config())
+
+
+DRAFT_VOCAB_KEY = "specinfer_draft_vocab"  # config.json: the token ids a draft's LM head keeps
+
+
+def draft_vocab(raw: dict, vocab_size: int) -> tuple[int, ...]:
+    """The reduced vocabulary a draft's config names (`DRAFT_VOCAB_KEY`), checked; () when none.
+    A draft only proposes tokens, so scoring fewer of them changes what it proposes, never what
+    the LLM accepts."""
+    ids = raw.get(DRAFT_VOCAB_KEY)
+    if ids is None:
+        return ()
+    if (not isinstance(ids, list) or not ids or not all(isinstance(i, int) and 0 <= i < vocab_size for i in ids)
+            or len(set(ids)) != len(ids)):
+        raise UserError(f"config.json: {DRAFT_VOCAB_KEY} must be a non-empty list of distinct token ids "
+                        f"in [0, {vocab_size})")
+    return tuple(sorted(ids))
 
 
 def supported_text() -> str:

@@ -104,6 +104,11 @@ class ForwardBatch:
     window_starts: list[int] | None = None
 
 
+# The logit of a token outside a draft's reduced vocabulary: far below any real logit, so its
+# probability is exactly 0 at any temperature, yet finite, so no sum or product over the
+# vocabulary turns into NaN.
+UNSCORED_LOGIT = -1e9
+
 MATRICES = (".qkv", ".o", ".gate_up", ".down", "lm_head")  # the weights every pass multiplies by
 
 
@@ -122,6 +127,11 @@ class DecoderModel:
                          else t.to(device=self.device, dtype=dtype)).contiguous() for name, t in weights.items()}
         if weights["lm_head"] is weights["embed"]:
             self.w["lm_head"] = self.w["embed"]
+        # A draft's reduced vocabulary: its head scores only these tokens (`forward` scatters them).
+        self.head_ids = None
+        if cfg.head_token_ids:
+            self.head_ids = torch.tensor(cfg.head_token_ids, dtype=torch.long, device=self.device)
+            self.w["lm_head"] = self.w["lm_head"].index_select(0, self.head_ids).contiguous()
         if is_packed and can_pack(self.device, dtype):  # a tied LM head gets a packed copy; lookups read `embed`
             self.w.update({name: pack(t) for name, t in self.w.items() if name.endswith(MATRICES)})
         self.norm = offset_rms_norm if is_offset else rms_norm
@@ -161,6 +171,9 @@ class DecoderModel:
         if cfg.final_logit_softcapping is not None:
             cap = cfg.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
+        if self.head_ids is not None:  # tokens outside a draft's vocabulary: never proposed
+            full = torch.full((logits.shape[0], cfg.vocab_size), UNSCORED_LOGIT, device=self.device)
+            logits = full.index_copy_(1, self.head_ids, logits.float())
         return (logits.float(), h) if return_hidden else logits.float()  # (R, V)
 
     def attention_block(self, i: int, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
