@@ -329,7 +329,10 @@ def draft_vocabulary(train: BoostData, size: int, cfg: ModelConfig) -> torch.Ten
                                 minlength=cfg.vocab_size)
     eos = [i for i in cfg.eos_token_ids if 0 <= i < cfg.vocab_size]
     score[eos] = float("inf")
-    return torch.topk(score, size).indices.sort().values
+    # Ties (tokens the answers never used, most of them) go to the lower ids: a BPE vocabulary
+    # numbers its tokens in merge order, the commoner first.
+    order = torch.arange(cfg.vocab_size, dtype=torch.float64) / cfg.vocab_size
+    return torch.topk(score - order * 1e-6, size).indices.sort().values
 
 
 def coverage(vocab: torch.Tensor | None, data: BoostData) -> float:

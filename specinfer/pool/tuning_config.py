@@ -89,7 +89,7 @@ class DraftConfig:
     seed: int = 0
     # Tokens the draft's LM head scores: the LLM's most frequent answer tokens (0 = every token).
     # A draft's pass is mostly its head (the LLM's whole vocabulary against a few layers).
-    vocab: int = 8192
+    vocab: int = 16384
 
     def __post_init__(self):
         if self.vocab < 0:
