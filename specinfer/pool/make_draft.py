@@ -128,6 +128,8 @@ def build_draft(llm: str | Path, out: str | Path, minutes: float | None = None, 
     train, evals = teacher_data(plan, clock, progress, say)
     vocab = draft_vocabulary(train, cfg.vocab, ModelConfig.from_dir(cut))
     record = distill(plan, cut, train, evals, clock, progress, say, vocab)
+    if vocab is not None:  # the cut was timed with the whole head; the draft scores its vocabulary only
+        record.update(draft_cost(record["llm_pass_ms"], plan.out))
     record["build_minutes"] = round(clock.elapsed_s / 60, 2)
     write_json(plan.out / PROVENANCE_NAME, record)
 
@@ -448,27 +450,33 @@ def acceptance_by_depth(agree: torch.Tensor, mask: torch.Tensor, max_depth: int 
     return out
 
 
+def one_token_ms(runner, reps: int = 7) -> float:
+    """Median milliseconds of a one-token pass of `runner` after a 64-token context."""
+    seq = runner.new_sequence()
+    try:
+        runner.prefill(seq, list(range(3, 67)))
+        times = []
+        with torch.no_grad():
+            for _ in range(reps):
+                start = time.perf_counter()
+                runner.run([chain_work(seq, [7], "last")])
+                times.append(time.perf_counter() - start)
+        return 1000 * sorted(times)[reps // 2]
+    finally:
+        seq.free()
+
+
 def pass_costs(llm_runner, draft: Path, reps: int = 7) -> dict:
     """Median milliseconds of a one-token pass (after a 64-token context) of the LLM and of the
     draft (its shape: training changes no cost), both in the engine's runner: the price of one
     drafted token against one LLM step."""
+    llm_ms = one_token_ms(llm_runner, reps)
+    return draft_cost(llm_ms, draft, reps)
 
-    def cost(runner) -> float:
-        seq = runner.new_sequence()
-        try:
-            runner.prefill(seq, list(range(3, 67)))
-            times = []
-            with torch.no_grad():
-                for _ in range(reps):
-                    start = time.perf_counter()
-                    runner.run([chain_work(seq, [7], "last")])
-                    times.append(time.perf_counter() - start)
-            return 1000 * sorted(times)[reps // 2]
-        finally:
-            seq.free()
 
-    llm_ms = cost(llm_runner)
-    draft_ms = cost(ModelRunner.from_dir(draft, "float32", "cpu", max_kv_tokens=256))
+def draft_cost(llm_ms: float, draft: Path, reps: int = 7) -> dict:
+    """The draft's one-token pass against the LLM's `llm_ms` (see `pass_costs`)."""
+    draft_ms = one_token_ms(ModelRunner.from_dir(draft, "float32", "cpu", max_kv_tokens=256), reps)
     return {"llm_pass_ms": round(llm_ms, 2), "draft_pass_ms": round(draft_ms, 2),
             "draft_to_llm_pass_cost": round(draft_ms / llm_ms, 3)}
 
