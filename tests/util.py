@@ -106,15 +106,20 @@ def start_stack(llm: Path, ssms: Sequence[Path | Sequence[Path]] = (), *, export
     from services.verifier.server import build as build_verifier
 
     base = {"port": 0, "device": "cpu", "grace_s": 0}
+    # SSMs in float32, as the in-process engines the tests compare with: "auto" may pick bfloat16
+    # on one machine and not another, and an SSM in another dtype proposes other trees (the
+    # output stays the same, the step counts need not).
     started: list = []
     try:
         specs = []
         for group in ssms:
             dirs = (group,) if isinstance(group, Path) else tuple(group)
-            specs.append(build_speculator(SpeculatorConfig(dirs, **{**base, **(speculator or {})}), exporter))
+            cfg = SpeculatorConfig(dirs, **{**base, "dtype": "float32", **(speculator or {})})
+            specs.append(build_speculator(cfg, exporter))
             started.append(specs[-1][0])
         targets = tuple(f"127.0.0.1:{s.port}" for s, _ in specs) + tuple(speculator_addrs)
-        server, servicer = build_verifier(VerifierConfig(llm, targets, **{**base, **verifier}), exporter)
+        server, servicer = build_verifier(VerifierConfig(llm, targets, **{**base, "ssm_dtype": "float32", **verifier}),
+                                          exporter)
         started.append(server)
         front = None
         if gateway is not None:
