@@ -85,6 +85,7 @@ from specinfer.engine.runtime.runner import ModelRunner, chain_work
 from specinfer.model_source import resolve
 from specinfer.pool.boost_data import BoostData
 from specinfer.pool.make_draft import (
+    one_token_ms,
     PROVENANCE_NAME, Clock, DraftPlan, acceptance_by_depth, cut_draft, draft_vocabulary, rate, teacher_data,
 )
 from specinfer.pool.tuning_config import DraftConfig
@@ -498,18 +499,7 @@ def runner_agreement(runner: ModelRunner, data: BoostData, batch: int = 8) -> di
 
 def runner_pass_ms(runner: ModelRunner, reps: int = TIMING_REPS) -> float:
     """make_draft.pass_costs' measure: a one-token pass after a 64-token context, median."""
-    seq = runner.new_sequence()
-    try:
-        runner.prefill(seq, list(range(3, 3 + CONTEXT_TOKENS)))
-        times = []
-        with torch.no_grad():
-            for _ in range(reps):
-                start = time.perf_counter()
-                runner.run([chain_work(seq, [7], "last")])
-                times.append(time.perf_counter() - start)
-        return 1000 * statistics.median(times)
-    finally:
-        seq.free()
+    return one_token_ms(runner, reps)
 
 
 # ---- main ------------------------------------------------------------------------------------
