@@ -1,9 +1,14 @@
-"""Build hook: generates the gRPC stubs from protos/ before packaging (never committed)."""
+"""Build hooks: generates the gRPC stubs from protos/ before packaging (never committed), and
+compiles the CPU matrix kernel (`specinfer/engine/kernels/cpu_gemm.c`) where a C compiler is found.
+
+The kernel is optional: without a compiler, or where it fails to build, the package installs
+without it and the engine uses torch's kernels instead.
+"""
 
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 
@@ -18,4 +23,13 @@ class BuildWithStubs(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildWithStubs})
+# A plain C library loaded with ctypes (no Python API); OpenMP threads share torch's runtime.
+CPU_GEMM = Extension(
+    "specinfer.engine.kernels._cpu_gemm",
+    sources=["specinfer/engine/kernels/cpu_gemm.c"],
+    extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
+    extra_link_args=["-fopenmp"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildWithStubs}, ext_modules=[CPU_GEMM])

@@ -1,0 +1,170 @@
+/* Small-batch float32 matrix products for the CPU: y = x @ W.T for one to a few dozen rows of x.
+ *
+ * Decoding multiplies one row (a token) or a token tree's few nodes (SpecInfer Section 4.2) by
+ * every weight matrix, so a step's price is mostly the time to stream the weights from memory.
+ * W (n, k) is laid out once, at load, in panels of 16 output features: panel p holds
+ * W[16p : 16p + 16, j] for j = 0 .. k - 1, one 64-byte line per j. A pass streams each panel
+ * once, broadcasting x's elements against it, with the sums of several panels and rows in
+ * registers.
+ *
+ * Every output element is one chain of fused multiply-adds over j = 0 .. k - 1 in order, whatever
+ * the number of rows, the tile it falls in, the thread that computes it, or the instruction set
+ * (the AVX2 path holds a panel in two halves): a row of a tree pass is bitwise the row a one-token
+ * pass gives, and decoding with or without speculation multiplies exactly alike.
+ *
+ * Called through ctypes (`cpu_gemm.py`); threads come from OpenMP, the runtime torch loads.
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#define PANEL 16
+
+/* out (ceil(n / 16), k, 16) from W (n, k); features past n are zero. */
+void specinfer_gemm_pack(const float *W, float *out, int64_t n, int64_t k) {
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    for (int64_t p = 0; p < num_panels; p++)
+        for (int64_t j = 0; j < k; j++)
+            for (int64_t f = 0; f < PANEL; f++) {
+                const int64_t o = p * PANEL + f;
+                out[(p * k + j) * PANEL + f] = o < n ? W[o * k + j] : 0.0f;
+            }
+}
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+/* ---- AVX-512: a panel is one register ---- */
+
+#define TILE512(R, P)                                                                                        \
+    __attribute__((target("avx512f"))) static void tile512_##R##x##P(const float *Wp, const float *x, float *y, \
+                                                                     int64_t n, int64_t k, int64_t p0) {        \
+        __m512 acc[R][P];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
+        const float *w = Wp + p0 * k * PANEL;                                                                \
+        for (int64_t j = 0; j < k; j++) {                                                                    \
+            __m512 wv[P];                                                                                    \
+            for (int q = 0; q < P; q++) wv[q] = _mm512_loadu_ps(w + (q * k + j) * PANEL);                     \
+            for (int r = 0; r < R; r++) {                                                                    \
+                const __m512 xv = _mm512_set1_ps(x[r * k + j]);                                              \
+                for (int q = 0; q < P; q++) acc[r][q] = _mm512_fmadd_ps(wv[q], xv, acc[r][q]);               \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) {                                                                    \
+                const int64_t o = (p0 + q) * PANEL;                                                          \
+                if (o + PANEL <= n)                                                                          \
+                    _mm512_storeu_ps(y + r * n + o, acc[r][q]);                                              \
+                else                                                                                         \
+                    _mm512_mask_storeu_ps(y + r * n + o, (__mmask16)((1u << (n - o)) - 1u), acc[r][q]);       \
+            }                                                                                                \
+    }
+
+TILE512(1, 8)
+TILE512(1, 1)
+TILE512(6, 4)
+TILE512(6, 1)
+TILE512(4, 4)
+TILE512(4, 1)
+
+/* ---- AVX2 + FMA: a panel is two registers ---- */
+
+#define TILE256(R, P)                                                                                        \
+    __attribute__((target("avx2,fma"))) static void tile256_##R##x##P(const float *Wp, const float *x, float *y, \
+                                                                       int64_t n, int64_t k, int64_t p0) {      \
+        __m256 acc[R][2 * P];                                                                                \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < 2 * P; q++) acc[r][q] = _mm256_setzero_ps();                                 \
+        const float *w = Wp + p0 * k * PANEL;                                                                \
+        for (int64_t j = 0; j < k; j++) {                                                                    \
+            __m256 wv[2 * P];                                                                                \
+            for (int q = 0; q < P; q++) {                                                                    \
+                wv[2 * q] = _mm256_loadu_ps(w + (q * k + j) * PANEL);                                        \
+                wv[2 * q + 1] = _mm256_loadu_ps(w + (q * k + j) * PANEL + 8);                                \
+            }                                                                                                \
+            for (int r = 0; r < R; r++) {                                                                    \
+                const __m256 xv = _mm256_set1_ps(x[r * k + j]);                                              \
+                for (int q = 0; q < 2 * P; q++) acc[r][q] = _mm256_fmadd_ps(wv[q], xv, acc[r][q]);           \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) {                                                                    \
+                const int64_t o = (p0 + q) * PANEL;                                                          \
+                float buf[PANEL];                                                                            \
+                _mm256_storeu_ps(buf, acc[r][2 * q]);                                                        \
+                _mm256_storeu_ps(buf + 8, acc[r][2 * q + 1]);                                                \
+                memcpy(y + r * n + o, buf, sizeof(float) * (size_t)(o + PANEL <= n ? PANEL : n - o));         \
+            }                                                                                                \
+    }
+
+TILE256(1, 4)
+TILE256(1, 1)
+TILE256(3, 2)
+TILE256(3, 1)
+
+/* 2: AVX-512, 1: AVX2 + FMA, 0: neither (the caller uses torch's kernels). */
+int specinfer_gemm_isa(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return 2;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    return 0;
+}
+
+/* Rows [0, m) of x against panels [p0, p1). */
+static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t p0,
+                   int64_t p1, int isa) {
+    if (isa == 2) {
+        int64_t r = 0;
+        for (; r + 6 <= m; r += 6) {
+            int64_t p = p0;
+            for (; p + 4 <= p1; p += 4) tile512_6x4(Wp, x + r * k, y + r * n, n, k, p);
+            for (; p < p1; p++) tile512_6x1(Wp, x + r * k, y + r * n, n, k, p);
+        }
+        for (; r + 4 <= m; r += 4) {
+            int64_t p = p0;
+            for (; p + 4 <= p1; p += 4) tile512_4x4(Wp, x + r * k, y + r * n, n, k, p);
+            for (; p < p1; p++) tile512_4x1(Wp, x + r * k, y + r * n, n, k, p);
+        }
+        for (; r < m; r++) {
+            int64_t p = p0;
+            for (; p + 8 <= p1; p += 8) tile512_1x8(Wp, x + r * k, y + r * n, n, k, p);
+            for (; p < p1; p++) tile512_1x1(Wp, x + r * k, y + r * n, n, k, p);
+        }
+    } else {
+        int64_t r = 0;
+        for (; r + 3 <= m; r += 3) {
+            int64_t p = p0;
+            for (; p + 2 <= p1; p += 2) tile256_3x2(Wp, x + r * k, y + r * n, n, k, p);
+            for (; p < p1; p++) tile256_3x1(Wp, x + r * k, y + r * n, n, k, p);
+        }
+        for (; r < m; r++) {
+            int64_t p = p0;
+            for (; p + 4 <= p1; p += 4) tile256_1x4(Wp, x + r * k, y + r * n, n, k, p);
+            for (; p < p1; p++) tile256_1x1(Wp, x + r * k, y + r * n, n, k, p);
+        }
+    }
+}
+
+/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by specinfer_gemm_pack; isa from
+ * specinfer_gemm_isa(). Threads take whole chunks of panels, so the split changes which thread
+ * computes an element, never how. */
+void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
+                    int num_threads) {
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    const int64_t chunk = 8;
+    const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t c = 0; c < num_chunks; c++) {
+        const int64_t p0 = c * chunk, p1 = p0 + chunk < num_panels ? p0 + chunk : num_panels;
+        panels(Wp, x, y, m, n, k, p0, p1, isa);
+    }
+}
+
+#else /* not x86-64: no kernel; specinfer_gemm_isa() says so and nothing else is called */
+int specinfer_gemm_isa(void) { return 0; }
+void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
+                    int num_threads) {
+    (void)Wp, (void)x, (void)y, (void)m, (void)n, (void)k, (void)isa, (void)num_threads;
+}
+#endif

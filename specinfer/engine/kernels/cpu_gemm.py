@@ -1,0 +1,65 @@
+"""The small-batch float32 products of `cpu_gemm.c`, loaded through ctypes.
+
+The library is built with the package (setup.py) where a C compiler is found; without it, or on
+a CPU with neither AVX-512 nor AVX2 and FMA, `available()` is False and the decoder keeps torch's
+kernels (`layers/linear.py`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL, int] | None:
+    candidates = sorted(Path(__file__).parent.glob("_cpu_gemm*.so"))
+    if not candidates:
+        return None
+    try:
+        lib = ctypes.CDLL(str(candidates[0]))
+    except OSError:
+        return None
+    lib.specinfer_gemm_isa.restype = ctypes.c_int
+    lib.specinfer_gemm_pack.restype = None
+    lib.specinfer_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.specinfer_gemm.restype = None
+    lib.specinfer_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    isa = lib.specinfer_gemm_isa()
+    return (lib, isa) if isa > 0 else None
+
+
+def available() -> bool:
+    """Whether the kernel is built and this CPU runs it."""
+    return _library() is not None
+
+
+PANEL = 16  # output features a panel holds
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight (n, k), float32 on the CPU, as the kernel's panels: (ceil(n / 16), k, 16), zero past n."""
+    lib, _ = _library()
+    n, k = weight.shape
+    weight = weight.contiguous()
+    out = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
+    lib.specinfer_gemm_pack(weight.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """x (..., k) @ W.T for W (n, k) laid out by `pack`; x float32 on the CPU."""
+    lib, isa = _library()
+    rows = x.reshape(-1, x.shape[-1])
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    lib.specinfer_gemm(panels.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1],
+                       isa, torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
