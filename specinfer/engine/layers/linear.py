@@ -46,6 +46,12 @@ class Panels:
     def numel(self) -> int:
         return self.data.numel()
 
+    def to(self, device) -> "Panels":
+        """The panels themselves on the CPU; they go nowhere else (build such a model unpacked)."""
+        if torch.device(device).type != "cpu":
+            raise ValueError("CPU kernel panels cannot move to another device: build the model with is_packed=False")
+        return self
+
 
 def pack(weight: torch.Tensor) -> torch.Tensor | Panels:
     """`weight` (out, in) laid out once for the CPU's kernels; `linear` takes it as it takes `weight`."""
