@@ -63,10 +63,16 @@ void specinfer_gemm_pack(const float *W, float *out, int64_t n, int64_t k) {
 
 TILE512(1, 8)
 TILE512(1, 1)
-TILE512(6, 4)
-TILE512(6, 1)
+TILE512(2, 4)
+TILE512(2, 1)
+TILE512(3, 4)
+TILE512(3, 1)
 TILE512(4, 4)
 TILE512(4, 1)
+TILE512(5, 4)
+TILE512(5, 1)
+TILE512(6, 4)
+TILE512(6, 1)
 
 /* ---- AVX2 + FMA: a panel is two registers ---- */
 
@@ -100,6 +106,8 @@ TILE512(4, 1)
 
 TILE256(1, 4)
 TILE256(1, 1)
+TILE256(2, 2)
+TILE256(2, 1)
 TILE256(3, 2)
 TILE256(3, 1)
 
@@ -111,38 +119,38 @@ int specinfer_gemm_isa(void) {
     return 0;
 }
 
-/* Rows [0, m) of x against panels [p0, p1). */
+/* Rows [0, m) of x against panels [p0, p1), in groups of rows of near-equal size (at most 6 with
+ * AVX-512, 3 with AVX2), each group one pass over the panels. */
+#define SWEEP(ISA, R, P)                                                                        \
+    do {                                                                                        \
+        int64_t p = p0;                                                                         \
+        for (; p + P <= p1; p += P) tile##ISA##_##R##x##P(Wp, x + r * k, y + r * n, n, k, p);   \
+        for (; p < p1; p++) tile##ISA##_##R##x1(Wp, x + r * k, y + r * n, n, k, p);             \
+    } while (0)
+
 static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t p0,
                    int64_t p1, int isa) {
-    if (isa == 2) {
-        int64_t r = 0;
-        for (; r + 6 <= m; r += 6) {
-            int64_t p = p0;
-            for (; p + 4 <= p1; p += 4) tile512_6x4(Wp, x + r * k, y + r * n, n, k, p);
-            for (; p < p1; p++) tile512_6x1(Wp, x + r * k, y + r * n, n, k, p);
+    const int64_t most = isa == 2 ? 6 : 3;
+    const int64_t groups = (m + most - 1) / most;
+    for (int64_t g = 0, r = 0; g < groups; g++) {
+        const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
+        if (isa == 2) {
+            switch (rows) {
+                case 1: SWEEP(512, 1, 8); break;
+                case 2: SWEEP(512, 2, 4); break;
+                case 3: SWEEP(512, 3, 4); break;
+                case 4: SWEEP(512, 4, 4); break;
+                case 5: SWEEP(512, 5, 4); break;
+                default: SWEEP(512, 6, 4); break;
+            }
+        } else {
+            switch (rows) {
+                case 1: SWEEP(256, 1, 4); break;
+                case 2: SWEEP(256, 2, 2); break;
+                default: SWEEP(256, 3, 2); break;
+            }
         }
-        for (; r + 4 <= m; r += 4) {
-            int64_t p = p0;
-            for (; p + 4 <= p1; p += 4) tile512_4x4(Wp, x + r * k, y + r * n, n, k, p);
-            for (; p < p1; p++) tile512_4x1(Wp, x + r * k, y + r * n, n, k, p);
-        }
-        for (; r < m; r++) {
-            int64_t p = p0;
-            for (; p + 8 <= p1; p += 8) tile512_1x8(Wp, x + r * k, y + r * n, n, k, p);
-            for (; p < p1; p++) tile512_1x1(Wp, x + r * k, y + r * n, n, k, p);
-        }
-    } else {
-        int64_t r = 0;
-        for (; r + 3 <= m; r += 3) {
-            int64_t p = p0;
-            for (; p + 2 <= p1; p += 2) tile256_3x2(Wp, x + r * k, y + r * n, n, k, p);
-            for (; p < p1; p++) tile256_3x1(Wp, x + r * k, y + r * n, n, k, p);
-        }
-        for (; r < m; r++) {
-            int64_t p = p0;
-            for (; p + 4 <= p1; p += 4) tile256_1x4(Wp, x + r * k, y + r * n, n, k, p);
-            for (; p < p1; p++) tile256_1x1(Wp, x + r * k, y + r * n, n, k, p);
-        }
+        r += rows;
     }
 }
 
