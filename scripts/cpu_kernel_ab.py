@@ -3,7 +3,7 @@
     python scripts/cpu_kernel_ab.py [--model PATH] [--tokens 32] [--rows 1,4,8,16] [--rounds 6]
 
 For one model (a checkpoint directory or a GGUF file), in float32 on the CPU, two engines are
-loaded: one with the weights in the kernel's panels (`kernels/cpu_gemm.c`, the default where it is
+loaded: one with the weights in the kernel's panels (`layers/cpu_gemm.c`, the default where it is
 built) and one with oneDNN's layout (what the engine uses without the kernel). Arms alternate,
 each round in the other order:
 
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--cache-dir", type=Path)
     args = ap.parse_args()
     configure_cpu_runtime()
-    from specinfer.engine.kernels import cpu_gemm
+    from specinfer.engine.layers import cpu_gemm
     from specinfer.engine.llm_engine import mode_params
     from specinfer.engine.runtime.assemble import load_engine
     from specinfer.engine.runtime.load import ModelPaths

@@ -1,4 +1,4 @@
-"""The CPU matrix kernel (`kernels/cpu_gemm.c`): right to float32 rounding, and bitwise the same
+"""The CPU matrix kernel (`layers/cpu_gemm.c`): right to float32 rounding, and bitwise the same
 for a row whatever the batch around it, the thread split or the instruction set."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from specinfer.engine.kernels import cpu_gemm
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.layers import linear as linear_mod
 from specinfer.engine.layers.linear import Panels, linear, pack
 

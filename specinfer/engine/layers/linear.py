@@ -8,7 +8,7 @@ when the model loads (`pack`), for kernels that then read it as they are; a pass
 to 16 nodes costs about 0.6-0.7 of what it did, at the same memory. The products are the same
 float32 (or bfloat16) arithmetic in another summation order, as any other GEMM kernel's.
 
-Float32 weights go to the project's own kernel where it is built (`kernels/cpu_gemm.c`): panels of
+Float32 weights go to the project's own kernel where it is built (`layers/cpu_gemm.c`): panels of
 16 output features, streamed once a pass, which read the weights 1.4-2x faster than oneDNN at one
 row and match it to a few dozen rows. Its sums do not depend on the number of rows, so a tree
 pass's rows are bitwise what one-token passes give.
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specinfer.engine.kernels import cpu_gemm
+from specinfer.engine.layers import cpu_gemm
 
 PACK_ROWS = 8  # the rows oneDNN is told to expect; the layout serves every row count
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -45,6 +45,9 @@ class Panels:
 
     def numel(self) -> int:
         return self.data.numel()
+
+    def element_size(self) -> int:
+        return self.data.element_size()
 
     def to(self, device) -> "Panels":
         """The panels themselves on the CPU; they go nowhere else (build such a model unpacked)."""
