@@ -4,7 +4,8 @@
 #
 #   docker/offline/build_base.sh [TAG]            # default specinfer-base:bookworm
 #
-# It holds Python 3.11 (with venv, as `python`), CA certificates and redis-server, so one base
+# It holds Python 3.11 (with venv, as `python`), CA certificates, redis-server and gcc (for the CPU
+# matrix kernel, built with the package), so one base
 # serves the SpecInfer images (PYTHON_IMAGE=TAG) and the Redis image (docker/offline/redis.Dockerfile).
 # Needs root, mmdebstrap (`apt-get install mmdebstrap`), a Debian mirror (DEBIAN_MIRROR) and a
 # running Docker engine. An existing TAG is kept unless REBUILD=1.
@@ -13,7 +14,7 @@ set -euo pipefail
 tag=${1:-specinfer-base:bookworm}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 security_mirror=${DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
-packages=python3,python3-venv,python-is-python3,ca-certificates,redis-server
+packages=python3,python3-venv,python-is-python3,ca-certificates,redis-server,gcc,libc6-dev
 
 if [ "${REBUILD:-0}" != 1 ] && docker image inspect "$tag" >/dev/null 2>&1; then
   echo "build_base: $tag exists (REBUILD=1 rebuilds it)"
