@@ -271,6 +271,7 @@ def test_the_cache_key_holds_what_decides_the_choice(ssm_weights):
         dc.cache_key(cfg, "cpu", "sdpa", "float32", ["float32"], CPUINFO),
         {**key, "torch": "0.0.1"},
         {**key, "threads": key["threads"] + 1},
+        {**key, "cpu_matmul": "onednn" if key["cpu_matmul"] != "onednn" else "panels-avx2"},
     ]
     assert len({dc.key_id(key)} | {dc.key_id(v) for v in variants}) == len(variants) + 1
     # Fields that do not change a pass's speed do not split the cache.

@@ -40,6 +40,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def kernel_name() -> str:
+    """Which of the kernel's paths this CPU runs (for caches of what a pass costs)."""
+    return {2: "panels-avx512", 1: "panels-avx2"}[_library()[1]]
+
+
 PANEL = 16  # output features a panel holds
 
 

@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.models.checkpoint import safetensors_files
 
 log = logging.getLogger(__name__)
@@ -58,13 +60,16 @@ def device_name(device, cpuinfo: str | None = None) -> str:
 
 
 def machine_key(device, cpuinfo: str | None = None) -> dict:
-    """The machine as a cache key: device kind and name, torch's version, its CPU threads."""
+    """The machine as a cache key: device kind and name, torch's version, its CPU threads, and on
+    a CPU which kernels multiply float32 weights (`layers/cpu_gemm.py` where it is built, else
+    oneDNN's): they set what a pass costs."""
     dev = torch.device(device)
     return {
         "device": dev.type,
         "device_name": device_name(dev, cpuinfo),
         "torch": torch.__version__,
         "threads": torch.get_num_threads() if dev.type == "cpu" else None,
+        "cpu_matmul": (cpu_gemm.kernel_name() if cpu_gemm.available() else "onednn") if dev.type == "cpu" else None,
     }
 
 
