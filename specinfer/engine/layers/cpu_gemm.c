@@ -18,18 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define PANEL 16
-
-/* out (ceil(n / 16), k, 16) from W (n, k); features past n are zero. */
-void specinfer_gemm_pack(const float *W, float *out, int64_t n, int64_t k) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    for (int64_t p = 0; p < num_panels; p++)
-        for (int64_t j = 0; j < k; j++)
-            for (int64_t f = 0; f < PANEL; f++) {
-                const int64_t o = p * PANEL + f;
-                out[(p * k + j) * PANEL + f] = o < n ? W[o * k + j] : 0.0f;
-            }
-}
+#define PANEL 16 /* output features a panel holds; cpu_gemm.pack lays W out as (ceil(n / 16), k, 16) */
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -154,7 +143,7 @@ static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t
     }
 }
 
-/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by specinfer_gemm_pack; isa from
+/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by cpu_gemm.pack; isa from
  * specinfer_gemm_isa(). Threads take whole chunks of panels, so the split changes which thread
  * computes an element, never how. */
 void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
@@ -169,10 +158,6 @@ void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_
     }
 }
 
-#else /* not x86-64: no kernel; specinfer_gemm_isa() says so and nothing else is called */
+#else /* not x86-64: no kernel, and specinfer_gemm_isa() says so */
 int specinfer_gemm_isa(void) { return 0; }
-void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
-                    int num_threads) {
-    (void)Wp, (void)x, (void)y, (void)m, (void)n, (void)k, (void)isa, (void)num_threads;
-}
 #endif

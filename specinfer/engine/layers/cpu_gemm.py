@@ -12,8 +12,9 @@ import functools
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-
+PANEL = 16  # output features a panel holds
 
 
 @functools.cache
@@ -26,13 +27,13 @@ def _library() -> tuple[ctypes.CDLL, int] | None:
     except OSError:
         return None
     lib.specinfer_gemm_isa.restype = ctypes.c_int
-    lib.specinfer_gemm_pack.restype = None
-    lib.specinfer_gemm_pack.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    isa = lib.specinfer_gemm_isa()
+    if isa <= 0:
+        return None
     lib.specinfer_gemm.restype = None
     lib.specinfer_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    isa = lib.specinfer_gemm_isa()
-    return (lib, isa) if isa > 0 else None
+    return lib, isa
 
 
 def available() -> bool:
@@ -45,25 +46,17 @@ def kernel_name() -> str:
     return {2: "panels-avx512", 1: "panels-avx2"}[_library()[1]]
 
 
-PANEL = 16  # output features a panel holds
-
-
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """weight (n, k), float32 on the CPU, as the kernel's panels: (ceil(n / 16), k, 16), zero past n."""
-    lib, _ = _library()
     n, k = weight.shape
-    weight = weight.contiguous()
-    out = torch.empty((n + PANEL - 1) // PANEL, k, PANEL, dtype=torch.float32)
-    lib.specinfer_gemm_pack(weight.data_ptr(), out.data_ptr(), n, k)
-    return out
+    padded = F.pad(weight, (0, 0, 0, -n % PANEL))  # (16 * num_panels, k)
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """x (..., k) @ W.T for W (n, k) laid out by `pack`; x float32 on the CPU."""
     lib, isa = _library()
-    rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     lib.specinfer_gemm(panels.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1],
                        isa, torch.get_num_threads())
