@@ -23,14 +23,14 @@ MAX_TREE_NODES = 1024
 
 # ---- dynamic token trees (specinfer/engine/drafting/dynamic.py): the default for requests naming no widths
 DYNAMIC_MAX_NODES = 32  # nodes beyond the root of one step's tree (each is a token in the LLM's pass)
-DYNAMIC_MAX_DEPTH = 8  # levels of one step's tree
+DYNAMIC_MAX_DEPTH = 16  # levels of one step's tree
 DYNAMIC_EXPAND_TOP_K = 4  # children an SSM proposes at each node it expands
 DYNAMIC_EXPAND_WIDTH = 4  # nodes of one level an SSM expands (the most valuable ones)
 
 # ---- model-free pool members (specinfer/engine/drafting/lookup.py, suffix.py) --------------------------
 MODEL_FREE_NAMES = ("lookup", "suffix")  # pool names that need no checkpoint
-MODEL_FREE_MAX_DEPTH = 8  # draft depth of a model-free tree (within what the request has left)
-MODEL_FREE_MAX_NODES = 16  # nodes of one model-free tree (each is a token in the LLM's pass)
+MODEL_FREE_MAX_DEPTH = 16  # draft depth of a model-free tree (within what the request has left)
+MODEL_FREE_MAX_NODES = 24  # nodes of one model-free tree (each is a token in the LLM's pass)
 LOOKUP_MAX_NGRAM = 4  # the longest context suffix prompt lookup matches
 LOOKUP_MIN_NGRAM = 1
 LOOKUP_MAX_PATHS = 2  # distinct continuations drafted
