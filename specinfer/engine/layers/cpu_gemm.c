@@ -62,6 +62,10 @@ TILE512(5, 4)
 TILE512(5, 1)
 TILE512(6, 4)
 TILE512(6, 1)
+TILE512(7, 3)
+TILE512(7, 1)
+TILE512(8, 3)
+TILE512(8, 1)
 
 /* ---- AVX2 + FMA: a panel is two registers ---- */
 
@@ -108,7 +112,7 @@ int specinfer_gemm_isa(void) {
     return 0;
 }
 
-/* Rows [0, m) of x against panels [p0, p1), in groups of rows of near-equal size (at most 6 with
+/* Rows [0, m) of x against panels [p0, p1), in groups of rows of near-equal size (at most 8 with
  * AVX-512, 3 with AVX2), each group one pass over the panels. */
 #define SWEEP(ISA, R, P)                                                                        \
     do {                                                                                        \
@@ -119,7 +123,7 @@ int specinfer_gemm_isa(void) {
 
 static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t p0,
                    int64_t p1, int isa) {
-    const int64_t most = isa == 2 ? 6 : 3;
+    const int64_t most = isa == 2 ? 8 : 3;
     const int64_t groups = (m + most - 1) / most;
     for (int64_t g = 0, r = 0; g < groups; g++) {
         const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
@@ -130,7 +134,9 @@ static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t
                 case 3: SWEEP(512, 3, 4); break;
                 case 4: SWEEP(512, 4, 4); break;
                 case 5: SWEEP(512, 5, 4); break;
-                default: SWEEP(512, 6, 4); break;
+                case 6: SWEEP(512, 6, 4); break;
+                case 7: SWEEP(512, 7, 3); break;
+                default: SWEEP(512, 8, 3); break;
             }
         } else {
             switch (rows) {
@@ -149,7 +155,9 @@ static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t
 void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
                     int num_threads) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    const int64_t chunk = 8;
+    /* Chunks of whole tiles: 6 panels where every group has 7-8 rows (tiles of 3 panels), else 8. */
+    const int64_t groups = (m + 7) / 8;
+    const int64_t chunk = isa == 2 && m / groups >= 7 ? 6 : 8;
     const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t c = 0; c < num_chunks; c++) {
