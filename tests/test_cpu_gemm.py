@@ -107,3 +107,11 @@ def test_the_decoder_runs_on_the_kernel(pair_runners):
     weights = llm.model.w
     assert all(isinstance(weights[name], Panels) for name in weights if name.endswith((".qkv", ".o", ".gate_up",
                                                                                       ".down", "lm_head")))
+
+
+def test_an_empty_pass_computes_nothing_and_does_not_crash():
+    """Zero rows (a pass with nothing to compute) returns an empty result instead of dividing by zero."""
+    if not cpu_gemm.available():
+        pytest.skip("the kernel is not built here")
+    panels = cpu_gemm.pack(torch.randn(40, 24))
+    assert cpu_gemm.gemm(torch.empty(0, 24), panels, 40).shape == (0, 40)

@@ -156,6 +156,7 @@ void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_
                     int num_threads) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     /* Chunks of whole tiles: 6 panels where every group has 7-8 rows (tiles of 3 panels), else 8. */
+    if (m <= 0 || n <= 0) return; /* no rows (an empty pass) or no outputs: nothing to compute */
     const int64_t groups = (m + 7) / 8;
     const int64_t chunk = isa == 2 && m / groups >= 7 ? 6 : 8;
     const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
