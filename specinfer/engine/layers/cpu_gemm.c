@@ -121,10 +121,15 @@ int specinfer_gemm_isa(void) {
         for (; p < p1; p++) tile##ISA##_##R##x1(Wp, x + r * k, y + r * n, n, k, p);             \
     } while (0)
 
+/* How many groups m rows split into: at most 8 rows a group with AVX-512, 3 with AVX2. */
+static int64_t row_groups(int64_t m, int isa) {
+    const int64_t most = isa == 2 ? 8 : 3;
+    return (m + most - 1) / most;
+}
+
 static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t p0,
                    int64_t p1, int isa) {
-    const int64_t most = isa == 2 ? 8 : 3;
-    const int64_t groups = (m + most - 1) / most;
+    const int64_t groups = row_groups(m, isa);
     for (int64_t g = 0, r = 0; g < groups; g++) {
         const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
         if (isa == 2) {
@@ -155,10 +160,9 @@ static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t
 void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
                     int num_threads) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    /* Chunks of whole tiles: 6 panels where every group has 7-8 rows (tiles of 3 panels), else 8. */
     if (m <= 0 || n <= 0) return; /* no rows (an empty pass) or no outputs: nothing to compute */
-    const int64_t groups = (m + 7) / 8;
-    const int64_t chunk = isa == 2 && m / groups >= 7 ? 6 : 8;
+    /* Chunks of whole tiles: 6 panels where every group has 7-8 rows (tiles of 3 panels), else 8. */
+    const int64_t chunk = isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
     const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t c = 0; c < num_chunks; c++) {
