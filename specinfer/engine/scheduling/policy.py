@@ -8,7 +8,7 @@ current batch and device, SmartSpec-style, from measured goodput:
 
     step time T = t_llm(B * (1 + nodes)) + t_step + t_draft,
     t_draft = fixed + t_start * [levels > 0] + t_level * levels,
-    node_cost = (t_llm(B * (1 + nodes)) - t_llm(B)) / (nodes * T0),   level_cost = t_level / T0,   ssm_cost = t_start / T0
+    node_cost = max(secant, tangent of t_llm at B * (1 + nodes)) / T0,   level_cost = t_level / T0,   ssm_cost = t_start / T0
 
 where t_llm comes from a cost model calibrated at start-up (LLM forward time against tokens in
 the pass, refined by every measured pass), t_step is what a step costs beyond its pass
@@ -334,15 +334,18 @@ class LoadAwarePolicy:
                           ssm_cost=max(0.0, self.ssm_start_s / base_s))
 
     def node_seconds(self, batch: int, nodes: float) -> float:
-        """What one more node in each of the batch's trees adds to the pass, priced as the trees'
-        average: the rate charges a tree of k nodes k node costs, so a node costs the pass's growth
-        from the roots alone to trees of the size measured lately, over their nodes (the secant of
-        the cost curve). The slope at that size (a tangent) would swing with every kink of the
-        calibrated curve: zero between two points timed alike, so trees grow past them, then
-        steep, so they shrink again. Before trees have a size, the slope of a one-node tree."""
+        """What one more node in each of the batch's trees adds to the pass: at least the trees'
+        average (the rate charges a tree of k nodes k node costs: the pass's growth from the roots
+        alone to trees of the size measured lately, over their nodes; the secant of the cost
+        curve), and at least the slope at that size (the tangent). Either alone can be zero where
+        two calibrated sizes timed alike, and a free node is the costly mistake: trees grow to
+        their cap on nodes that do not pay, then are priced steeply past the flat stretch and
+        shrink again. A node priced a little high only makes a tree a little smaller."""
         extra = max(1.0, nodes)
-        grown = self.cost.seconds(batch * (1 + extra)) - self.cost.seconds(batch)
-        return max(0.0, grown / extra)
+        tokens = batch * (1 + extra)
+        secant = (self.cost.seconds(tokens) - self.cost.seconds(batch)) / extra
+        tangent = self.cost.seconds(tokens + batch) - self.cost.seconds(tokens)
+        return max(0.0, secant, tangent)
 
     def choose(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> TreeBudget | tuple[()]:
         """This step's budget, or () for plain decoding where speculating does not pay at this load
