@@ -8,7 +8,8 @@ current batch and device, SmartSpec-style, from measured goodput:
 
     step time T = t_llm(B * (1 + nodes)) + t_step + t_draft,
     t_draft = fixed + t_start * [levels > 0] + t_level * levels,
-    node_cost = max(secant, tangent of t_llm at B * (1 + nodes)) / T0,   level_cost = t_level / T0,   ssm_cost = t_start / T0
+    node_cost = max((t_llm(B * (1 + n)) - t_llm(B)) / n,  t_llm(B * (2 + n)) - t_llm(B * (1 + n))) / T0,  n = max(1, nodes),
+    level_cost = t_level / T0,   ssm_cost = t_start / T0
 
 where t_llm comes from a cost model calibrated at start-up (LLM forward time against tokens in
 the pass, refined by every measured pass), t_step is what a step costs beyond its pass
