@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -237,6 +238,54 @@ def test_a_service_that_cannot_bind_exits_once_with_one_clear_line(tmp_path, hel
     assert f"{flag} (or {env})" in line, line
 
 
+def test_a_service_drains_and_exits_once_the_process_that_started_it_is_gone(tmp_path):
+    """`--parent-pid` (what `specinfer up` sets): a launcher killed outright (no chance to stop its
+    children) leaves no service behind. A child of a process that is SIGKILLed is re-parented;
+    the service notices and exits within seconds. Without the flag it would serve on."""
+    add_tokenizer(tmp_path, 300, ["hello world, the quick brown fox. "] * 20)
+    port = free_port()
+    gateway = [sys.executable, "-m", "services.gateway", "--model-dir", str(tmp_path), "--verifier-addr",
+               "127.0.0.1:1", "--port", str(port), "--http-port", "0", "--grace-s", "1"]
+    launcher_code = ("import os, subprocess, sys, time\n"
+                     f"child = subprocess.Popen({gateway!r} + ['--parent-pid', str(os.getpid())])\n"
+                     "print(child.pid, flush=True)\n"
+                     "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", launcher_code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "SPECINFER_LOG_LEVEL": "warning"})
+    child_pid = int(parent.stdout.readline())
+    try:
+        assert wait_until(lambda: _health(port), 120, interval=0.5), "the gateway did not come up"
+        parent.kill()  # SIGKILL: the launcher cannot stop its child
+        parent.wait(timeout=10)
+        assert wait_until(lambda: not _alive(child_pid), 30, interval=0.2), "the service outlived its launcher"
+    finally:
+        if _alive(child_pid):
+            os.kill(child_pid, 9)
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped by init yet, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _health(port: int) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_several_verifiers_get_consecutive_ports_and_the_gateway_gets_them_all(monkeypatch):
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
     spawned = []
@@ -318,8 +367,10 @@ def test_up_with_two_verifiers_serves_through_both(tiny_pair, tmp_path):
 
         return urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10).read().decode()
 
+    # started with SIGINT ignored, as a script's background job is: Ctrl-C (SIGINT) still stops it
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{base}") as channel:
             stub = pb_grpc.GatewayStub(channel)
@@ -341,11 +392,11 @@ def test_up_with_two_verifiers_serves_through_both(tiny_pair, tmp_path):
         routed = {m.group(1) for m in re.finditer(r'specinfer_gateway_routed_requests_total\{[^}]*verifier="([^"]+)"',
                                                   text)}
         assert routed == {f"127.0.0.1:{base + 1}", f"127.0.0.1:{base + 2}"}, text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert "specinfer: stack stopped" in log.read_text()
     finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
 
 

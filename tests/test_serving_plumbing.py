@@ -587,7 +587,7 @@ def test_config_load_error_in_main_is_one_log_line_and_exit_code_2(monkeypatch, 
     monkeypatch.setattr(logs, "setup_logging", lambda service, level: None)  # keep pytest's log capture
 
     class Cfg:
-        log_level, num_threads = "info", 0
+        log_level, num_threads, parent_pid = "info", 0, 0
 
     def build(cfg, is_worker_threaded):
         raise UserError("no config.json in /models/llm")
@@ -634,7 +634,7 @@ def test_signal_stops_a_model_service_whose_worker_loop_runs_on_the_main_thread(
 
     class Cfg:
         host, port, grace_s, metrics_port, otlp_endpoint, log_level, num_threads = LOCAL, 0, 0, 0, None, "info", 0
-        max_message_bytes = 1 << 20
+        max_message_bytes, parent_pid = 1 << 20, 0
 
     loop = Loop()
 

@@ -54,6 +54,7 @@ class GatewayConfig:
     metrics_port: int = 0  # 0 = no metrics endpoint
     log_level: str = "info"
     instance_id: str = ""  # health answers for it too (`specinfer up` tells its own processes apart)
+    parent_pid: int = 0  # drains and exits once this process (its launcher) is gone; 0 = none
     grace_s: float = DEFAULT_GRACE_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's and the verifier channel's bound
     key_prefix: str = "specinfer:"
@@ -169,7 +170,7 @@ def config_from_args(argv: list[str] | None, env: Mapping[str, str]) -> GatewayC
         default_deadline_s=a["default_deadline_s"],
         request_ttl_s=a["request_ttl_s"], session_ttl_s=a["session_ttl_s"], otlp_endpoint=a["otlp_endpoint"],
         lease_ttl_s=a["lease_ttl_s"], stale_after_s=a["stale_after_s"], admission=admission,
-        metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], grace_s=a["grace_s"],
+        metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], parent_pid=a["parent_pid"], grace_s=a["grace_s"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env, GATEWAY_TOKEN_ENV),
         verifier_security=channel_security(a, env, resolve_token(a["internal_token_file"], env, INTERNAL_TOKEN_ENV,
                                                                         "--internal-token-file")),

@@ -329,6 +329,6 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, OSError) as exc:
         print(f"specinfer-gateway: error: {exc}", file=sys.stderr)
         return 2
-    server.running.install_signal_handlers()
+    server.running.install_signal_handlers(cfg.parent_pid)
     server.running.wait()
     return 0

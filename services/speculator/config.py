@@ -45,6 +45,7 @@ class SpeculatorConfig:
     metrics_port: int = 0
     log_level: str = "info"
     instance_id: str = ""  # health answers for it too (`specinfer up` tells its own processes apart)
+    parent_pid: int = 0  # drains and exits once this process (its launcher) is gone; 0 = none
     grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES  # this server's bound
@@ -90,7 +91,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         ssm_dirs=ssm_dirs, model_free=model_free, suffix_cache_tokens=a["suffix_cache_tokens"], host=a["host"], port=a["port"], dtype=a["dtype"], device=a["device"],
         cache_dir=default_cache_dir(a["cache_dir"], env),
         max_kv_tokens=a["max_kv_tokens"], max_batch=a["max_batch"], is_pipelined=a["pipeline"], otlp_endpoint=a["otlp_endpoint"],
-        metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], grace_s=a["grace_s"], num_threads=a["threads"],
+        metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], parent_pid=a["parent_pid"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=server_security(a, env),
         execution=ExecConfig(attention=a["attention"], cuda_graphs=a["cuda_graphs"]),
     )

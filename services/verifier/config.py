@@ -63,6 +63,7 @@ class VerifierConfig:
     metrics_port: int = 0
     log_level: str = "info"
     instance_id: str = ""  # health answers for it too (`specinfer up` tells its own processes apart)
+    parent_pid: int = 0  # drains and exits once this process (its launcher) is gone; 0 = none
     grace_s: float = DEFAULT_GRACE_S
     num_threads: int = 0  # torch intra-op threads; 0 = torch's default
     limits: RequestLimits = field(default_factory=RequestLimits)  # checked on every request, whoever sends it
@@ -151,7 +152,7 @@ def parse_config(argv: list[str] | None = None, env: Mapping[str, str] | None = 
         default_deadline_s=a["default_deadline_s"], speculator_step_timeout_s=a["speculator_step_timeout_s"],
         max_sessions=a["max_sessions"], is_prefix_caching=a["prefix_caching"], token_budget=a["token_budget"], max_waiting=a["max_waiting"],
         admission_timeout_s=a["admission_timeout_s"], is_load_aware=is_load_aware, otlp_endpoint=a["otlp_endpoint"],
-        metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], grace_s=a["grace_s"], num_threads=a["threads"],
+        metrics_port=a["metrics_port"], log_level=a["log_level"], instance_id=a["instance_id"], parent_pid=a["parent_pid"], grace_s=a["grace_s"], num_threads=a["threads"],
         max_message_bytes=a["max_message_bytes"], server_security=security,
         speculator_security=channel_security(a, env, security.token),
         tensor_parallel=parallel.num_ranks, execution=execution,

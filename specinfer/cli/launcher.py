@@ -225,7 +225,8 @@ class Stack:
         # logs warnings only (it logs every request at info), the model services tell their start-up too
         common_env = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": secrets.token_urlsafe(32),
                       "SPECINFER_AUTH_TOKEN_FILE": "", "SPECINFER_INSTANCE_ID": self.instance_id,
-                      "SPECINFER_GRACE_S": str(LAUNCHER_GRACE_S)}  # what `stop` waits for them
+                      "SPECINFER_GRACE_S": str(LAUNCHER_GRACE_S),  # what `stop` waits for them
+                      "SPECINFER_PARENT_PID": str(os.getpid())}  # they stop with this process, however it ends
         if cfg.omp_wait_policy:
             common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:
@@ -453,6 +454,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     stack = Stack(cfg)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # Ctrl-C stops the stack even where SIGINT came in ignored (a job a script put in the background)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stack.start()
         stack.wait_healthy()

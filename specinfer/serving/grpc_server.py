@@ -9,6 +9,7 @@ A server may require a bearer token and serve TLS (`specinfer.serving.security`)
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection_pb2 as reflection_v1alpha
 from grpc_reflection.v1alpha import reflection_pb2_grpc as reflection_v1alpha_grpc
 
 from specinfer.errors import EXIT_CANNOT_BIND, BindError, CapacityError, NotFoundError, UnavailableError, UserError
-from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS
+from specinfer.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_STATUS_DETAILS_CHARS, PARENT_WATCH_S
 from specinfer.serving.drain import Drainable, drain, handover_margin
 from specinfer.serving.metrics import MetricsServer, RpcMetrics, new_registry
 from specinfer.serving.security import AuthInterceptor, ServerSecurity, server_credentials
@@ -287,8 +288,10 @@ class RunningServer:
     def wait(self) -> None:
         self._stopped.wait()
 
-    def install_signal_handlers(self) -> None:
-        """SIGTERM/SIGINT: NOT_SERVING first, then drain in-flight work, then exit."""
+    def install_signal_handlers(self, parent_pid: int = 0) -> None:
+        """SIGTERM/SIGINT: NOT_SERVING first, then drain in-flight work, then exit. With a
+        `parent_pid` (the process that started this one), the same once that process is gone,
+        however it ended: a service never outlives the launcher that supervises it."""
 
         def handler(signum, _frame):
             log.info("signal %s: draining within %.1fs", signum, self.grace_s)
@@ -296,6 +299,19 @@ class RunningServer:
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
+        if parent_pid:
+            threading.Thread(target=self._stop_with_parent, args=(parent_pid,), daemon=True,
+                             name="parent-watch").start()
+
+    def _stop_with_parent(self, parent_pid: int) -> None:
+        """Drains once this process's parent is no longer `parent_pid` (it exited: the process was
+        re-parented), checking every PARENT_WATCH_S."""
+        while os.getppid() == parent_pid:
+            if self._stopped.wait(PARENT_WATCH_S):
+                return
+        log.warning("the process that started this one (pid %d) is gone: draining within %.1fs",
+                    parent_pid, self.grace_s)
+        self.stop()
 
 
 def start_server(
@@ -408,13 +424,15 @@ def start_model_service(service: str, cfg, exporter, create: Callable[[Any, Any]
     return server, servicer
 
 
-def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], tuple]) -> int:
+def serve_until_signalled(service: str, log_level: str, num_threads: int, build: Callable[[], tuple],
+                          parent_pid: int = 0) -> int:
     """A model service's serving loop: JSON logs, torch threads, then the model worker loop on
     this (the loading) thread while gRPC threads take requests, until SIGTERM drains it.
 
     `build` returns (server, worker loop) with the worker not yet running. A UserError while
     loading (a missing checkpoint, no CUDA) is one log line and exit code 2; a port it cannot
-    bind is one line naming the address and the setting that moves it, and EXIT_CANNOT_BIND."""
+    bind is one line naming the address and the setting that moves it, and EXIT_CANNOT_BIND.
+    With `parent_pid`, it also drains once that process is gone (`install_signal_handlers`)."""
     from specinfer.engine.runtime.cpu import configure_cpu_runtime  # the gateway serves without the engine
 
     configure_cpu_runtime()  # before the first BLAS call, which is when MKL reads it
@@ -431,7 +449,7 @@ def serve_until_signalled(service: str, log_level: str, num_threads: int, build:
     except UserError as exc:
         log.error("cannot start: %s", exc)
         return 2
-    server.install_signal_handlers()
+    server.install_signal_handlers(parent_pid)
     run_worker()  # returns once stopping the server has stopped the worker
     server.wait()
     return 0
@@ -452,7 +470,7 @@ def model_service_main(service: str, argv: list[str] | None, parse_config: Calla
         server, _ = build(cfg, is_worker_threaded=False)
         return server, server.run_worker
 
-    return serve_until_signalled(service, cfg.log_level, cfg.num_threads, build_inline)
+    return serve_until_signalled(service, cfg.log_level, cfg.num_threads, build_inline, cfg.parent_pid)
 
 
 def bind_message(exc: BindError, service: str) -> str:

@@ -637,6 +637,9 @@ def common_flags(defaults: dict[str, Any], has_threads: bool = True) -> list[Fla
         Flag("--instance-id", "SPECINFER_INSTANCE_ID", str, defaults.get("instance_id", ""),
              "a name for this process: its health service also answers SERVING for specinfer.instance.<id>, so "
              "whoever started it can tell it from another process on its port; unset = none"),
+        Flag("--parent-pid", "SPECINFER_PARENT_PID", int, defaults.get("parent_pid", 0),
+             "the process that supervises this one: once it is gone (re-parented), this one drains and exits "
+             "as on SIGTERM, so that it never outlives its launcher (`specinfer up` sets it); 0 = none", low=0),
         Flag("--grace-s", "SPECINFER_GRACE_S", float, defaults["grace_s"],
              "the most a drain on SIGTERM takes: requests in flight get the time their tokens left need at the "
              "measured speed, within this; one that cannot finish is handed over (set the orchestrator's grace "
