@@ -38,7 +38,8 @@ SUFFIX_MAX_PATTERN = 8  # the longest context suffix the suffix speculator match
 SUFFIX_CACHE_TOKENS = 16384  # recent outputs shared across requests
 SUFFIX_MIN_PROB = 0.1  # a branch's empirical probability below this is not drafted
 SUFFIX_DEPTH_PER_MATCH = 2.0  # draft depth per matched token (adaptive depth)
-SUFFIX_MAX_SOURCES = 32  # continuations counted per source (the context, the cache)
+SUFFIX_MAX_SOURCES = 32  # continuations counted per source (the context, the cache, a draft's answers)
+SUFFIX_SEED_TOKENS = 65536  # of a draft's stored answers, the most the suffix member reads
 
 # ---- model dtypes (specinfer/engine/runtime/dtype_choice.py) -------------------------------------------
 MODEL_DTYPES = ("float32", "bfloat16", "float16")

@@ -1,7 +1,8 @@
 """`make-draft` on a tiny random Llama: the distilled draft agrees with the LLM more than the
-untrained cut it starts from, loads as an SSM with greedy output exactly the LLM's, resumes an
-interrupted build, and refuses bad input with one line (exit code 2). Chat prompt files
-({"messages": [...]} lines) are rendered with the model's chat template."""
+untrained cut it starts from, loads as an SSM with greedy output exactly the LLM's, carries the
+LLM's answers for the suffix member, resumes an interrupted build, and refuses bad input with one
+line (exit code 2). Chat prompt files ({"messages": [...]} lines) are rendered with the model's
+chat template."""
 
 from __future__ import annotations
 
@@ -89,6 +90,45 @@ def test_draft_is_a_checkpoint_whose_greedy_output_is_the_llms(llm, built):
             assert result.output_ids == expected, mode  # ... and is still the LLM's, token for token
             accepted += sum(result.accepted_per_step)
     assert accepted > 0
+
+
+def test_the_draft_carries_the_llms_answers_and_the_suffix_member_drafts_from_them(llm, built, tmp_path):
+    from safetensors.torch import save_file
+
+    from specinfer.engine.models.config import DRAFT_ANSWERS_FILE
+    from specinfer.engine.runtime.assemble import draft_answers, model_free_members
+
+    out, record = built
+    answers = draft_answers([out])
+    assert len(answers) == record["answers"] == record["train_answers"]
+    assert sum(map(len, answers)) == record["answer_tokens"] > 0
+    assert all(1 <= len(a) <= CFG.continuation_tokens for a in answers)
+    assert all(0 <= t < 300 for a in answers for t in a)
+    lookup, suffix = model_free_members(("lookup", "suffix"), [out])
+    assert suffix.seed.num_tokens == record["answer_tokens"] and not hasattr(lookup, "seed")
+    assert model_free_members(("suffix",), [llm])[0].seed is None  # a checkpoint without answers adds none
+    assert sum(map(len, draft_answers([out], max_tokens=20))) <= 20  # bounded, whole answers only
+    # A seeded suffix member drafts an answer's continuation from its opening tokens alone.
+    first = next(a for a in answers if len(a) >= 6)
+    tree = suffix.propose(suffix.start([1] + first[:4]), 8, 24)
+    assert first[4] in [tree.tokens[c] for c in tree.children[0]]
+    # The engine with the draft and its seeded suffix member decodes exactly the LLM's tokens.
+    runner = ModelRunner.from_dir(llm, max_kv_tokens=4096)
+    draft = ModelRunner.from_dir(out, max_kv_tokens=4096)
+    plain = Engine.from_runners(runner)
+    pooled = Engine.from_runners(runner, [draft], model_free=model_free_members(("lookup", "suffix"), [out]))
+    for prompt in ([1] + first[:3], [5, 9, 17, 33, 40]):
+        expected = plain.generate(prompt, mode_params("incremental", 32)).output_ids
+        assert pooled.generate(prompt, mode_params("auto", 32)).output_ids == expected
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    save_file({"tokens": torch.tensor([1, 2, 3], dtype=torch.int32), "lengths": torch.tensor([5], dtype=torch.int32)},
+              str(bad / DRAFT_ANSWERS_FILE))
+    with pytest.raises(UserError, match="do not add up"):
+        draft_answers([bad])
+    (bad / DRAFT_ANSWERS_FILE).write_bytes(b"not safetensors")
+    with pytest.raises(UserError, match="not a readable answers file"):
+        draft_answers([bad])
 
 
 def test_a_reduced_head_scores_its_vocabulary_as_the_whole_head_does_and_nothing_else(built, tmp_path):

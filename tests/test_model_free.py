@@ -78,6 +78,22 @@ def test_suffix_cache_shares_outputs_across_requests_and_stays_bounded():
     assert len(spec.propose(spec.start([60, 61, 40, 41]), max_depth=3, max_nodes=16)) == 1
 
 
+def test_a_seeded_suffix_member_drafts_a_drafts_answers_and_keeps_them_past_the_shared_cache():
+    answers = [[40, 41, 42, 43, 44], [70, 71, 72], [9]]  # a one-token answer teaches nothing
+    seed = SuffixCache.of(answers, max_pattern=3)
+    assert seed.num_tokens == 8 and SuffixCache.of([[9]]) is None and SuffixCache.of([]) is None
+    seeded = SuffixSpeculator(SuffixCache(max_tokens=12, max_pattern=3), max_pattern=3, seed=seed)
+    plain = SuffixSpeculator(SuffixCache(max_tokens=12, max_pattern=3), max_pattern=3)
+    context = [60, 61, 40, 41]  # "40 41" occurs only in the seed
+    assert paths_of(seeded.propose(seeded.start(context), max_depth=3, max_nodes=16)) == {(42, 43, 44)}
+    assert len(plain.propose(plain.start(context), max_depth=3, max_nodes=16)) == 1  # nothing to draft
+    seeded.cache.clear()  # recent outputs go; the draft's answers stay
+    seeded.cache.add(list(range(100, 120)))
+    assert paths_of(seeded.propose(seeded.start(context), max_depth=3, max_nodes=16)) == {(42, 43, 44)}
+    member = model_free_member("suffix", 16, answers)
+    assert member.seed.num_tokens == 8 and model_free_member("suffix").seed is None
+
+
 # ---- merging with the SSMs' trees ----------------------------------------------------------------
 
 

@@ -24,11 +24,12 @@ from specinfer.serving.grpc_server import RunningServer, model_service_main, sta
 from specinfer.serving.metrics import ModelMetrics
 from specinfer.serving.tracing import server_span
 from specinfer.engine.scheduling.workers import SpeculatorWorker
-from specinfer.engine.drafting.speculator import Speculator, model_free_member
+from specinfer.engine.drafting.speculator import Speculator
 from specinfer.params import TreeShape
 from specinfer.limits import MAX_TREE_DEPTH, PAPER_TREE_WIDTH
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from specinfer.engine.runtime.assemble import model_free_members
 from specinfer.engine.runtime.dtype_choice import load_ssm
 from specinfer.engine.runtime.load import resolve_device
 
@@ -135,7 +136,7 @@ def build(cfg: SpeculatorConfig, exporter=None, is_worker_threaded: bool = True
     names = [d.name for d in cfg.ssm_dirs] + list(cfg.model_free)
     # Drafting ahead overlaps the verifier's pass only where the SSMs do not share its CPU cores.
     is_pipelined = cfg.is_pipelined if cfg.is_pipelined is not None else str(device).startswith("cuda")
-    model_free = [model_free_member(name, cfg.suffix_cache_tokens) for name in cfg.model_free]
+    model_free = model_free_members(cfg.model_free, cfg.ssm_dirs, cfg.suffix_cache_tokens)
 
     def create(tracer, registry):
         worker = SpeculatorWorker(Speculator(runners, model_free), max_batch=cfg.max_batch,

@@ -25,7 +25,7 @@ import grpc
 
 from specinfer.engine.llm_engine import LocalSpeculation
 from specinfer.engine.loop import DraftTree
-from specinfer.engine.drafting.speculator import Speculator, model_free_member
+from specinfer.engine.drafting.speculator import Speculator
 from specinfer.engine.drafting.tree import TokenTree, merge_trees
 from specinfer.errors import UserError
 from specinfer.params import GenerationParams, TreeBudget, TreeShape
@@ -40,6 +40,7 @@ from specinfer.serving.tracing import outgoing_metadata
 from specinfer.serving.trees import tree_from_proto
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from specinfer.engine.runtime.assemble import model_free_members
 from specinfer.engine.runtime.dtype_choice import load_ssm
 from specinfer.engine.runtime.load import split_pool
 
@@ -464,7 +465,7 @@ def co_located_pool(entries: tuple[str, ...], llm, dtype: str, device: str, exec
     for d, ssm in zip(dirs, ssms):
         if ssm.cfg.vocab_size != llm.cfg.vocab_size:
             raise UserError(f"SSM {d}: vocabulary {ssm.cfg.vocab_size}, the LLM's is {llm.cfg.vocab_size}")
-    members = [model_free_member(n, suffix_cache_tokens) for n in names]
+    members = model_free_members(names, dirs, suffix_cache_tokens)
     return LocalSpeculation(Speculator(ssms, members), [d.name for d in dirs])
 
 

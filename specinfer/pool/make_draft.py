@@ -21,7 +21,10 @@ LLM's own outputs. This command does both within a time budget, in one go:
 4. **A reduced vocabulary.** The draft's head keeps the LLM's `--vocab` most frequent answer
    tokens (written into its config.json): most of a small draft's pass is its head, and the
    tokens it drops are ones the LLM rarely answers with. It only ever proposes; the LLM decides.
-5. **Measurement.** Top-1 agreement with the LLM on held-out prompts, before and after (with the
+5. **The LLM's answers.** The teacher answers themselves (token ids) are stored with the draft
+   (`DRAFT_ANSWERS_FILE`): the suffix member of the pool drafts the LLM's habitual phrasing from
+   them (`specinfer.engine.drafting.suffix`), at no model pass.
+6. **Measurement.** Top-1 agreement with the LLM on held-out prompts, before and after (with the
    reduced head, as the draft will propose), the held-out answers' coverage by its vocabulary, and the
    greedy chain acceptance by depth (the chance that the first k drafted tokens are all the
    LLM's); the draft's and the LLM's one-token pass costs.
@@ -50,7 +53,7 @@ from safetensors.torch import load_file, save_file
 
 from specinfer.chat_template import ChatRenderer, ChatTemplate
 from specinfer.engine.llm_engine import Engine
-from specinfer.engine.models.config import DRAFT_VOCAB_KEY, ModelConfig
+from specinfer.engine.models.config import DRAFT_ANSWERS_FILE, DRAFT_VOCAB_KEY, ModelConfig
 from specinfer.engine.runtime.load import read_prompts
 from specinfer.engine.runtime.runner import ModelRunner, chain_work
 from specinfer.errors import UserError
@@ -127,7 +130,7 @@ def build_draft(llm: str | Path, out: str | Path, minutes: float | None = None, 
     cut = cut_draft(plan, say)
     train, evals = teacher_data(plan, clock, progress, say)
     vocab = draft_vocabulary(train, cfg.vocab, ModelConfig.from_dir(cut))
-    record = distill(plan, cut, train, evals, clock, progress, say, vocab)
+    record = distill(plan, cut, train, evals, clock, progress, say, vocab, answer_ids(train))
     if vocab is not None:  # the cut was timed with the whole head; the draft scores its vocabulary only
         record.update(draft_cost(record["llm_pass_ms"], plan.out))
     record["build_minutes"] = round(clock.elapsed_s / 60, 2)
@@ -343,8 +346,18 @@ def coverage(vocab: torch.Tensor | None, data: BoostData) -> float:
     return 1.0 if vocab is None or not len(targets) else float(torch.isin(targets, vocab).float().mean())
 
 
+def answer_ids(data: BoostData) -> list[list[int]]:
+    """The LLM's answers in `data` (each row's tokens after its prompt)."""
+    out = []
+    for n in range(len(data)):
+        positions = data.mask[n].nonzero()
+        if len(positions):  # position j predicts token j + 1: the answer starts after the first
+            out.append(data.tokens[n, int(positions[0]) + 1:int(data.lengths[n])].tolist())
+    return out
+
+
 def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, clock: Clock, progress: bool,
-            say, vocab: torch.Tensor | None = None) -> dict:
+            say, vocab: torch.Tensor | None = None, answers: Sequence[list[int]] = ()) -> dict:
 
 
     cfg = plan.cfg
@@ -391,9 +404,10 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
         "acceptance_by_depth_after": acceptance_by_depth(after, evals.mask),
         "vocab_size": len(vocab) if vocab is not None else model.config.vocab_size,
         "vocab_coverage": round(coverage(vocab, evals), 4),
+        "answers": len(answers), "answer_tokens": sum(map(len, answers)),
         **cost, "settings": asdict(cfg),
     }
-    save_draft(model, plan, record, vocab)
+    save_draft(model, plan, record, vocab, answers)
     say(f"held-out top-1 agreement {record['agreement_before']:.1%} -> {record['agreement_after']:.1%}; "
         f"chain acceptance by depth {record['acceptance_by_depth_after']}")
     return record
@@ -481,9 +495,11 @@ def draft_cost(llm_ms: float, draft: Path, reps: int = 7) -> dict:
             "draft_to_llm_pass_cost": round(draft_ms / llm_ms, 3)}
 
 
-def save_draft(model, plan: DraftPlan, record: dict, vocab: torch.Tensor | None = None) -> None:
+def save_draft(model, plan: DraftPlan, record: dict, vocab: torch.Tensor | None = None,
+               answers: Sequence[list[int]] = ()) -> None:
     """The draft as an ordinary checkpoint with the LLM's tokenizer files, at `plan.out`; its
-    reduced vocabulary, if any, in its config.json (`DRAFT_VOCAB_KEY`, which other readers ignore)."""
+    reduced vocabulary, if any, in its config.json (`DRAFT_VOCAB_KEY`, which other readers ignore),
+    and the LLM's `answers` it was built from in `DRAFT_ANSWERS_FILE`."""
 
     with staged_dir(plan.out) as tmp:
         with quiet_transformers():
@@ -492,6 +508,10 @@ def save_draft(model, plan: DraftPlan, record: dict, vocab: torch.Tensor | None 
             config = json.loads((tmp / "config.json").read_text())
             config[DRAFT_VOCAB_KEY] = vocab.tolist()
             write_json(tmp / "config.json", config)
+        if answers:
+            save_file({"tokens": torch.tensor([t for a in answers for t in a], dtype=torch.int32),
+                       "lengths": torch.tensor([len(a) for a in answers], dtype=torch.int32)},
+                      str(tmp / DRAFT_ANSWERS_FILE))
         copy_tokenizer_files(resolve(plan.llm).meta_dir, tmp)
         gen = resolve(plan.llm).meta_dir / "generation_config.json"
         if gen.is_file() and not (tmp / "generation_config.json").is_file():

@@ -141,13 +141,14 @@ class ModelFree(Protocol):
     def release(self, state: Any) -> None: ...
 
 
-def model_free_member(name: str, cache_tokens: int = SUFFIX_CACHE_TOKENS) -> ModelFree:
+def model_free_member(name: str, cache_tokens: int = SUFFIX_CACHE_TOKENS, answers=()) -> ModelFree:
     """The model-free pool member called `name` (one of `limits.MODEL_FREE_NAMES`); `suffix`
-    shares the recent outputs of up to `cache_tokens` tokens across requests (0: none)."""
+    shares the recent outputs of up to `cache_tokens` tokens across requests (0: none), and
+    drafts from `answers` (token lists: the LLM's answers a draft was built from) too."""
     if name == "lookup":
         return PromptLookup()
     if name == "suffix":
-        return SuffixSpeculator(SuffixCache(cache_tokens))
+        return SuffixSpeculator(SuffixCache(cache_tokens), seed=SuffixCache.of(answers))
     raise ValueError(f"no model-free speculator named {name!r} (have {', '.join(MODEL_FREE_NAMES)})")
 
 

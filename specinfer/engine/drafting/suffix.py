@@ -3,7 +3,10 @@
 In the style of SuffixDecoding (arXiv 2411.04975): the longest suffix of the request's context
 (up to `max_pattern` tokens) that occurred before, in the request's own context or in a bounded
 cache of recent outputs shared by all requests, selects every continuation that followed it.
-Those continuations are counted into a trie and the draft tree takes its most frequent branches
+A draft built by `specinfer make-draft` also carries the LLM's own answers to its teacher
+prompts; they seed a second, fixed cache (`SuffixCache.of`) that recent outputs never evict, so a
+fresh server drafts the LLM's habitual phrasing from its first request. Those continuations
+(the request's own first, then recent outputs, then the seed) are counted into a trie and the draft tree takes its most frequent branches
 first, as long as a branch's empirical probability stays above `min_prob`. How deep it drafts
 adapts to how much matched: `depth_per_match` tokens per matched token, within the step's bound.
 Agents, code edits and repeated tasks produce text that other requests already produced.
@@ -39,6 +42,17 @@ class SuffixCache:
         self._num_tokens = 0
         self._next_id = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, documents, max_pattern: int = SUFFIX_MAX_PATTERN) -> "SuffixCache | None":
+        """A cache holding all of `documents` (token lists), none evicted; None when they are empty."""
+        documents = [list(d) for d in documents if len(d) >= 2]
+        if not documents:
+            return None
+        cache = cls(sum(len(d) for d in documents), max_pattern)
+        for doc in documents:
+            cache.add(doc)
+        return cache
 
     @property
     def num_tokens(self) -> int:
@@ -101,14 +115,16 @@ class SuffixState:
 
 
 class SuffixSpeculator:
-    """Frequency-weighted draft trees from the longest matching suffix (see the module doc)."""
+    """Frequency-weighted draft trees from the longest matching suffix (see the module doc);
+    `seed`, a fixed cache of a draft's answers, is read after the shared recent outputs."""
 
     name = "suffix"
 
     def __init__(self, cache: SuffixCache | None = None, max_pattern: int = SUFFIX_MAX_PATTERN,
                  min_prob: float = SUFFIX_MIN_PROB, depth_per_match: float = SUFFIX_DEPTH_PER_MATCH,
-                 max_sources: int = SUFFIX_MAX_SOURCES):
+                 max_sources: int = SUFFIX_MAX_SOURCES, seed: SuffixCache | None = None):
         self.cache = cache if cache is not None else SuffixCache(max_pattern=max_pattern)
+        self.seed = seed
         self.max_pattern, self.min_prob = max_pattern, min_prob
         self.depth_per_match, self.max_sources = depth_per_match, max_sources
 
@@ -134,7 +150,9 @@ class SuffixSpeculator:
         for n in range(min(self.max_pattern, len(seq) - 1), 0, -1):
             depth = min(max_depth, math.ceil(self.depth_per_match * n))
             paths = (state.context.continuations(n, depth, self.max_sources, is_distinct=False)
-                     + self.cache.continuations(tuple(seq[len(seq) - n:]), depth, self.max_sources))
+                     + self.cache.continuations(tuple(seq[len(seq) - n:]), depth, self.max_sources)
+                     + (self.seed.continuations(tuple(seq[len(seq) - n:]), depth, self.max_sources)
+                        if self.seed is not None else []))
             paths = [p for p in paths if p]
             if paths:
                 return ScoredTree(tree, counted_tree(tree, paths, max_nodes, self.min_prob), n)

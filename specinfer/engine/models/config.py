@@ -107,6 +107,9 @@ class ModelConfig:
 
 
 DRAFT_VOCAB_KEY = "specinfer_draft_vocab"  # config.json: the token ids a draft's LM head keeps
+# A draft's stored answers (the LLM's own, from its build): int32 "tokens" (concatenated) and
+# "lengths"; the suffix member drafts from them (`drafting.suffix`).
+DRAFT_ANSWERS_FILE = "answers.safetensors"
 
 
 def draft_vocab(raw: dict, vocab_size: int) -> tuple[int, ...]:

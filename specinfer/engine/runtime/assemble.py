@@ -15,7 +15,7 @@ from pathlib import Path
 from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.models.checkpoint import parse_dtype, safetensors_files
-from specinfer.engine.models.config import ModelConfig
+from specinfer.engine.models.config import DRAFT_ANSWERS_FILE, ModelConfig
 from specinfer.engine.models.transformer import KVCache
 from specinfer.engine.runtime.backend import resolve_exec
 from specinfer.engine.runtime.dtype_choice import load_ssm
@@ -25,7 +25,8 @@ from specinfer.engine.runtime.memory import KvPlan
 from specinfer.engine.runtime.parallel import LeaderKV, LeaderModel, ShardSpec, check_divisible, start_group
 from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE, ModelRunner
 from specinfer.engine.verification.grammar import GrammarCompiler
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS
+from specinfer.errors import UserError
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_RUNNER_KV_TOKENS, SUFFIX_CACHE_TOKENS, SUFFIX_SEED_TOKENS
 from specinfer.model_source import resolve
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,44 @@ def load_engine(paths: ModelPaths, dtype: str, device: str, max_kv_tokens: int, 
     tell(f"models loaded in {time.perf_counter() - started:.1f}s; "
          f"{KvPlan(llm.kv.num_slots, per_token, kv_reason).describe()}")
     return Engine.from_runners(llm, ssms, cfg or EngineConfig(),
-                               model_free=[model_free_member(n) for n in paths.model_free],
+                               model_free=model_free_members(paths.model_free, paths.ssms),
                                grammars=load_grammars(paths.llm, llm.cfg))
+
+
+def model_free_members(names, ssm_paths, cache_tokens: int = SUFFIX_CACHE_TOKENS) -> list:
+    """The model-free pool members called `names`; the suffix member also drafts from the answers
+    the pool's drafts were built from (`draft_answers`)."""
+    answers = draft_answers(ssm_paths) if "suffix" in names else []
+    if answers:
+        log.info("the suffix drafts read %d stored answers (%d tokens) of %s", len(answers),
+                 sum(map(len, answers)), ", ".join(str(p) for p in ssm_paths))
+    return [model_free_member(n, cache_tokens, answers) for n in names]
+
+
+def draft_answers(ssm_paths, max_tokens: int = SUFFIX_SEED_TOKENS) -> list[list[int]]:
+    """The LLM's answers stored with drafts built by `make-draft` (`DRAFT_ANSWERS_FILE` in their
+    directories), up to `max_tokens` tokens in all, in order. A draft without them adds none."""
+    from safetensors.torch import load_file
+
+    out, total = [], 0
+    for path in ssm_paths:
+        file = Path(path) / DRAFT_ANSWERS_FILE
+        if not file.is_file():
+            continue
+        try:
+            tensors = load_file(str(file))
+            tokens, lengths = tensors["tokens"].tolist(), tensors["lengths"].tolist()
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is the same error
+            raise UserError(f"{file}: not a readable answers file ({exc})") from exc
+        if sum(lengths) != len(tokens) or min(lengths, default=0) < 0:
+            raise UserError(f"{file}: its lengths do not add up to its tokens")
+        start = 0
+        for n in lengths:
+            if total + n > max_tokens:
+                return out
+            out.append(tokens[start:start + n])
+            start, total = start + n, total + n
+    return out
 
 
 def load_grammars(model_dir: Path, llm_cfg: ModelConfig):
