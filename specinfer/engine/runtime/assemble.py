@@ -12,6 +12,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.models.checkpoint import parse_dtype, safetensors_files
@@ -114,8 +116,6 @@ def model_free_members(names, ssm_paths, cache_tokens: int = SUFFIX_CACHE_TOKENS
 def draft_answers(ssm_paths, max_tokens: int = SUFFIX_SEED_TOKENS) -> list[list[int]]:
     """The LLM's answers stored with drafts built by `make-draft` (`DRAFT_ANSWERS_FILE` in their
     directories), up to `max_tokens` tokens in all, in order. A draft without them adds none."""
-    from safetensors.torch import load_file
-
     out, total = [], 0
     for path in ssm_paths:
         file = Path(path) / DRAFT_ANSWERS_FILE
