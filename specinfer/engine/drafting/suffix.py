@@ -7,8 +7,9 @@ A draft built by `specinfer make-draft` also carries the LLM's own answers to it
 prompts; they seed a second, fixed cache (`SuffixCache.of`) that recent outputs never evict, so a
 fresh server drafts the LLM's habitual phrasing from its first request. Those continuations
 (the request's own first, then recent outputs, then the seed) are counted into a trie and the
-draft tree takes its most frequent branches first, as long as a branch's empirical probability stays above `min_prob`. How deep it drafts
-adapts to how much matched: `depth_per_match` tokens per matched token, within the step's bound.
+draft tree takes its most frequent branches first, as long as a branch's empirical probability
+stays above `min_prob`. How deep it drafts adapts to how much matched: `depth_per_match` tokens
+per matched token, within the step's bound.
 Agents, code edits and repeated tasks produce text that other requests already produced.
 
 A member of the SSM pool whose trees merge by path with the SSMs' (SpecInfer Section 3.2). Its
