@@ -47,13 +47,11 @@ class SuffixCache:
     @classmethod
     def of(cls, documents, max_pattern: int = SUFFIX_MAX_PATTERN) -> "SuffixCache | None":
         """A cache holding all of `documents` (token lists), none evicted; None when they are empty."""
-        documents = [list(d) for d in documents if len(d) >= 2]
-        if not documents:
-            return None
-        cache = cls(sum(len(d) for d in documents), max_pattern)
+        documents = [list(d) for d in documents]
+        cache = cls(sum(map(len, documents)), max_pattern)
         for doc in documents:
-            cache.add(doc)
-        return cache
+            cache.add(doc)  # a document under 2 tokens teaches nothing and is not kept
+        return cache if cache.num_tokens else None
 
     @property
     def num_tokens(self) -> int:
