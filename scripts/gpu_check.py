@@ -491,14 +491,14 @@ def random_weights(cfg: ModelConfig, device, seed: int) -> dict[str, torch.Tenso
     return w
 
 
-def build_model(spec, device) -> DecoderModel:
-    """spec: ("dir", path) or ("random", kind, seed)."""
-    dtype = torch.float32 if TINY else DT
+def build_model(spec, device, dtype=None, is_packed: bool = True) -> DecoderModel:
+    """spec: ("dir", path) or ("random", kind, seed); is_packed=False for a CPU model to move elsewhere."""
+    dtype = dtype or (torch.float32 if TINY else DT)
     if spec[0] == "dir":
         cfg = ModelConfig.from_dir(spec[1])
-        return DecoderModel(cfg, engine_weights(cfg, load_state_dict(spec[1])), dtype, device)
+        return DecoderModel(cfg, engine_weights(cfg, load_state_dict(spec[1])), dtype, device, is_packed=is_packed)
     cfg = random_config(spec[1])
-    return DecoderModel(cfg, random_weights(cfg, device, spec[2]), dtype, device)
+    return DecoderModel(cfg, random_weights(cfg, device, spec[2]), dtype, device, is_packed=is_packed)
 
 
 def make_runner(model: DecoderModel, max_kv_tokens: int = 4096) -> ModelRunner:
@@ -710,49 +710,63 @@ def graph_check():
 
 def section_prefix_cache():
     """A prompt whose prefix the cache holds gives the cold run's output on every backend, and its
-    first token comes sooner."""
+    first token comes sooner. The check is in float32; in bfloat16 a cached step computes the suffix
+    in another shape than the cold prefill (other tiles and splits), so a near-tie can flip, and
+    there the table reports where outputs part instead of failing."""
     REPORT.add("## 3b. Prefix caching: cached prefix against cold, per backend")
     REPORT.add("")
     models = reference_models()
     spec = ("dir", models / "reference-llm") if models else ("random", "tiny", 1)
-    llm = make_runner(build_model(spec, DEV), max_kv_tokens=8192)
-    vocab = llm.cfg.vocab_size
-    shared = [(7 * i) % (vocab - 3) + 2 for i in range(64 if TINY else 1024)]
-    prompts = [shared + [(11 * j + i) % (vocab - 3) + 2 for j in range(24)] for i in range(3)]
     backends = ["sdpa", "triton"] + (["triton+graphs"] if graphs_available(DEV) else [])
+    dtypes = [torch.float32] if TINY else [DT, torch.float32]
     rows = []
-    for backend in backends:
-        set_backend(llm, "sdpa" if backend == "sdpa" else "triton")
-        graphs = GraphRunner(llm).install() if backend == "triton+graphs" else None
-        engine = Engine.from_runners(llm, [])
-        try:
-            params = mode_request("incremental", 16)
-            cold, warm, cold_s, warm_s = [], [], [], []
-            for prompt in prompts:
+    for dtype in dtypes:
+        llm = make_runner(build_model(spec, DEV, dtype=dtype), max_kv_tokens=8192)
+        vocab = llm.cfg.vocab_size
+        shared = [(7 * i) % (vocab - 3) + 2 for i in range(64 if TINY else 1024)]
+        prompts = [shared + [(11 * j + i) % (vocab - 3) + 2 for j in range(24)] for i in range(3)]
+        name = str(dtype).removeprefix("torch.")
+        for backend in backends:
+            set_backend(llm, "sdpa" if backend == "sdpa" else "triton")
+            graphs = GraphRunner(llm).install() if backend == "triton+graphs" else None
+            engine = Engine.from_runners(llm, [])
+            try:
+                params = mode_request("incremental", 16)
+                cold, warm, cold_s, warm_s = [], [], [], []
+                for prompt in prompts:
+                    engine.scheduler.reset_prefix_cache()
+                    sync()
+                    t = time.perf_counter()
+                    cold.append(engine.generate(prompt, mode_request("incremental", 1)).output_ids)
+                    sync()
+                    cold_s.append(time.perf_counter() - t)
+                    engine.scheduler.reset_prefix_cache()
+                    cold[-1] = engine.generate(prompt, params).output_ids  # the whole output, cold
                 engine.scheduler.reset_prefix_cache()
-                sync()
-                t = time.perf_counter()
-                cold.append(engine.generate(prompt, mode_request("incremental", 1)).output_ids)
-                sync()
-                cold_s.append(time.perf_counter() - t)
-                engine.scheduler.reset_prefix_cache()
-                cold[-1] = engine.generate(prompt, params).output_ids  # the whole output, cold
-            engine.scheduler.reset_prefix_cache()
-            engine.generate(prompts[0], mode_request("incremental", 1))  # the prefix is now cached
-            for prompt in prompts[1:]:
-                sync()
-                t = time.perf_counter()
-                engine.generate(prompt, mode_request("incremental", 1))
-                sync()
-                warm_s.append(time.perf_counter() - t)
-                warm.append(engine.generate(prompt, params).output_ids)
-            same = warm == cold[1:]
-            rows.append([backend, len(shared), fmt(1e3 * statistics.median(cold_s)), fmt(1e3 * statistics.median(warm_s)),
-                         REPORT.check(f"prefix cache hit equals cold ({backend})", same)])
-        finally:
-            if graphs is not None:
-                graphs.close()
-    REPORT.table(["backend", "shared tokens", "cold TTFT ms", "cached TTFT ms", "outputs equal"], rows)
+                engine.generate(prompts[0], mode_request("incremental", 1))  # the prefix is now cached
+                for prompt in prompts[1:]:
+                    sync()
+                    t = time.perf_counter()
+                    engine.generate(prompt, mode_request("incremental", 1))
+                    sync()
+                    warm_s.append(time.perf_counter() - t)
+                    warm.append(engine.generate(prompt, params).output_ids)
+                same = warm == cold[1:]
+                parted = [next((i for i, (x, y) in enumerate(zip(w, c)) if x != y), None)
+                          for w, c in zip(warm, cold[1:])]
+                where = ", ".join("-" if i is None else str(i) for i in parted)
+                ok = REPORT.check(f"prefix cache hit equals cold ({backend}, {name})", same) \
+                    if dtype == torch.float32 else f"{same} (reported)"
+                rows.append([name, backend, len(shared), fmt(1e3 * statistics.median(cold_s)),
+                             fmt(1e3 * statistics.median(warm_s)), where, ok])
+            finally:
+                if graphs is not None:
+                    graphs.close()
+        del llm
+        if CUDA:
+            torch.cuda.empty_cache()
+    REPORT.table(["dtype", "backend", "shared tokens", "cold TTFT ms", "cached TTFT ms",
+                  "first differing token per prompt (- none)", "outputs equal"], rows)
 
 
 # ---- section 4: offloading -------------------------------------------------------------------------
@@ -774,7 +788,7 @@ def section_offload():
             nbytes = weight_bytes(streamed.resident) + sum(weight_bytes(layer) for layer in streamed.cpu_layers)
             forced = True
         else:
-            model = build_model(llm_spec, "cpu")  # the full weights never touch the GPU
+            model = build_model(llm_spec, "cpu", is_packed=False)  # the full weights never touch the GPU
             nbytes = weight_bytes(model.w)
             cap = OffloadConfig(gpu_memory_cap=nbytes // 2)  # a cap below the weights forces offloading
             forced = should_offload(nbytes, cap)
@@ -794,15 +808,18 @@ def section_offload():
             rows.append([name, f"{nbytes / 2**30:.2f} GiB", forced, mode,
                          fmt(res.latency_s * 1e3 / max(1, res.num_llm_steps)), fmt(res.tokens_per_step),
                          fmt(len(res.output_ids) / res.latency_s)])
-        same = len({tuple(o) for o in outs.values()}) <= 1
-        if llm_spec[0] == "dir":
-            resident = make_runner(build_model(llm_spec, DEV))
-            set_backend(resident, "sdpa" if TINY else "triton")
-            ref = Engine.from_runners(resident, [ssm]).generate(prompt, mode_request("incremental", max_new))
-            same = same and ref.output_ids == outs.get("incremental")
-            del resident
-        rows.append([name, "", "", "all modes equal (and = resident model)", "", "",
-                     REPORT.check(f"offload outputs {name}", same)])
+        modes_same = len({tuple(o) for o in outs.values()}) <= 1
+        resident = make_runner(build_model(llm_spec, DEV))
+        set_backend(resident, "sdpa" if TINY else "triton")
+        ref = Engine.from_runners(resident, [ssm]).generate(prompt, mode_request("incremental", max_new))
+        del resident
+        # Streaming changes where the weights live, not the arithmetic: offloaded incremental decoding
+        # equals the resident model's. Across modes, a random bf16 model's near-ties flip with the
+        # batch shape (section 3's mismatch table), so there the modes are reported, not checked.
+        is_checked = llm_spec[0] == "dir" or TINY
+        same = ref.output_ids == outs.get("incremental") and (modes_same or not is_checked)
+        label = "incremental = resident model; all modes equal" + ("" if is_checked else f" (reported: {modes_same})")
+        rows.append([name, "", "", label, "", "", REPORT.check(f"offload outputs {name}", same)])
         del engine, llm, ssm
         if CUDA:
             torch.cuda.empty_cache()

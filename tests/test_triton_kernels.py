@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
 from specinfer.engine.models.transformer import DecoderModel, KVCache, SeqAttention
 from specinfer.engine.runtime.offload import OffloadConfig, StreamedWeights, offload_model, should_offload
 from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
@@ -409,6 +410,19 @@ def test_offload_streams_layers_in_order_and_matches(tiny_pair):
         one_step += [("use", i), ("fetch", (i + 1) % layers)]
     # first touch fetches layer 0; then each layer prefetches the next, wrapping for the next step
     assert model.w.log == [("fetch", 0)] + one_step * 2
+
+
+def test_offloading_a_model_laid_out_for_the_cpus_kernels_to_a_gpu_is_refused_before_any_copy(tiny_pair):
+    """Packed weights (oneDNN's layout or the CPU kernel's panels) cannot move to a GPU: offloading
+    says how to build the model instead of failing inside the copy."""
+    packed = ModelRunner.from_dir(tiny_pair[0], max_kv_tokens=64, block_size=8).model
+    if all(isinstance(t, torch.Tensor) and t.layout == torch.strided for t in packed.w.values()):
+        pytest.skip("no CPU weight layout on this machine")
+    with pytest.raises(ValueError, match="is_packed=False"):
+        offload_model(packed, "cuda")
+    cfg = packed.cfg
+    plain = DecoderModel(cfg, engine_weights(cfg, load_state_dict(tiny_pair[0])), torch.float32, "cpu", is_packed=False)
+    assert all(t.layout == torch.strided for t in plain.w.values())
 
 
 def test_offload_decision():
