@@ -136,6 +136,7 @@ DRAIN_HANDOVER_S = 2.0  # the end of the grace kept for handing over what is lef
 DRAIN_HANDOVER_SHARE = 0.2  # ... at most this share of a short grace
 DRAIN_POLL_S = 0.1  # how often a drain checks whether its requests are done
 LAUNCHER_GRACE_S = 15.0  # `specinfer up` on Ctrl-C / SIGTERM: its services' grace, and how long it waits for them
+DRAFT_WATCH_INTERVAL_S = 5.0  # `specinfer up`: how often it looks whether the demo draft's background build has ended
 PARENT_WATCH_S = 1.0  # how often a service started with --parent-pid checks that its parent still runs
 
 # ---- routing over several verifiers (services/gateway/routing.py, verifier_pool.py) --------------

@@ -84,3 +84,45 @@ def test_no_index_is_a_clear_error_naming_the_package(tmp_path):
     with pytest.raises(UserError, match="fake-model==1.0"):
         demo.ensure_pretrained_demo(tmp_path, download=offline, builder=fake_builder([]), pinned=pinned(),
                                     progress=False)
+
+
+def test_a_running_stack_hears_once_when_the_background_draft_is_ready(tmp_path):
+    """`specinfer up` serves without the draft while it builds; the watch says once when the
+    draft is there (with what its record measured) and then nothing more."""
+    root = tmp_path / demo.PRETRAINED_DEMO_DIR_NAME
+    root.mkdir()
+    now = [0.0]
+    watch = demo.BackgroundDraftWatch(tmp_path, start_grace_s=60.0, clock=lambda: now[0])
+    assert watch.poll() is None  # just spawned: not yet holding its lock, within the grace
+    fake_builder([])(None, root / demo.DRAFT_DIR_NAME, tmp_path, False)
+    (root / demo.DRAFT_DIR_NAME / demo.DRAFT_RECORD_FILE).write_text(
+        json.dumps({"agreement_after": 0.263, "build_minutes": 7.83}))
+    message = watch.poll()
+    assert "ready (held-out agreement 26.3%, built in 7.8 min)" in message and "restart `specinfer up`" in message
+    assert watch.poll() is None  # said once
+    assert demo.BackgroundDraftWatch(tmp_path).poll() is None  # a draft already there at start: nothing to tell
+
+
+def test_a_running_stack_hears_when_the_background_build_stops_without_a_draft(tmp_path):
+    root = tmp_path / demo.PRETRAINED_DEMO_DIR_NAME
+    root.mkdir()
+    now = [0.0]
+    watch = demo.BackgroundDraftWatch(tmp_path, start_grace_s=60.0, clock=lambda: now[0])
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time\n"
+        f"f = open({str(root / demo.LOCK_NAME)!r}, 'a'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+        "print('locked', flush=True); sys.stdin.readline()")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert watch.poll() is None  # building
+    finally:
+        holder.stdin.close()  # the build dies without a draft
+        holder.wait()
+    message = watch.poll()
+    assert "stopped without a draft" in message and str(root / demo.BUILD_LOG_NAME) in message
+    assert watch.poll() is None
+    never = demo.BackgroundDraftWatch(tmp_path, start_grace_s=60.0, clock=lambda: now[0])
+    assert never.poll() is None  # not seen running, within the grace
+    now[0] = 61.0
+    assert "stopped without a draft" in never.poll()  # never started: told after the grace

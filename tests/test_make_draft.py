@@ -59,7 +59,7 @@ def built(llm, tmp_path_factory) -> tuple[Path, dict]:
 
 def test_distilled_draft_agrees_more_than_the_cut(built):
     out, record = built
-    assert record == json.loads((out / md.PROVENANCE_NAME).read_text())
+    assert record == json.loads((out / md.DRAFT_RECORD_FILE).read_text())
     assert record["steps"] == CFG.steps and record["train_answers"] == CFG.max_batches * CFG.gen_batch_size
     assert record["agreement_after"] >= record["agreement_before"] + 0.1, record
     before, after = record["acceptance_by_depth_before"], record["acceptance_by_depth_after"]

@@ -29,9 +29,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specinfer.errors import EXIT_CANNOT_BIND, UserError
 from specinfer.limits import (
-    DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, PAPER_TREE_WIDTH, parse_tree_width,
+    DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, DRAFT_WATCH_INTERVAL_S, GATEWAY_PORT, HTTP_PORT,
+    LAUNCHER_GRACE_S, PAPER_TREE_WIDTH, SPECULATOR_PORT, VERIFIER_PORT, parse_tree_width,
 )
-from specinfer.limits import GATEWAY_PORT, HTTP_PORT, LAUNCHER_GRACE_S, SPECULATOR_PORT, VERIFIER_PORT
+from specinfer.pool.demo_pretrained import BackgroundDraftWatch
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.serving.shared_flags import add_declared, up_flags
 from specinfer.util import CACHE_DIR_ENV
@@ -450,6 +451,9 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         is_prefix_caching=args.prefix_caching, kv_budget=args.kv_budget, kv_memory_fraction=args.kv_memory_fraction,
     )
     prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None
+    watch = None  # the demo's draft, building in the background: the user hears when it is done
+    if args.llm is None and not paths.ssms and [str(e) for e in args.ssm] != ["none"]:
+        watch = BackgroundDraftWatch(cache_dir)
     check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)
     stopping = []
@@ -466,8 +470,14 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
             _answer(target, prompt, args.max_tokens, args.json)
             if args.once:
                 return 0
+        next_watch = 0.0
         while not stopping:
             stack.supervise()
+            if watch is not None and time.monotonic() >= next_watch:
+                next_watch = time.monotonic() + DRAFT_WATCH_INTERVAL_S
+                message = watch.poll()
+                if message:
+                    print(f"specinfer: {message}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
     except StackFailed as exc:

