@@ -616,9 +616,10 @@ def section_e2e():
         for backend in backends:
             set_backend(llm, "sdpa" if backend == "sdpa" else "triton")
             set_backend(ssm, "sdpa" if (backend == "sdpa" or TINY) else "triton")
-            graphs = None
-            if backend == "triton+graphs":  # what apply_exec installs for ExecConfig(cuda_graphs=True)
+            graphs = ssm_graphs = None
+            if backend == "triton+graphs":  # what apply_exec installs for ExecConfig(cuda_graphs=True), on both
                 graphs = GraphRunner(llm).install()
+                ssm_graphs = GraphRunner(ssm).install()
             incremental = None
             for mode in modes:
                 if time_left() < 30:
@@ -643,8 +644,10 @@ def section_e2e():
                     REPORT.failures.append(f"e2e {name} {backend} {mode}")
                     traceback.print_exc()
             if graphs is not None:
-                rows[-1][2] += f" ({graphs.num_replays} replays, {graphs.num_fallbacks} eager)"
+                rows[-1][2] += (f" (LLM {graphs.num_replays} replays, {graphs.num_fallbacks} eager; SSM "
+                                f"{ssm_graphs.num_replays} replays, {ssm_graphs.num_fallbacks} eager)")
                 graphs.close()
+                ssm_graphs.close()
         if not TINY and time_left() > 90:
             mismatch_rows.append(bf16_mismatch(name, engine, prompt))
         del engine, llm, ssm

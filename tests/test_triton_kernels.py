@@ -379,6 +379,20 @@ def test_graph_runner_in_engine(tiny_pair):
     assert "run" not in fast.verifier.runner.__dict__
 
 
+def test_graph_runner_in_engine_drafts_every_level_of_a_tree(tiny_pair):
+    """On the SSM, the static path takes every level of a drafted tree, the later ones after the
+    step's scratch nodes; the output is the reference engine's."""
+    reference, fast = _engine(tiny_pair, False), _engine(tiny_pair, True)
+    ssm = fast.source.speculator.runners[0]
+    graphs = GraphRunner(ssm, batch_sizes=(1, 2), tree_sizes=(1, 8), max_context=128, capture=False).install()
+    params = mode_params("tree", 16, TreeShape((2, 2, 1), max_nodes=8))
+    prompt = [3, 17, 4, 29, 8, 8, 51, 12, 60, 2, 33]
+    assert fast.generate(prompt, params).output_ids == reference.generate(prompt, params).output_ids
+    # the prompt's prefill is longer than a bucket (eager); every drafting level after it replays
+    assert graphs.num_fallbacks == 1 and graphs.num_replays >= 3 * 3
+    graphs.close()
+
+
 def test_graph_runner_needs_cuda_to_capture(tiny_pair):
     runner = ModelRunner.from_dir(tiny_pair[0], device="cpu", max_kv_tokens=64, block_size=8)
     enable_triton(runner)
@@ -448,3 +462,36 @@ def test_gpu_check_script_runs_end_to_end_under_the_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = out.read_text()
     assert "Failures: none" in report and "Correctness" in report
+
+
+def test_graph_runner_takes_a_drafts_later_levels_after_scratch_nodes(tiny_pair):
+    """An SSM's later levels of a token tree follow the nodes it drafted earlier in the step: the
+    static path takes them (their rows see those nodes through the ancestor bits, past one word of
+    64 too) and computes what the runner computes."""
+    runner = ModelRunner.from_dir(tiny_pair[0], device=DEVICE, max_kv_tokens=1024, block_size=8)
+    enable_triton(runner)
+    graphs = GraphRunner(runner, batch_sizes=(1, 2), tree_sizes=(1, 8), max_context=256, capture=False)
+    seqs = [runner.new_sequence() for _ in range(2)]
+    for s, prompt in zip(seqs, ([5, 6, 7, 8, 9, 10, 11], [40, 41, 42])):
+        runner.prefill(s, prompt)
+    wide = [-1] + [0] * 69 + [1, 70, 70]  # 70 earlier nodes, then three new ones: two mask words
+    scratch = [([-1, 0, 0], 2), (wide, 3)]  # (parents of the earlier and the new nodes, how many are new)
+    levels = []
+    for s, (parents, num_new) in zip(seqs, scratch):
+        depth = []
+        for p in parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        num_earlier = len(parents) - num_new
+        earlier = Work(s, [20 + i % 50 for i in range(num_earlier)],
+                       [s.num_committed + d for d in depth[:num_earlier]], parents[:num_earlier], "none")
+        runner.run([earlier])  # the earlier level writes its scratch K/V
+        levels.append(Work(s, [30 + i for i in range(num_new)], [s.num_committed + d for d in depth[num_earlier:]],
+                           parents, "all"))
+    assert [w.num_scratch_before for w in levels] == [1, 70]
+    expected = [t.clone() for t in runner.run(levels)]
+    got = graphs.run(levels)
+    assert graphs.num_replays == 1 and graphs.num_fallbacks == 0
+    assert graphs.bucket_shape(levels) == (2, 8, 2)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    graphs.close()

@@ -3,7 +3,8 @@
 An LLM step of SpecInfer is one forward pass over a batch of token trees; for a small model or
 a small batch its time is dominated by kernel launches and Python, not by arithmetic. This
 module captures `DecoderModel.forward` once per *bucket* (padded number of requests B, padded
-tree size N: decode is N = 1) and replays it, after copying the step's inputs into the bucket's
+tree size N: decode is N = 1; mask words W, two for a drafting level after 64 scratch nodes) and
+replays it, after copying the step's inputs into the bucket's
 static buffers:
 
 * rows: request b owns rows [b N, b N + N); its n real tree nodes come first, the N - n padding
@@ -62,9 +63,10 @@ class _Bucket:
 class GraphRunner:
     """Runs `ModelRunner` work items through captured (or, without CUDA, eager) static steps.
 
-    `run(works)` returns what `ModelRunner.run(works)` returns, for work items that are a fresh
-    tree or chain per request (no scratch tokens from earlier in the step), fit a bucket, and fit
-    `max_context`; anything else falls back to `ModelRunner.run`.
+    `run(works)` returns what `ModelRunner.run(works)` returns, for work items that fit a bucket
+    and `max_context`; anything else falls back to `ModelRunner.run`. An item may follow scratch
+    nodes from earlier in the step (an SSM's later levels of a token tree): its rows see them
+    through the ancestor bits, so a draft's every level replays a graph too.
     """
 
     def __init__(
@@ -119,20 +121,24 @@ class GraphRunner:
 
     # ---- buckets -------------------------------------------------------------------------------
 
-    def bucket_shape(self, works) -> tuple[int, int] | None:
-        if not works or any(w.num_scratch_before for w in works):
+    def bucket_shape(self, works) -> tuple[int, int, int] | None:
+        """(padded requests B, padded new tokens N, mask words W) of the bucket `works` fit, or
+        None. W covers each item's scratch region: the new tokens plus, for an SSM's later levels
+        of a token tree, the nodes it drafted earlier in the step."""
+        if not works:
             return None
         max_new = max(len(w.token_ids) for w in works)
         b = next((x for x in self.batch_sizes if x >= len(works)), None)
         n = next((x for x in self.tree_sizes if x >= max_new), None)
         if b is None or n is None:
             return None
-        if any(w.seq.num_committed + len(w.token_ids) > self.max_context for w in works):
+        if any(w.seq.num_committed + len(w.parents) > self.max_context for w in works):
             return None
-        return b, n
+        scratch = max(n, max(len(w.parents) for w in works))
+        return b, n, max(1, -(-scratch // WORD_BITS))
 
-    def _bucket(self, batch: int, tokens: int) -> _Bucket:
-        found = self._buckets.get((batch, tokens))
+    def _bucket(self, batch: int, tokens: int, words: int) -> _Bucket:
+        found = self._buckets.get((batch, tokens, words))
         if found is not None:
             return found
         dev = self.device
@@ -141,7 +147,6 @@ class GraphRunner:
         block_m = choose_block_m(tokens, group)
         tokens_per_tile = block_m // group
         tiles_per_req = -(-tokens // tokens_per_tile)
-        words = max(1, -(-tokens // WORD_BITS))
         splits = self.num_splits or self.backend.num_splits
         if splits is None:
             splits = auto_num_splits(batch * tiles_per_req, self.backend.num_kv_heads, self.max_context, dev)
@@ -170,7 +175,7 @@ class GraphRunner:
         self._fill_dummy(bucket)
         if self.capture:
             self._capture(bucket)
-        self._buckets[(batch, tokens)] = bucket
+        self._buckets[(batch, tokens, words)] = bucket
         return bucket
 
     def _fill_dummy(self, bucket: _Bucket) -> None:
@@ -219,17 +224,18 @@ class GraphRunner:
             seq = w.seq
             n = len(w.token_ids)
             committed = seq.num_committed
-            kv_len = committed + n
+            first = committed + w.num_scratch_before  # the new tokens follow the step's earlier scratch nodes
+            kv_len = first + n
             seq.ensure_capacity(kv_len)
             slots = seq.slots(0, kv_len)
             pad = n_pad - n
             token_ids += w.token_ids + [w.token_ids[-1]] * pad
             positions += w.positions + [w.positions[-1]] * pad
-            write += slots[committed:] + [slots[-1]] * pad
+            write += slots[first:] + [slots[-1]] * pad
             rows, _, num_words = _ancestor_words(w.parents, n)
             rows = [r + [0] * (words - num_words) for r in rows]
             bits += rows + [rows[-1]] * pad
-            last_vis = [committed + i for i in range(n)] + [kv_len - 1] * pad
+            last_vis = [first + i for i in range(n)] + [kv_len - 1] * pad
             starts = self._window_starts(w)
             starts += [starts[-1]] * pad
             lows += starts
