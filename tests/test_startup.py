@@ -5,11 +5,14 @@ step of loading is told."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from specinfer.engine.runtime import calibration
+from specinfer.engine.runtime.machine_cache import CpuSnapshot
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.scheduling.policy import CostModel, is_busy
 
@@ -82,10 +85,32 @@ def test_a_calibration_begun_on_a_loaded_machine_is_used_but_not_cached(llm_runn
     """Steadily slow repeats do not spread: the load average says other work kept the CPUs busy."""
     from specinfer.engine.runtime import machine_cache
 
-    monkeypatch.setattr(machine_cache, "is_loaded", lambda device="cpu": True)
+    monkeypatch.setattr(machine_cache, "is_loaded", lambda device="cpu", **kwargs: True)
     lines = []
     model = calibration.calibrated_cost_model(llm_runner, tmp_path, lines.append, constant_timer())
     assert model.is_busy and "not cached" in lines[-1] and not (tmp_path / calibration.CACHE_FILE).exists()
+
+
+def test_a_calibration_during_which_other_work_started_is_used_but_not_cached(llm_runner, tmp_path, monkeypatch):
+    """The load average lags a neighbour that starts with the measurement (the demo draft's build,
+    spawned a moment before the stack calibrates): the CPU time others took meanwhile tells."""
+    from specinfer.engine.runtime import machine_cache
+
+    monkeypatch.setattr(machine_cache, "is_loaded", lambda device="cpu", since=None, **kwargs: since is not None)
+    lines = []
+    model = calibration.calibrated_cost_model(llm_runner, tmp_path, lines.append, constant_timer())
+    assert model.is_busy and "not cached" in lines[-1] and not (tmp_path / calibration.CACHE_FILE).exists()
+
+
+def test_other_processes_busy_during_a_measurement_make_the_machine_loaded(unloaded_machine):
+    is_loaded = unloaded_machine
+    start = CpuSnapshot()
+    if start.busy_s is None:
+        pytest.skip("no /proc/stat: other processes' CPU time is not known here")
+    subprocess.run([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"],
+                   check=True)  # one core kept busy by another process for most of the span
+    assert start.other_cores() > 0.5 and is_loaded("cpu", since=start)
+    assert not is_loaded("cuda", since=start)
 
 
 def test_a_machine_is_loaded_when_its_load_average_exceeds_its_cpus(unloaded_machine):

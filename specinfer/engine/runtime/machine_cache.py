@@ -12,8 +12,9 @@ A measurement is the fastest of several repeats (a neighbour busy for a moment s
 never speeds one up), and when the repeats spread so far apart that the machine was busy
 (`policy.is_busy`), it is measured again; one that stays busy is used but not cached, so that a later,
 calmer start measures it again instead of reusing it for good. Nor is one cached that began while
-other work kept every CPU busy (`is_loaded`): steadily slow repeats do not spread, but they say what
-this machine does under that load, not what it can do.
+other work kept every CPU busy, or during which other processes kept half a core or more busy
+(`is_loaded`): steadily slow repeats do not spread, but they say what this machine does under
+that load, not what it can do.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +36,7 @@ from specinfer.engine.models.checkpoint import safetensors_files
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # measurements of one thing while the machine stays busy
+OTHER_WORK_CORES = 0.5  # other processes' cores, on average during a measurement, that make it a busy one
 DIGESTS_FILE = "weights-digests.json"
 
 
@@ -73,12 +76,20 @@ def machine_key(device, cpuinfo: str | None = None) -> dict:
     }
 
 
-def is_loaded(device="cpu", load_average: float | None = None, num_cpus: int | None = None) -> bool:
-    """Whether other work keeps this machine's CPUs busy now (for a measurement on them): the
-    one-minute load average above the CPUs this process may use. Measured before the timing
-    starts, whose own threads would count."""
+def is_loaded(device="cpu", load_average: float | None = None, num_cpus: int | None = None,
+              since: "CpuSnapshot | None" = None) -> bool:
+    """Whether other work keeps this machine's CPUs busy (for a measurement on them).
+
+    Without `since`, now: the one-minute load average above the CPUs this process may use,
+    asked before the timing starts, whose own threads would count. With `since` (a snapshot taken
+    when the timing started), during it: other processes kept at least `OTHER_WORK_CORES` cores
+    busy on average. The load average lags work that starts with the measurement (a build spawned
+    a moment before); the CPU time spent meanwhile does not."""
     if torch.device(device).type != "cpu":
         return False
+    if since is not None:
+        cores = since.other_cores()
+        return cores is not None and cores >= OTHER_WORK_CORES
     try:
         load = os.getloadavg()[0] if load_average is None else load_average
     except OSError:
@@ -86,6 +97,37 @@ def is_loaded(device="cpu", load_average: float | None = None, num_cpus: int | N
     if num_cpus is None:
         num_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return load > num_cpus
+
+
+class CpuSnapshot:
+    """The machine's busy CPU time (/proc/stat, Linux) and this process's own, at one moment; on
+    a system without /proc/stat it measures nothing."""
+
+    def __init__(self):
+        self.wall_s, self.busy_s, self.own_s = time.monotonic(), _machine_busy_s(), _own_cpu_s()
+
+    def other_cores(self) -> float | None:
+        """Cores other processes kept busy on average since this snapshot, or None (unknown)."""
+        busy, wall = _machine_busy_s(), time.monotonic() - self.wall_s
+        if busy is None or self.busy_s is None or wall <= 0:
+            return None
+        return max(0.0, (busy - self.busy_s) - (_own_cpu_s() - self.own_s)) / wall
+
+
+def _machine_busy_s() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def key_id(key: dict) -> str:
