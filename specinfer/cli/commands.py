@@ -20,6 +20,11 @@ from specinfer.params import TreeShape
 from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
 
 
+def is_no_pool(ssm_args) -> bool:
+    """Whether `--ssm none` asked for no pool at all."""
+    return [str(e) for e in ssm_args] == ["none"]
+
+
 def resolve_paths(
     args: argparse.Namespace, cache_dir: Path, ssm_needed_by: str = "", is_draft_awaited: bool = True,
 ) -> tuple[ModelPaths, Path | None]:
@@ -31,7 +36,7 @@ def resolve_paths(
     `ssm_needed_by` (what needs them, e.g. "the stack"), no SSM at all is a `UserError`.
     """
     ssm_dirs, model_free = split_pool(args.ssm, getattr(args, "model_free", True))
-    is_none = [str(e) for e in args.ssm] == ["none"]
+    is_none = is_no_pool(args.ssm)
     if args.llm is None:
         if ssm_dirs:
             raise UserError("--ssm given without --llm")

@@ -406,7 +406,7 @@ def add_up_parser(sub) -> None:
 
 
 def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
-    from specinfer.cli.commands import check_models, resolve_paths  # tokenizers: not at CLI start-up
+    from specinfer.cli.commands import check_models, is_no_pool, resolve_paths  # tokenizers: not at CLI start-up
 
     parse_tree_width(args.tree_width)
     if args.num_verifiers < 1:
@@ -452,7 +452,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     )
     prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None
     watch = None  # the demo's draft, building in the background: the user hears when it is done
-    if args.llm is None and not paths.ssms and [str(e) for e in args.ssm] != ["none"]:
+    if args.llm is None and not paths.ssms and not is_no_pool(args.ssm):
         watch = BackgroundDraftWatch(cache_dir)
     check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)

@@ -73,11 +73,10 @@ def calibrated_cost_model(runner, cache_dir: Path | None = None, report: Callabl
     tell(f"calibrating the LLM cost model for load-aware speculation: passes of {SIZES[0]}-{SIZES[-1]} tokens, "
          f"the fastest of {REPEATS} each (once per model and machine{'' if cache_dir else '; no cache directory'})")
     started = time.perf_counter()
-    device = runner.model.device
-    timing, is_loaded = machine_cache.CpuSnapshot(), machine_cache.is_loaded(device)
+    load = machine_cache.LoadCheck(runner.model.device)
     model = CostModel.calibrate(runner, SIZES, CONTEXT, REPEATS, timer=timer, max_attempts=MAX_ATTEMPTS,
                                 max_seconds=MAX_SECONDS)
-    model.is_busy = model.is_busy or is_loaded or machine_cache.is_loaded(device, since=timing)
+    model.is_busy = model.is_busy or load.was_loaded()
     busy = "; the machine was busy: not cached, measured again at the next start" if model.is_busy else ""
     tell(f"calibrated in {time.perf_counter() - started:.1f}s: {describe(model)}{busy}")
     if not model.is_busy:

@@ -274,9 +274,9 @@ def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exe
 
     if report is not None:
         report(f"measuring which dtype runs it fastest here ({', '.join(cands)})")
-    timing, is_loaded = machine_cache.CpuSnapshot(), machine_cache.is_loaded(device)
+    load = machine_cache.LoadCheck(device)
     ms, busy = measure(make_runner, cands, cfg, timer)
-    busy = busy or is_loaded or machine_cache.is_loaded(device, since=timing)
+    busy = busy or load.was_loaded()
     if not ms:  # nothing ran: the preferred dtype, whose load reports what is wrong
         return DtypeChoice(prefer if prefer in MODEL_DTYPES else "float32", {})
     choice = DtypeChoice(pick(ms, prefer), ms, is_busy=busy)

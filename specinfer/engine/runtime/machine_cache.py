@@ -114,6 +114,18 @@ class CpuSnapshot:
         return max(0.0, (busy - self.busy_s) - (_own_cpu_s() - self.own_s)) / wall
 
 
+class LoadCheck:
+    """Whether other work made a measurement on `device` a busy one (`is_loaded`): the CPUs were
+    loaded when it began, or other processes kept them busy while it ran. Made when it begins."""
+
+    def __init__(self, device):
+        self.device, self.timing = device, CpuSnapshot()
+        self.is_loaded_at_start = is_loaded(device)
+
+    def was_loaded(self) -> bool:
+        return self.is_loaded_at_start or is_loaded(self.device, since=self.timing)
+
+
 def _machine_busy_s() -> float | None:
     try:
         with open("/proc/stat") as f:
