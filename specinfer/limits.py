@@ -137,6 +137,12 @@ DRAIN_HANDOVER_SHARE = 0.2  # ... at most this share of a short grace
 DRAIN_POLL_S = 0.1  # how often a drain checks whether its requests are done
 LAUNCHER_GRACE_S = 15.0  # `specinfer up` on Ctrl-C / SIGTERM: its services' grace, and how long it waits for them
 DRAFT_WATCH_INTERVAL_S = 5.0  # `specinfer up`: how often it looks whether the demo draft's background build has ended
+# Other processes' CPU use, in cores on average (specinfer/cpu_load.py): at least this much during a
+# start-up measurement makes it a busy one (not cached); while the demo draft builds in the
+# background beside `specinfer up`, this much stops the build until they are done (see below)
+OTHER_WORK_CORES = 0.5
+DRAFT_YIELD_INTERVAL_S = 0.25  # how often `specinfer up` samples the CPUs for its background draft build
+DRAFT_RESUME_AFTER = 4  # ... and how many quiet samples in a row resume a stopped build (one second)
 PARENT_WATCH_S = 1.0  # how often a service started with --parent-pid checks that its parent still runs
 
 # ---- routing over several verifiers (services/gateway/routing.py, verifier_pool.py) --------------

@@ -52,7 +52,8 @@ def test_without_waiting_the_stack_gets_no_draft_and_one_background_build(tmp_pa
                                         builder=fake_builder([]), pinned=pinned(), progress=False,
                                         spawn=lambda cmd, **kw: spawned.append(cmd))
     assert paths.ssms == ()
-    assert spawned == [[sys.executable, "-m", "specinfer.cli", "demo-models", "--cache-dir", str(tmp_path.resolve())]]
+    assert spawned == [[sys.executable, "-m", "specinfer.cli", "demo-models", "--background", "--cache-dir",
+                       str(tmp_path.resolve())]]
 
 
 def test_a_running_build_is_not_started_twice(tmp_path):
@@ -126,3 +127,129 @@ def test_a_running_stack_hears_when_the_background_build_stops_without_a_draft(t
     assert never.poll() is None  # not seen running, within the grace
     now[0] = 61.0
     assert "stopped without a draft" in never.poll()  # never started: told after the grace
+
+
+BUSY = "import time\nwhile True: sum(range(10000))"  # a process that wants a whole core
+
+
+def _background_build(root):
+    """A process holding the build's lock as the background build does (naming itself in the pid
+    file) and keeping a core busy."""
+    code = ("import sys, time\n"
+            "from pathlib import Path\n"
+            "from specinfer.pool.demo_pretrained import _build_lock\n"
+            f"with _build_lock(Path({str(root)!r}), False, is_background=True):\n"
+            "    print('locked', flush=True)\n"
+            "    while True: sum(range(10000))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def _state(pid):
+    from specinfer.cpu_load import process_state
+    return process_state(pid)
+
+
+def test_the_background_build_waits_while_other_work_wants_the_cpus(tmp_path):
+    """`specinfer up` stops its demo draft's build while other processes (the stack serving a
+    request) keep the CPUs busy: real processes, real signals, the CPUs' real counters."""
+    import time
+
+    root = tmp_path / demo.PRETRAINED_DEMO_DIR_NAME
+    root.mkdir()
+    build = _background_build(root)
+    yielder = demo.BuildYielder(tmp_path)
+    other = None
+    try:
+        assert demo.background_build_pid(root) == build.pid
+        for _ in range(6):  # the build's own work is not other work
+            yielder.sample()
+            time.sleep(0.25)
+        assert yielder.num_stops == 0 and _state(build.pid) in ("R", "S")
+        other = subprocess.Popen([sys.executable, "-c", BUSY])
+        deadline = time.monotonic() + 20
+        while not yielder.is_stopped and time.monotonic() < deadline:
+            yielder.sample()
+            time.sleep(0.25)
+        assert yielder.is_stopped and yielder.pid == build.pid
+        time.sleep(0.2)
+        assert _state(build.pid) == "T"  # stopped
+        yielder.release()
+        time.sleep(0.2)
+        assert _state(build.pid) in ("R", "S")
+    finally:
+        yielder.release()
+        for proc in (build, other):
+            if proc is None:
+                continue
+            proc.kill()
+            proc.wait()
+    assert demo.background_build_pid(root) is None  # the lock went with the process
+
+
+class FakeSnapshot:
+    """Other work's cores since the snapshot, from a script shared by all snapshots."""
+    script: list = []
+
+    def __init__(self, excluded=()):
+        self.excluded = excluded
+
+    def other_cores(self):
+        return FakeSnapshot.script.pop(0)
+
+
+def test_a_stopped_build_goes_on_after_enough_quiet_and_when_the_stack_stops(tmp_path):
+    root = tmp_path / demo.PRETRAINED_DEMO_DIR_NAME
+    root.mkdir()
+    build = _background_build(root)
+    signals, lines = [], []
+    yielder = demo.BuildYielder(tmp_path, threshold=0.5, resume_after=3, send=lambda pid, sig: signals.append(sig),
+                                log=lines.append, measure=FakeSnapshot)
+    import signal as sig
+    try:
+        FakeSnapshot.script = [1.2, 0.9, 0.1, 0.6, 0.1, 0.2, 0.0, 0.0, 1.5]
+        yielder.sample()  # finds the build (a build left stopped by a killed stack goes on) and takes a snapshot
+        assert signals == [sig.SIGCONT] and not yielder.is_stopped
+        for _ in range(2):  # busy: stopped once
+            yielder.sample()
+        assert signals == [sig.SIGCONT, sig.SIGSTOP] and yielder.is_stopped and len(lines) == 1
+        yielder.sample()  # one quiet sample
+        yielder.sample()  # busy again: the quiet count starts over
+        yielder.sample(), yielder.sample()  # two quiet
+        assert signals == [sig.SIGCONT, sig.SIGSTOP] and yielder.is_stopped
+        yielder.sample()  # the third quiet sample in a row
+        assert signals == [sig.SIGCONT, sig.SIGSTOP, sig.SIGCONT] and not yielder.is_stopped
+        yielder.sample(), yielder.sample()  # busy: stopped again, said once
+        assert signals[-1] == sig.SIGSTOP and yielder.is_stopped and len(lines) == 1
+        yielder.release()  # the stack stops
+        assert signals[-1] == sig.SIGCONT and not yielder.is_stopped
+    finally:
+        build.kill()
+        build.wait()
+
+
+def test_a_builds_budget_does_not_count_the_time_it_was_stopped():
+    """make-draft's clock leaves out time its process spent stopped (SIGSTOP): a build that waited
+    for a stack trains as long as one that did not."""
+    import signal as sig
+    import time
+
+    code = ("import time\n"
+            "from specinfer.pool.make_draft import Clock, StoppedTime\n"
+            "stopped = StoppedTime()\n"
+            "clock = Clock(1.0, stopped=stopped)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(3.0)\n"
+            "stopped.close()\n"
+            "print(round(clock.wall_s, 2), round(clock.stopped_s, 2), round(clock.elapsed_s, 2), flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.5)
+    proc.send_signal(sig.SIGSTOP)
+    time.sleep(1.5)
+    proc.send_signal(sig.SIGCONT)
+    wall, stopped, elapsed = map(float, proc.stdout.readline().split())
+    proc.wait()
+    assert 1.2 <= stopped <= wall - 0.5
+    assert abs(elapsed - (wall - stopped)) < 0.05

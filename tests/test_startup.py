@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specinfer.engine.runtime import calibration
-from specinfer.engine.runtime.machine_cache import CpuSnapshot
+from specinfer.cpu_load import CpuSnapshot
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.scheduling.policy import CostModel, is_busy
 

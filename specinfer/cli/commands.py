@@ -197,6 +197,6 @@ def run_demo_models(args: argparse.Namespace, cache_dir: Path) -> int:
 
         demo = ensure_demo_models(cache_dir / "tiny", budget=DemoBudget.tiny(), progress=True, force=args.force)
     else:
-        demo = ensure_pretrained_demo(cache_dir, progress=True, force=args.force)
+        demo = ensure_pretrained_demo(cache_dir, progress=True, force=args.force, is_background=args.background)
     print(json.dumps({"llm": str(demo.llm), "ssms": [str(s) for s in demo.ssms], "prompts": str(demo.prompts)}))
     return 0

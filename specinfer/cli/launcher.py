@@ -20,6 +20,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
@@ -32,7 +33,7 @@ from specinfer.limits import (
     DEFAULT_DTYPE, DEFAULT_IS_PREFIX_CACHING, DEFAULT_SSM_DTYPE, DRAFT_WATCH_INTERVAL_S, GATEWAY_PORT, HTTP_PORT,
     LAUNCHER_GRACE_S, PAPER_TREE_WIDTH, SPECULATOR_PORT, VERIFIER_PORT, parse_tree_width,
 )
-from specinfer.pool.demo_pretrained import BackgroundDraftWatch
+from specinfer.pool.demo_pretrained import BackgroundDraftWatch, BuildYielder
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.serving.shared_flags import add_declared, up_flags
 from specinfer.util import CACHE_DIR_ENV
@@ -452,8 +453,11 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     )
     prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None
     watch = None  # the demo's draft, building in the background: the user hears when it is done
+    stop_yielding, yielding = threading.Event(), None  # the build waits while the stack serves
     if args.llm is None and not paths.ssms and not is_no_pool(args.ssm):
         watch = BackgroundDraftWatch(cache_dir)
+        yielder = BuildYielder(cache_dir, log=lambda message: print(f"specinfer: {message}", file=sys.stderr, flush=True))
+        yielding = threading.Thread(target=yielder.run, args=(stop_yielding,), name="draft-build-yielder", daemon=True)
     check_ports(cfg)  # again: the ports may have been taken while the models were built
     stack = Stack(cfg)
     stopping = []
@@ -461,6 +465,8 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     # Ctrl-C stops the stack even where SIGINT came in ignored (a job a script put in the background)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        if yielding is not None:  # from the services' start: loading and calibrating want the CPUs too
+            yielding.start()
         stack.start()
         stack.wait_healthy()
         target = f"{cfg.host}:{cfg.gateway_port}"
@@ -486,6 +492,9 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        stop_yielding.set()  # the build goes on at full speed once the stack stops
+        if yielding is not None and yielding.is_alive():
+            yielding.join(timeout=5.0)
         if stack.children:
             try:
                 stack.stop()

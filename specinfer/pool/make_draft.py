@@ -43,6 +43,7 @@ import json
 import random
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -97,17 +98,51 @@ class DraftPlan:
                 "corpus": str(self.corpus.resolve()) if self.corpus else None, "settings": settings}
 
 
-class Clock:
-    """The build's time budget: seconds since the start and seconds left."""
+class StoppedTime:
+    """Seconds this process spent stopped (SIGSTOP, Ctrl-Z: `specinfer up` stops the demo draft's
+    background build while the stack wants the CPUs), seen by a thread as gaps in its ticks."""
 
-    def __init__(self, minutes: float, now: Callable[[], float] = time.monotonic):
+    def __init__(self, tick_s: float = 0.1, min_gap_s: float = 0.5):
+        self.tick_s, self.min_gap_s = tick_s, min_gap_s
+        self.stopped_s = 0.0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stopped-time", daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        last = time.monotonic()
+        while not self._done.wait(self.tick_s):
+            now = time.monotonic()
+            if now - last >= self.min_gap_s:  # a tick that came this late: the process was stopped
+                self.stopped_s += now - last - self.tick_s
+            last = now
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+class Clock:
+    """The build's time budget: seconds since the start and seconds left, less the time the
+    process spent stopped (`stopped`), which neither trains nor should shorten the training."""
+
+    def __init__(self, minutes: float, now: Callable[[], float] = time.monotonic, stopped: StoppedTime | None = None):
         self.now = now
         self.start = now()
         self.budget_s = 60.0 * minutes
+        self.stopped = stopped
+
+    @property
+    def stopped_s(self) -> float:
+        return self.stopped.stopped_s if self.stopped is not None else 0.0
+
+    @property
+    def wall_s(self) -> float:
+        return self.now() - self.start
 
     @property
     def elapsed_s(self) -> float:
-        return self.now() - self.start
+        return self.wall_s - self.stopped_s
 
     @property
     def left_s(self) -> float:
@@ -123,9 +158,18 @@ def build_draft(llm: str | Path, out: str | Path, minutes: float | None = None, 
     cfg = cfg or DraftConfig()
     if minutes is not None:
         cfg = replace(cfg, minutes=minutes)  # validated by DraftConfig
-    clock = Clock(cfg.minutes)
     plan = check_plan(Path(llm), Path(out), cfg, Path(corpus) if corpus else None,
                       Path(cache_dir) if cache_dir else None, overwrite)
+    stopped = StoppedTime()
+    try:
+        return _build(plan, Clock(cfg.minutes, stopped=stopped), progress)
+    finally:
+        stopped.close()
+
+
+def _build(plan: DraftPlan, clock: Clock, progress: bool) -> dict:
+    """The build's stages: the cut, the teacher data, the distillation, the record."""
+    cfg = plan.cfg
     say = (lambda line: print(f"make-draft: {line}", file=sys.stderr, flush=True)) if progress else (lambda line: None)
     cut = cut_draft(plan, say)
     train, evals = teacher_data(plan, clock, progress, say)
@@ -133,7 +177,8 @@ def build_draft(llm: str | Path, out: str | Path, minutes: float | None = None, 
     record = distill(plan, cut, train, evals, clock, progress, say, vocab, answer_ids(train))
     if vocab is not None:  # the cut was timed with the whole head; the draft scores its vocabulary only
         record.update(draft_cost(record["llm_pass_ms"], plan.out))
-    record["build_minutes"] = round(clock.elapsed_s / 60, 2)
+    record["build_minutes"] = round(clock.wall_s / 60, 2)
+    record["stopped_minutes"] = round(clock.stopped_s / 60, 2)
     write_json(plan.out / DRAFT_RECORD_FILE, record)
 
     shutil.rmtree(plan.work, ignore_errors=True)

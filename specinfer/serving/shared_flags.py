@@ -546,7 +546,10 @@ def demo_models_flags() -> list[Flag]:
     return [cache_dir_flag("command"),
             Flag("--tiny", NONE, parse_bool, False, "instead, a tiny LLM and SSMs trained here from Python's "
                  "standard library (no download; for tests)", is_toggle=True),
-            Flag("--force", NONE, parse_bool, False, "rebuild even if cached", is_toggle=True)]
+            Flag("--force", NONE, parse_bool, False, "rebuild even if cached", is_toggle=True),
+            Flag("--background", NONE, parse_bool, False, "build as `specinfer up` does beside a running stack: "
+                 "a running `specinfer up` stops the build while it (or other work) wants the CPUs, and "
+                 "the time stopped does not count against the build's budget", is_toggle=True)]
 
 
 # ---- `specinfer client` and the health probe --------------------------------------------------

@@ -25,18 +25,18 @@ import logging
 import os
 import platform
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from specinfer.cpu_load import CpuSnapshot
 from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.models.checkpoint import safetensors_files
+from specinfer.limits import OTHER_WORK_CORES
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3  # measurements of one thing while the machine stays busy
-OTHER_WORK_CORES = 0.5  # other processes' cores, on average during a measurement, that make it a busy one
 DIGESTS_FILE = "weights-digests.json"
 
 
@@ -99,21 +99,6 @@ def is_loaded(device="cpu", load_average: float | None = None, num_cpus: int | N
     return load > num_cpus
 
 
-class CpuSnapshot:
-    """The machine's busy CPU time (/proc/stat, Linux) and this process's own, at one moment; on
-    a system without /proc/stat it measures nothing."""
-
-    def __init__(self):
-        self.wall_s, self.busy_s, self.own_s = time.monotonic(), _machine_busy_s(), _own_cpu_s()
-
-    def other_cores(self) -> float | None:
-        """Cores other processes kept busy on average since this snapshot, or None (unknown)."""
-        busy, wall = _machine_busy_s(), time.monotonic() - self.wall_s
-        if busy is None or self.busy_s is None or wall <= 0:
-            return None
-        return max(0.0, (busy - self.busy_s) - (_own_cpu_s() - self.own_s)) / wall
-
-
 class LoadCheck:
     """Whether other work made a measurement on `device` a busy one (`is_loaded`): the CPUs were
     loaded when it began, or other processes kept them busy while it ran. Made when it begins."""
@@ -124,22 +109,6 @@ class LoadCheck:
 
     def was_loaded(self) -> bool:
         return self.is_loaded_at_start or is_loaded(self.device, since=self.timing)
-
-
-def _machine_busy_s() -> float | None:
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    except (OSError, ValueError):
-        return None
-    if len(ticks) < 5:
-        return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def key_id(key: dict) -> str:
