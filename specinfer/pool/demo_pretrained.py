@@ -10,7 +10,7 @@ A cold start has two costs of different size: the download (seconds) and the dra
 Commands that measure or answer once (`generate`, `bench`, `demo-models`) wait for the draft.
 `specinfer up` does not: it serves at once with the model-free drafts while the draft is built in
 a background process (its log beside it), and the next start serves with the draft. The build
-waits while the stack serves (`BuildYielder`): beside it, answers would come 7x slower. One lock
+waits while the stack serves (`BuildYielder`): beside it, answers came 4-7x slower. One lock
 keeps two processes from building the same draft; a build that dies leaves nothing that passes
 for a draft (`make_draft` moves a finished draft into place only when it is complete).
 
@@ -201,7 +201,7 @@ class BackgroundDraftWatch:
 class BuildYielder:
     """Keeps the demo draft's background build off the CPUs while other work wants them: the stack
     beside it serving a request, or anything else on the machine. Beside a build using both of
-    a 2-core machine's cores, the stack's LLM pass took 7x its idle time.
+    a 2-core machine's cores, an LLM pass took 4-7x its idle time.
 
     Each `sample` measures the cores that processes other than the build and this one kept busy
     since the last; at `threshold` or more it stops the build (SIGSTOP), and after `resume_after`
