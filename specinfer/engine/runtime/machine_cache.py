@@ -100,12 +100,16 @@ def is_loaded(device="cpu", load_average: float | None = None, num_cpus: int | N
 
 
 class LoadCheck:
-    """Whether other work made a measurement on `device` a busy one (`is_loaded`): the CPUs were
-    loaded when it began, or other processes kept them busy while it ran. Made when it begins."""
+    """Whether other work made a measurement on `device` a busy one (`is_loaded`): other
+    processes kept the CPUs busy while it ran, or, where their CPU time is not known (no
+    /proc/stat), the CPUs were loaded when it began. Where it is known, the load average is not
+    asked: it stays high for a minute after work that has ended (the demo draft's build, stopped
+    while the stack starts), and would keep a quiet measurement out of the cache. Made when the
+    measurement begins."""
 
     def __init__(self, device):
         self.device, self.timing = device, CpuSnapshot()
-        self.is_loaded_at_start = is_loaded(device)
+        self.is_loaded_at_start = is_loaded(device) if self.timing.busy_s is None else False
 
     def was_loaded(self) -> bool:
         return self.is_loaded_at_start or is_loaded(self.device, since=self.timing)
