@@ -206,7 +206,9 @@ class BuildYielder:
     Each `sample` measures the cores that processes other than the build and this one kept busy
     since the last; at `threshold` or more it stops the build (SIGSTOP), and after `resume_after`
     quiet samples in a row it lets it go on (SIGCONT). The build does not count the time it was
-    stopped against its budget (`make_draft.StoppedTime`), so the draft is the same, only later."""
+    stopped against its budget (`make_draft.StoppedTime`), so the draft is the same, only later.
+    A stack killed (SIGKILL) while the build is stopped leaves it stopped, holding its lock: the
+    next `specinfer up` (its yielder) or `specinfer demo-models` (waiting for the lock) lets it go on."""
 
     def __init__(self, cache_dir: Path, threshold: float = OTHER_WORK_CORES, resume_after: int = DRAFT_RESUME_AFTER,
                  send: Callable[[int, int], None] = os.kill, log: Callable[[str], None] = lambda message: None,
