@@ -289,3 +289,29 @@ def test_a_finished_background_build_is_not_left_a_zombie_beside_the_stack(tmp_p
     while _state(spawned[0]) is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _state(spawned[0]) is None  # gone, not "Z"
+
+
+def test_the_stacks_own_first_answer_stops_the_build_at_once(tmp_path):
+    """`specinfer up --prompt` holds the build while it answers: stopped before the first token,
+    not a sampling interval later, and it stays stopped however quiet a sample looks."""
+    import signal as sig
+
+    root = tmp_path / demo.PRETRAINED_DEMO_DIR_NAME
+    root.mkdir()
+    build = _background_build(root)
+    signals = []
+    yielder = demo.BuildYielder(tmp_path, resume_after=2, send=lambda pid, s: signals.append(s), measure=FakeSnapshot)
+    try:
+        FakeSnapshot.script, FakeSnapshot.excluded = [0.0] * 5, []
+        yielder.sample(), yielder.sample()  # found, quiet
+        assert signals == [sig.SIGCONT] and not yielder.is_stopped
+        yielder.hold()
+        assert signals == [sig.SIGCONT, sig.SIGSTOP] and yielder.is_stopped
+        yielder.sample()  # quiet, but held
+        assert signals == [sig.SIGCONT, sig.SIGSTOP] and yielder.is_stopped
+        yielder.let_go()
+        yielder.sample(), yielder.sample()  # two quiet samples after the hold
+        assert signals == [sig.SIGCONT, sig.SIGSTOP, sig.SIGCONT] and not yielder.is_stopped
+    finally:
+        build.kill()
+        build.wait()

@@ -453,7 +453,7 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
     )
     prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None
     watch = None  # the demo's draft, building in the background: the user hears when it is done
-    stop_yielding, yielding = threading.Event(), None  # the build waits while the stack serves
+    stop_yielding, yielding, yielder = threading.Event(), None, None  # the build waits while the stack serves
     if args.llm is None and not paths.ssms and not is_no_pool(args.ssm):
         watch = BackgroundDraftWatch(cache_dir)
         yielder = BuildYielder(cache_dir, log=lambda message: print(f"specinfer: {message}", file=sys.stderr, flush=True))
@@ -473,7 +473,13 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         http = f", OpenAI-compatible API at http://{cfg.host}:{cfg.http_port}/v1" if cfg.http_port else ""
         print(f"specinfer: stack is up; gateway at {target}{http} (Ctrl-C to stop)", file=sys.stderr, flush=True)
         if args.prompt:
-            _answer(target, prompt, args.max_tokens, args.json)
+            if yielder is not None:  # the build waits from the first token, not from the first sample
+                yielder.hold()
+            try:
+                _answer(target, prompt, args.max_tokens, args.json)
+            finally:
+                if yielder is not None:
+                    yielder.let_go()
             if args.once:
                 return 0
         next_watch = 0.0

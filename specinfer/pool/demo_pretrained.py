@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import signal
@@ -219,11 +220,29 @@ class BuildYielder:
         self.pid: int | None = None
         self.snapshot = None
         self.is_stopped = False
+        self.is_held = False
         self.num_quiet = 0
         self.num_stops = 0
+        self._lock = threading.Lock()
 
     def sample(self) -> None:
         """One look: stop or resume the build as the CPUs' use since the last look says."""
+        with self._lock:
+            self._sample()
+
+    def hold(self) -> None:
+        """Stops the build now and keeps it stopped until `let_go`: for work this process knows
+        is coming (the stack's first answer), which a sample would see only after its interval."""
+        with self._lock:
+            self.is_held = True
+            self._sample()
+
+    def let_go(self) -> None:
+        """Ends a `hold`: the build goes on after the usual quiet samples."""
+        with self._lock:
+            self.is_held = False
+
+    def _sample(self) -> None:
         pid = background_build_pid(self.root)
         if pid != self.pid:  # a build started, ended or was replaced
             self.pid, self.snapshot, self.is_stopped, self.num_quiet = pid, None, False, 0
@@ -232,6 +251,8 @@ class BuildYielder:
             return
         cores = self.snapshot.other_cores() if self.snapshot is not None else None
         self.snapshot = self.measure(excluded=(pid,))
+        if self.is_held:
+            cores = math.inf
         if cores is None:
             return
         if cores >= self.threshold:
@@ -251,9 +272,11 @@ class BuildYielder:
 
     def release(self) -> None:
         """Lets a stopped build go on (when the stack stops)."""
-        if self.is_stopped:
-            self._signal(signal.SIGCONT)
-            self.is_stopped = False
+        with self._lock:
+            self.is_held = False
+            if self.is_stopped:
+                self._signal(signal.SIGCONT)
+                self.is_stopped = False
 
     def run(self, done: threading.Event, interval_s: float = DRAFT_YIELD_INTERVAL_S) -> None:
         """Samples every `interval_s` until `done` is set, then releases the build."""
