@@ -287,9 +287,7 @@ class BuildYielder:
             self.release()
 
     def _signal(self, signum: int) -> None:
-        try:
-            self.send(self.pid, signum)
-        except (ProcessLookupError, PermissionError):
+        if not _send(self.pid, signum, self.send):  # gone: the next sample looks for a build again
             self.pid, self.is_stopped = None, False
 
 
@@ -304,10 +302,16 @@ def background_build_pid(root: Path) -> int | None:
 
 def _resume(pid: int | None, send: Callable[[int, int], None] = os.kill) -> None:
     if pid is not None:
-        try:
-            send(pid, signal.SIGCONT)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _send(pid, signal.SIGCONT, send)
+
+
+def _send(pid: int, signum: int, send: Callable[[int, int], None] = os.kill) -> bool:
+    """Sends `signum` to `pid`; False when the process is gone (or not ours)."""
+    try:
+        send(pid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 def _built(draft: Path) -> str:
