@@ -98,8 +98,10 @@ def test_a_running_stack_hears_once_when_the_background_draft_is_ready(tmp_path)
     fake_builder([])(None, root / demo.DRAFT_DIR_NAME, tmp_path, False)
     (root / demo.DRAFT_DIR_NAME / demo.DRAFT_RECORD_FILE).write_text(
         json.dumps({"agreement_after": 0.263, "build_minutes": 7.83}))
+    assert watch.draft is None
     message = watch.poll()
-    assert "ready (held-out agreement 26.3%, built in 7.8 min)" in message and "restart `specinfer up`" in message
+    assert "ready (held-out agreement 26.3%, built in 7.8 min)" in message
+    assert watch.draft == root.resolve() / demo.DRAFT_DIR_NAME  # what the stack moves onto
     assert watch.poll() is None  # said once
     assert demo.BackgroundDraftWatch(tmp_path).poll() is None  # a draft already there at start: nothing to tell
 

@@ -443,3 +443,107 @@ def test_a_second_ctrl_c_while_draining_still_stops_every_child(monkeypatch, tin
     assert main(args) == 0
     assert len(stops) == 2 and stops[1] == 0
     assert "stack stopped" in capsys.readouterr().err
+
+
+def test_a_running_stack_moves_onto_a_new_pool_without_dropping_a_request(tmp_path):
+    """The demo's draft, once its background build is done, joins a stack that is serving: a
+    verifier with it starts on the standby port the gateway watches, then the old one drains.
+    Requests sent all along, through the swap, each succeed with the LLM's own greedy output."""
+    import threading
+
+    import grpc
+
+    from specinfer.cli.launcher import VerifierSwap
+    from specinfer.v1 import specinfer_pb2 as pb
+    from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+    from util import save_text_pair
+
+    llm, ssm = save_text_pair(tmp_path / "models", 300, ["def add(a, b):\n    return a + b\n"] * 30, hidden=32,
+                            max_pos=256, seed=3, ssm_seed=4, noise=0.04)
+    base = _free_ports(3)  # gateway, the verifier, its standby
+    cfg = StackConfig(llm=llm, ssms=(), model_free=("lookup", "suffix"), is_co_located=True, has_standby_ports=True,
+                      gateway_port=base, http_port=0, verifier_port=base + 1, cache_dir=tmp_path, verifier_threads=1,
+                      startup_timeout_s=180)
+    assert [u.port for u in launcher.planned_ports(cfg)] == [base, base + 1, base + 2]
+    stack = Stack(cfg)
+    outputs, failures, stop = [], [], threading.Event()
+
+    def client() -> None:  # one request after another, as a user's would come
+        with grpc.insecure_channel(f"127.0.0.1:{base}") as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            while not stop.is_set():
+                try:
+                    reply = stub.Generate(pb.GenerateRequest(prompt="def add", max_tokens=40, ignore_eos=True),
+                                          timeout=60)
+                    outputs.append(tuple(reply.token_ids))
+                except grpc.RpcError as exc:
+                    failures.append(f"{exc.code().name}: {exc.details()}")
+
+    thread = threading.Thread(target=client, daemon=True)
+    try:
+        stack.start()
+        stack.wait_healthy()
+        old = stack.verifiers[0]
+        with grpc.insecure_channel(f"127.0.0.1:{base}") as channel:
+            stub = pb_grpc.GatewayStub(channel)
+
+            def hosted() -> list[str] | None:  # the SSMs the serving verifiers host
+                try:
+                    return list(stub.Info(pb.InfoRequest(), timeout=10).ssm_names)
+                except grpc.RpcError:  # none serving yet (the gateway polls their health)
+                    return None
+
+            assert wait_until(lambda: hosted() is not None, 60) and ssm.name not in hosted()
+            thread.start()
+            assert wait_until(lambda: len(outputs) >= 2 or failures, 120), "no request was served"
+            swap = VerifierSwap(stack, (ssm,))
+            message = []
+
+            def swapped() -> bool:
+                stack.supervise()
+                message.append(swap.step())
+                return message[-1] is not None
+
+            assert wait_until(swapped, 240, interval=0.1), "the swap did not finish"
+            assert "now speculates with the demo draft" in message[-1], message[-1]
+            served_before = len(outputs)
+            assert wait_until(lambda: len(outputs) >= served_before + 3 or failures, 120)
+            stop.set()
+            thread.join(timeout=90)
+            assert old.proc.poll() is not None and old not in stack.children  # drained, not restarted
+            new = stack.verifiers[0]
+            assert new.port == base + 2 and new.proc.poll() is None and new.is_supervised
+            assert wait_until(lambda: ssm.name in (hosted() or []), 60)
+            named = stub.Generate(pb.GenerateRequest(prompt="def add", max_tokens=40, ignore_eos=True,
+                                                     ssm_names=[ssm.name]), timeout=60)
+        assert not failures, failures
+        assert len(set(outputs)) == 1 and tuple(named.token_ids) == outputs[0]  # exact through the swap
+    finally:
+        stop.set()
+        stack.stop(grace_s=10)
+
+
+def test_a_swap_whose_verifier_does_not_start_leaves_the_old_one_serving(monkeypatch):
+    stack = Stack(StackConfig(llm=Path("/m/llm"), ssms=(), is_co_located=True, has_standby_ports=True,
+                              verifier_port=40001, startup_timeout_s=60))
+    old = stack.add("verifier", [sys.executable, "-c", "import time; time.sleep(60)"], 40001, {})
+    stack.verifiers.append(old)
+    spawned = []
+
+    def spawn(self, name, module, args, port, env):
+        spawned.append((name, args, port))
+        return self.add(name, [sys.executable, "-c", "import sys; sys.exit(1)"], port, env)
+
+    monkeypatch.setattr(Stack, "_spawn", spawn)
+    try:
+        from specinfer.cli.launcher import VerifierSwap
+
+        swap = VerifierSwap(stack, (Path("/m/draft"),))
+        assert swap.step() is None  # spawned on the standby port
+        name, args, port = spawned[0]
+        assert name == "verifier" and port == 40002 and args[args.index("--ssm") + 1] == "/m/draft"
+        assert wait_until(lambda: (message := swap.step()) is not None and spawned.append(message) is None, 30)
+        assert "did not start: it exited with code 1" in spawned[-1] and "goes on serving without it" in spawned[-1]
+        assert stack.children == [old] and stack.verifiers == [old] and old.proc.poll() is None
+    finally:
+        stack.stop(grace_s=5)

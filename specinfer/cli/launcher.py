@@ -59,6 +59,9 @@ class StackConfig:
     model_free: tuple[str, ...] = ()  # model-free pool members (lookup, suffix), next to the SSMs
     suffix_cache_tokens: int | None = None  # recent outputs the suffix member shares (None: the services' default)
     is_co_located: bool = False  # the verifier hosts the pool itself: no speculator process, no hop
+    # each verifier also has a standby port the gateway watches, where a verifier with a new pool
+    # starts before the old one drains (`VerifierSwap`: the demo's draft, once built in the background)
+    has_standby_ports: bool = False
     tree_width: str = ",".join(map(str, PAPER_TREE_WIDTH))
     metrics_base_port: int = 0
     verifier_threads: int = 0  # torch threads per model process; 0 = torch's default
@@ -108,6 +111,10 @@ def planned_ports(cfg: StackConfig) -> list[PortUse]:
     uses += [PortUse(cfg.speculator_base_port + i, f"speculator-{i}", "gRPC API",
                      "--speculator-port" + (f" (the first speculator's; speculator-{i} takes it + {i})" if i else ""))
              for i in range(num_speculators)]
+    if cfg.has_standby_ports:
+        uses += [PortUse(standby_port(cfg, i), f"{verifier_name(cfg, i)} (standby)", "gRPC API",
+                         f"--verifier-port (+ {cfg.num_verifiers + i}: where a verifier with the demo draft takes over)")
+                 for i in range(cfg.num_verifiers)]
     if cfg.metrics_base_port:
         uses.append(PortUse(cfg.metrics_base_port, "gateway", "metrics endpoint", "--metrics-port"))
         uses += [PortUse(cfg.metrics_base_port + 1 + i, verifier_name(cfg, i), "metrics endpoint",
@@ -115,7 +122,22 @@ def planned_ports(cfg: StackConfig) -> list[PortUse]:
         first = cfg.metrics_base_port + 1 + cfg.num_verifiers
         uses += [PortUse(first + i, f"speculator-{i}", "metrics endpoint",
                          f"--metrics-port (+ {first + i - cfg.metrics_base_port})") for i in range(num_speculators)]
+        if cfg.has_standby_ports:
+            uses += [PortUse(standby_metrics_port(cfg, i), f"{verifier_name(cfg, i)} (standby)", "metrics endpoint",
+                             f"--metrics-port (+ {standby_metrics_port(cfg, i) - cfg.metrics_base_port})")
+                     for i in range(cfg.num_verifiers)]
     return uses
+
+
+def standby_port(cfg: StackConfig, index: int) -> int:
+    """Verifier `index`'s standby port: after every verifier's own."""
+    return cfg.verifier_port + cfg.num_verifiers + index
+
+
+def standby_metrics_port(cfg: StackConfig, index: int) -> int:
+    """Its standby metrics port: after every other metrics port."""
+    num_speculators = 0 if cfg.is_co_located else cfg.num_speculators
+    return cfg.metrics_base_port + 1 + cfg.num_verifiers + num_speculators + index
 
 
 def verifier_name(cfg: StackConfig, index: int) -> str:
@@ -173,6 +195,7 @@ class Child:
         self.backoff_s = backoff_s  # the wait before its next restart
         self.num_restarts = 0
         self.restart_at: float | None = None  # set while it is down
+        self.is_supervised = True  # restarted when it exits (not while it is tried out, nor once retired)
         self.proc = self._launch()
         self.started_at = time.monotonic()
 
@@ -202,6 +225,9 @@ class Stack:
     def __init__(self, cfg: StackConfig):
         self.cfg = cfg
         self.children: list[Child] = []
+        self.verifiers: list[Child | None] = []  # each verifier's child, by index
+        self.common_env: dict[str, str] = {}
+        self.spec_targets: list[str] = []
         # each child answers health checks for this name too: what tells ours from another process
         self.instance_id = secrets.token_hex(8)
 
@@ -211,13 +237,15 @@ class Stack:
         self.children.append(child)
         return child
 
-    def _spawn(self, name: str, module: str, args: list[str], port: int, env: dict[str, str]) -> None:
-        self.add(name, [sys.executable, "-m", module, *args], port, env)
+    def _spawn(self, name: str, module: str, args: list[str], port: int, env: dict[str, str]) -> Child:
+        return self.add(name, [sys.executable, "-m", module, *args], port, env)
 
     def start(self) -> None:
-        common_env = self._common_env()
-        speculators = self._start_speculators(common_env)
+        common_env = self.common_env = self._common_env()
+        speculators = self.spec_targets = self._start_speculators(common_env)
         verifiers = self._start_verifiers(common_env, speculators)
+        if self.cfg.has_standby_ports:
+            verifiers += [f"{self.cfg.host}:{standby_port(self.cfg, i)}" for i in range(self.cfg.num_verifiers)]
         self._start_gateway(common_env, verifiers)
 
     def _common_env(self) -> dict[str, str]:
@@ -265,6 +293,23 @@ class Stack:
     def _start_verifiers(self, common_env: dict[str, str], spec_targets: list[str]) -> list[str]:
         """Spawns the verifiers, each with every speculator; their addresses."""
         cfg = self.cfg
+        args = self.verifier_args(cfg, spec_targets)
+        verifier_targets = []
+        for i in range(cfg.num_verifiers):
+            port = cfg.verifier_port + i
+            self.verifiers.append(self._spawn_verifier(i, args, port, cfg.metrics_base_port + 1 + i))
+            verifier_targets.append(f"{cfg.host}:{port}")
+        return verifier_targets
+
+    def _spawn_verifier(self, index: int, args: list[str], port: int, metrics_port: int) -> Child | None:
+        env = dict(self.common_env, SPECINFER_LOG_LEVEL="info")
+        if self.cfg.metrics_base_port:
+            env["SPECINFER_METRICS_PORT"] = str(metrics_port)
+        return self._spawn(verifier_name(self.cfg, index), "services.verifier", args + ["--port", str(port)], port, env)
+
+    @staticmethod
+    def verifier_args(cfg: StackConfig, spec_targets: list[str]) -> list[str]:
+        """A verifier's command-line arguments, but its port."""
         threads = cfg.verifier_threads or default_verifier_threads(cfg.num_verifiers)
         args = ["--model", str(cfg.llm), "--host", cfg.host, "--dtype", cfg.dtype,
                 "--tree-width", cfg.tree_width, "--threads", str(threads)]
@@ -275,16 +320,7 @@ class Stack:
             args += ["--ssm-dtype", cfg.ssm_dtype or cfg.dtype]
         if cfg.tensor_parallel > 1:
             args += ["--tensor-parallel", str(cfg.tensor_parallel)]
-        args += _exec_args(cfg) + (["--offload", "on"] if cfg.is_offloaded else []) + _kv_args(cfg)
-        verifier_targets = []
-        for i in range(cfg.num_verifiers):
-            port = cfg.verifier_port + i
-            env = dict(common_env, SPECINFER_LOG_LEVEL="info")
-            if cfg.metrics_base_port:
-                env["SPECINFER_METRICS_PORT"] = str(cfg.metrics_base_port + 1 + i)
-            self._spawn(verifier_name(cfg, i), "services.verifier", args + ["--port", str(port)], port, env)
-            verifier_targets.append(f"{cfg.host}:{port}")
-        return verifier_targets
+        return args + _exec_args(cfg) + (["--offload", "on"] if cfg.is_offloaded else []) + _kv_args(cfg)
 
     def _start_gateway(self, common_env: dict[str, str], verifier_targets: list[str]) -> None:
         cfg = self.cfg
@@ -305,10 +341,7 @@ class Stack:
         """Returns once every child answers health checks as SERVING under this stack's instance id.
         StackFailed when a child exits first (a port it cannot bind: exit code 2), when another
         process answers on a child's port (exit code 2), or at the start-up timeout."""
-        from specinfer.serving.grpc_server import instance_health_name  # the servers' stack: not at CLI start-up
-
         deadline = time.monotonic() + self.cfg.startup_timeout_s
-        request = health_pb2.HealthCheckRequest(service=instance_health_name(self.instance_id))
         channels = {id(c): grpc.insecure_channel(f"{self.cfg.host}:{c.port}", options=reconnect_options())
                     for c in self.children}
         pending = list(self.children)
@@ -321,13 +354,8 @@ class Stack:
                     if code is not None:
                         raise StackFailed(f"{child.name} exited with code {code} during start-up (its log is above)")
                 for child in list(pending):
-                    try:
-                        stub = health_pb2_grpc.HealthStub(channels[id(child)])
-                        if stub.Check(request, timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
-                            pending.remove(child)
-                    except grpc.RpcError as exc:
-                        if exc.code() == grpc.StatusCode.NOT_FOUND:  # a server that does not know our id
-                            raise self.stranger(child) from None
+                    if self.is_serving(child, channels[id(child)]):
+                        pending.remove(child)
                 if pending and time.monotonic() > deadline:
                     raise StackFailed(f"{pending[0].name} did not become healthy within "
                                       f"{self.cfg.startup_timeout_s:.0f}s")
@@ -336,6 +364,20 @@ class Stack:
         finally:
             for channel in channels.values():
                 channel.close()
+
+    def is_serving(self, child: Child, channel: grpc.Channel) -> bool:
+        """Whether the child answers its health check as SERVING under this stack's instance id;
+        StackFailed (exit code 2) where another process answers on its port."""
+        from specinfer.serving.grpc_server import instance_health_name  # the servers' stack: not at CLI start-up
+
+        request = health_pb2.HealthCheckRequest(service=instance_health_name(self.instance_id))
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(request, timeout=1.0).status == \
+                health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:  # a server that does not know our id
+                raise self.stranger(child) from None
+            return False
 
     def _uses(self, child: Child) -> list[PortUse]:
         return [u for u in planned_ports(self.cfg) if u.service == child.name] or \
@@ -377,9 +419,95 @@ class Stack:
         while none serves). A child that could not bind its port is StackFailed instead."""
         now = time.monotonic()
         for child in self.children:
+            if not child.is_supervised:  # tried out or retired by a `VerifierSwap`, which watches it
+                continue
             if child.restart_at is None and child.proc.poll() == EXIT_CANNOT_BIND:  # restarting will not free it
                 raise self.bind_failure(child)
             child.supervise(now, self.cfg)
+
+
+class VerifierSwap:
+    """Moves a running stack's verifiers onto a new pool (the demo's draft, once its background
+    build is done), one at a time and without dropping a request. A verifier with the new pool
+    starts on the old one's standby port, which the gateway watches from the start; once it serves
+    (the gateway routes to it as soon as its health says so), the old one drains: it takes no new
+    request, finishes those it runs, and hands over any that would outlast its grace, which the
+    gateway continues on the new one exactly where they were (`specinfer.serving.drain`). One that
+    does not start leaves the old one serving. `step` is called from the supervising loop."""
+
+    def __init__(self, stack: Stack, ssms: tuple[Path, ...], clock=time.monotonic):
+        cfg = stack.cfg
+        if not (cfg.has_standby_ports and cfg.is_co_located):
+            raise ValueError("a swap needs standby ports and verifiers that host their pool")
+        self.stack, self.clock = stack, clock
+        self.args = Stack.verifier_args(replace(cfg, ssms=tuple(ssms)), stack.spec_targets)
+        self.queue = list(range(len(stack.verifiers)))
+        self.new: Child | None = None  # the verifier starting, or the one taking over
+        self.old: Child | None = None  # the verifier draining
+        self.deadline = 0.0
+        self.channel: grpc.Channel | None = None
+
+    def _ports(self, index: int) -> tuple[int, int]:
+        """The (gRPC, metrics) ports verifier `index` moves to: the pair its present child does not use."""
+        cfg = self.stack.cfg
+        own = (cfg.verifier_port + index, cfg.metrics_base_port + 1 + index)
+        standby = (standby_port(cfg, index), standby_metrics_port(cfg, index))
+        return standby if self.stack.verifiers[index].port == own[0] else own
+
+    def step(self) -> str | None:
+        """Advances the swap; a line for the user when it is over (done, or given up), else None."""
+        stack = self.stack
+        if self.old is not None:  # draining
+            if self.old.proc.poll() is None and self.clock() < self.deadline:
+                return None
+            if self.old.proc.poll() is None:
+                self.old.proc.kill()
+                self.old.proc.wait()
+            stack.children.remove(self.old)
+            self.old = None
+        if self.new is None:
+            if not self.queue:
+                return "the stack now speculates with the demo draft too (no request was dropped)"
+            index = self.queue[0]
+            port, metrics_port = self._ports(index)
+            self.new = stack._spawn_verifier(index, self.args, port, metrics_port)
+            self.new.is_supervised = False
+            self.channel = grpc.insecure_channel(f"{stack.cfg.host}:{port}", options=reconnect_options())
+            self.deadline = self.clock() + stack.cfg.startup_timeout_s
+            return None
+        try:
+            is_serving = self.new.proc.poll() is None and stack.is_serving(self.new, self.channel)
+        except StackFailed:
+            return self._give_up("another process answers on its port")
+        if not is_serving:
+            if self.new.proc.poll() is not None:
+                return self._give_up(f"it exited with code {self.new.proc.returncode} (its log is above)")
+            if self.clock() >= self.deadline:
+                return self._give_up(f"it did not serve within {stack.cfg.startup_timeout_s:.0f}s")
+            return None
+        index = self.queue.pop(0)
+        self.old, stack.verifiers[index] = stack.verifiers[index], self.new
+        self.new.is_supervised, self.old.is_supervised = True, False  # the old one is not restarted once it exits
+        self.new = None
+        self._close()
+        if self.old.proc.poll() is None:
+            self.old.proc.send_signal(signal.SIGTERM)  # it drains: finishes or hands over what it runs
+        self.deadline = self.clock() + LAUNCHER_GRACE_S + 5.0
+        return None
+
+    def _close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def _give_up(self, why: str) -> str:
+        new, self.new, self.queue = self.new, None, []
+        self._close()
+        if new.proc.poll() is None:
+            new.proc.kill()
+            new.proc.wait()
+        self.stack.children.remove(new)
+        return f"the verifier with the demo draft did not start: {why}; the stack goes on serving without it"
 
 
 def _split(items: tuple[Path, ...], num_groups: int) -> list[tuple[Path, ...]]:
@@ -439,8 +567,10 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         from specinfer.engine.runtime.parallel import check_divisible  # torch, kept out of this supervisor
 
         check_divisible(llm_cfg, args.tensor_parallel)  # before any process starts
+    # the demo's draft builds in the background: the user hears when it is done, and the stack moves onto it
+    is_draft_building = args.llm is None and not paths.ssms and not is_no_pool(args.ssm)
     cfg = StackConfig(
-        llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free,
+        llm=paths.llm, ssms=paths.ssms, model_free=paths.model_free, has_standby_ports=is_draft_building,
         is_co_located=args.co_located or not args.num_speculators or not paths.ssms, gateway_port=args.gateway_port,
         http_port=args.http_port, verifier_port=args.verifier_port, num_verifiers=args.num_verifiers,
         speculator_base_port=args.speculator_port, num_speculators=max(1, args.num_speculators),
@@ -452,9 +582,9 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
         is_prefix_caching=args.prefix_caching, kv_budget=args.kv_budget, kv_memory_fraction=args.kv_memory_fraction,
     )
     prompt = prompt_text(args.prompt, paths.llm, chat_template, args.raw) if args.prompt else None
-    watch = None  # the demo's draft, building in the background: the user hears when it is done
+    watch, swap = None, None
     stop_yielding, yielding, yielder = threading.Event(), None, None  # the build waits while the stack serves
-    if args.llm is None and not paths.ssms and not is_no_pool(args.ssm):
+    if is_draft_building:
         watch = BackgroundDraftWatch(cache_dir)
         yielder = BuildYielder(cache_dir, log=lambda message: print(f"specinfer: {message}", file=sys.stderr, flush=True))
         yielding = threading.Thread(target=yielder.run, args=(stop_yielding,), name="draft-build-yielder", daemon=True)
@@ -488,8 +618,15 @@ def run_up(args: argparse.Namespace, cache_dir: Path) -> int:
             if watch is not None and time.monotonic() >= next_watch:
                 next_watch = time.monotonic() + DRAFT_WATCH_INTERVAL_S
                 message = watch.poll()
+                if message and watch.draft is not None:
+                    swap = VerifierSwap(stack, (watch.draft,))
+                    message += "; a verifier with it starts beside the one serving, which then hands over to it"
                 if message:
                     print(f"specinfer: {message}", file=sys.stderr, flush=True)
+            message = swap.step() if swap is not None else None
+            if message:
+                swap = None
+                print(f"specinfer: {message}", file=sys.stderr, flush=True)
             time.sleep(0.2)
         return 0
     except StackFailed as exc:

@@ -169,7 +169,7 @@ def _start_background_build(cache_dir: Path, root: Path, progress: bool, spawn: 
 
 class BackgroundDraftWatch:
     """What a running stack tells its user about the draft building in the background: once, when
-    the build ends, whether it left a draft (the next start speculates with it) or stopped without
+    the build ends, whether it left a draft (`draft`: the stack moves onto it) or stopped without
     one (its log says why). The build's lock tells whether it runs; a build not yet seen running
     after `start_grace_s` counts as stopped."""
 
@@ -180,6 +180,7 @@ class BackgroundDraftWatch:
         self.start_grace_s = start_grace_s
         self.is_seen_running = False
         self.is_done = is_draft_ready(self.root / DRAFT_DIR_NAME)  # nothing to tell about a draft already there
+        self.draft: Path | None = None  # the draft, once this watch has seen the build leave it
 
     def poll(self) -> str | None:
         """The message to show when the build has just ended, else None."""
@@ -187,8 +188,8 @@ class BackgroundDraftWatch:
             return None
         draft = self.root / DRAFT_DIR_NAME
         if is_draft_ready(draft):
-            self.is_done = True
-            return f"demo draft: ready{_built(draft)}; restart `specinfer up` to speculate with it too"
+            self.is_done, self.draft = True, draft
+            return f"demo draft: ready{_built(draft)}"
         if is_build_running(self.root):
             self.is_seen_running = True
             return None
