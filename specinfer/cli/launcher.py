@@ -467,7 +467,7 @@ class VerifierSwap:
             self.old = None
         if self.new is None:
             if not self.queue:
-                return "the stack now speculates with the demo draft too (no request was dropped)"
+                return "the stack now speculates with the demo draft too; the verifier without it drained and stopped"
             index = self.queue[0]
             port, metrics_port = self._ports(index)
             self.new = stack._spawn_verifier(index, self.args, port, metrics_port)

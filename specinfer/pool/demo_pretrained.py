@@ -164,7 +164,8 @@ def _start_background_build(cache_dir: Path, root: Path, progress: bool, spawn: 
             if hasattr(build, "wait"):  # reaped when it ends, not left a zombie beside a long-running stack
                 threading.Thread(target=build.wait, name="draft-build-reaper", daemon=True).start()
     _logger(progress)(f"demo draft: being built in the background (a few minutes; log: {log}); until it is "
-                      "ready the model-free drafts speculate alone, and the next start uses it")
+                      "ready the model-free drafts speculate alone (a running `specinfer up` moves onto it then; "
+                      "other commands use it from their next run)")
 
 
 class BackgroundDraftWatch:
