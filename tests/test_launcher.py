@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -547,3 +548,22 @@ def test_a_swap_whose_verifier_does_not_start_leaves_the_old_one_serving(monkeyp
         assert stack.children == [old] and stack.verifiers == [old] and old.proc.poll() is None
     finally:
         stack.stop(grace_s=5)
+
+
+def test_standby_ports_follow_every_other_port_and_the_gateway_watches_them(monkeypatch):
+    spawned = []
+    monkeypatch.setattr(Stack, "_spawn", lambda self, name, module, args, port, env: spawned.append((name, port, env)))
+    cfg = StackConfig(llm=Path("/m/llm"), ssms=(), is_co_located=True, has_standby_ports=True, num_verifiers=2,
+                      gateway_port=41000, http_port=0, verifier_port=41001, metrics_base_port=42000)
+    uses = {(u.service, u.what): u for u in launcher.planned_ports(cfg)}
+    assert uses[("verifier-0 (standby)", "gRPC API")].port == 41003 and uses[("verifier-1 (standby)", "gRPC API")].port == 41004
+    assert uses[("verifier-1 (standby)", "metrics endpoint")].port == 42004  # after the gateway's and the verifiers'
+    assert len({u.port for u in uses.values()}) == len(uses)  # no port twice
+    assert "--verifier-port" in uses[("verifier-0 (standby)", "gRPC API")].flag
+    Stack(cfg).start()
+    gateway_env = dict((name, env) for name, _, env in spawned)["gateway"]
+    assert gateway_env["SPECINFER_VERIFIER_ADDR"].split(",") == [f"127.0.0.1:{p}" for p in (41001, 41002, 41003, 41004)]
+    assert [port for name, port, _ in spawned if name.startswith("verifier")] == [41001, 41002]  # standby: none yet
+    spawned.clear()
+    Stack(replace(cfg, has_standby_ports=False)).start()
+    assert dict((name, env) for name, _, env in spawned)["gateway"]["SPECINFER_VERIFIER_ADDR"].count(",") == 1
