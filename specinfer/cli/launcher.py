@@ -9,6 +9,8 @@ stack's instance id (not merely something on its port). A child that exits on it
 restarted with backoff while the others keep serving, except one that cannot bind its port: that
 stops the stack. The internal hops (gateway -> verifier -> speculators) require a random token made for this stack,
 handed to the children in their environment; the gateway's public API stays open on localhost.
+While the demo's draft builds in the background, the stack serves without it, and once it is built
+moves onto it without a restart or a dropped request (`VerifierSwap`).
 """
 
 from __future__ import annotations
