@@ -299,11 +299,11 @@ class Stack:
         verifier_targets = []
         for i in range(cfg.num_verifiers):
             port = cfg.verifier_port + i
-            self.verifiers.append(self._spawn_verifier(i, args, port, cfg.metrics_base_port + 1 + i))
+            self.verifiers.append(self.spawn_verifier(i, args, port, cfg.metrics_base_port + 1 + i))
             verifier_targets.append(f"{cfg.host}:{port}")
         return verifier_targets
 
-    def _spawn_verifier(self, index: int, args: list[str], port: int, metrics_port: int) -> Child | None:
+    def spawn_verifier(self, index: int, args: list[str], port: int, metrics_port: int) -> Child | None:
         env = dict(self.common_env, SPECINFER_LOG_LEVEL="info")
         if self.cfg.metrics_base_port:
             env["SPECINFER_METRICS_PORT"] = str(metrics_port)
@@ -462,9 +462,7 @@ class VerifierSwap:
         if self.old is not None:  # draining
             if self.old.proc.poll() is None and self.clock() < self.deadline:
                 return None
-            if self.old.proc.poll() is None:
-                self.old.proc.kill()
-                self.old.proc.wait()
+            _kill(self.old)
             stack.children.remove(self.old)
             self.old = None
         if self.new is None:
@@ -472,7 +470,7 @@ class VerifierSwap:
                 return "the stack now speculates with the demo draft too; the verifier without it drained and stopped"
             index = self.queue[0]
             port, metrics_port = self._ports(index)
-            self.new = stack._spawn_verifier(index, self.args, port, metrics_port)
+            self.new = stack.spawn_verifier(index, self.args, port, metrics_port)
             self.new.is_supervised = False
             self.channel = grpc.insecure_channel(f"{stack.cfg.host}:{port}", options=reconnect_options())
             self.deadline = self.clock() + stack.cfg.startup_timeout_s
@@ -505,11 +503,16 @@ class VerifierSwap:
     def _give_up(self, why: str) -> str:
         new, self.new, self.queue = self.new, None, []
         self._close()
-        if new.proc.poll() is None:
-            new.proc.kill()
-            new.proc.wait()
+        _kill(new)
         self.stack.children.remove(new)
         return f"the verifier with the demo draft did not start: {why}; the stack goes on serving without it"
+
+
+def _kill(child: Child) -> None:
+    """Kills the child if it still runs, and reaps it."""
+    if child.proc.poll() is None:
+        child.proc.kill()
+        child.proc.wait()
 
 
 def _split(items: tuple[Path, ...], num_groups: int) -> list[tuple[Path, ...]]:

@@ -9,8 +9,9 @@ layers distilled on what the LLM itself says. The model-free drafts speculate as
 A cold start has two costs of different size: the download (seconds) and the draft (minutes).
 Commands that measure or answer once (`generate`, `bench`, `demo-models`) wait for the draft.
 `specinfer up` does not: it serves at once with the model-free drafts while the draft is built in
-a background process (its log beside it), and the next start serves with the draft. The build
-waits while the stack serves (`BuildYielder`): beside it, answers came 4-7x slower. One lock
+a background process (its log beside it), and moves onto the draft once it is built
+(`launcher.VerifierSwap`; later starts serve with it from the start). The build waits while the
+stack serves (`BuildYielder`): beside it, answers came 4-7x slower. One lock
 keeps two processes from building the same draft; a build that dies leaves nothing that passes
 for a draft (`make_draft` moves a finished draft into place only when it is complete).
 
