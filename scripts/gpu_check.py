@@ -473,10 +473,12 @@ def random_config(kind: str) -> ModelConfig:
 
 
 def random_weights(cfg: ModelConfig, device, seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator(device=device).manual_seed(seed)
+    # Drawn on DEV whatever `device` is: a CUDA generator and a CPU one give different numbers for the
+    # same seed, and a model built on the CPU (to be offloaded) must hold the resident model's weights.
+    gen = torch.Generator(device=DEV).manual_seed(seed)
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) * 0.02).to(DT)
+        return (torch.randn(*shape, generator=gen, device=DEV, dtype=torch.float32) * 0.02).to(DT).to(device)
 
     hd, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     w = {"embed": rnd(cfg.vocab_size, hd), "norm": torch.ones(hd, dtype=DT, device=device)}
