@@ -56,18 +56,10 @@ def run(models: Path, out: Path) -> int:
     from specinfer.engine.llm_engine import Engine, mode_params
     from specinfer.engine.runtime.exec_config import ExecConfig
     from specinfer.engine.runtime.runner import ModelRunner
-    from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
     from specinfer.params import TreeBudget
 
-    class FixedBudget(LoadAwarePolicy):
-        """Every step drafts with the same budget, so trees are really grown and verified."""
-
-        def __init__(self, budget: TreeBudget):
-            super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
-            self.fixed = budget
-
-        def choose(self, batch_size, is_greedy=True, pool=()):
-            return self.fixed
+    sys.path.insert(0, str(ROOT / "tests"))
+    from policies import FixedBudget  # every step drafts, so trees are really grown and verified
 
     backends = {"sdpa": ExecConfig(attention="sdpa", cuda_graphs=False),
                 "triton": ExecConfig(attention="triton", cuda_graphs=False),

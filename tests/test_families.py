@@ -35,10 +35,10 @@ from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.assemble import load_runner
 from specinfer.engine.runtime.parallel import ParallelConfig
 from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
-from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
 from specinfer.errors import UserError
 from specinfer.params import TreeBudget, TreeShape
 from specinfer.pool.make_ssm import make_ssm
+from policies import FixedBudget
 from util import add_tokenizer
 
 VOCAB = 320  # a byte-level BPE needs its 256 bytes plus merges
@@ -168,17 +168,6 @@ def hf_generate(path: Path, prompt: list[int], new_tokens: int = NEW_TOKENS) -> 
         out = hf_model(path).generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                                       pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-class FixedBudget(LoadAwarePolicy):
-    """Every step gets the same dynamic-tree budget, so trees are really grown and verified."""
-
-    def __init__(self, budget: TreeBudget):
-        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
-        self.fixed = budget
-
-    def choose(self, batch_size, is_greedy=True, pool=()):
-        return self.fixed
 
 
 def runner(path: Path, **kwargs) -> ModelRunner:

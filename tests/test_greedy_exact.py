@@ -9,10 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.scheduling.policy import PRIOR_WEIGHT, CostModel, LoadAwarePolicy
+from specinfer.engine.scheduling.policy import PRIOR_WEIGHT
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.params import TreeBudget, TreeShape
+from policies import FixedBudget
 
 NEW_TOKENS = 64
 
@@ -94,17 +95,6 @@ def test_auto_mode_picks_shapes_and_stays_exact(pair_runners, greedy_prompts, in
     assert engine.source.speculator.calibration[True]._cells  # and so did the drafts' calibration
     # These test SSMs cost as much as the LLM, so the policy should mostly decide not to speculate.
     assert policy.choose(1) == ()
-
-
-class FixedBudget(LoadAwarePolicy):
-    """Every step gets the same dynamic-tree budget (the load-aware policy's pricing left out)."""
-
-    def __init__(self, budget: TreeBudget):
-        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
-        self.fixed = budget
-
-    def choose(self, batch_size, is_greedy=True, pool=()):
-        return self.fixed
 
 
 BUDGETS = {

@@ -16,7 +16,6 @@ import pytest
 from services.speculator.config import SpeculatorConfig
 from services.speculator.server import build as build_speculator
 from specinfer.engine.llm_engine import Engine, mode_params
-from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.drafting.speculator import Proposal
 from specinfer.engine.drafting.tree import TokenTree
@@ -24,6 +23,7 @@ from specinfer.limits import MODEL_FREE_MAX_NODES
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
 from specinfer.v1 import specinfer_pb2 as pb
 from specinfer.v1 import specinfer_pb2_grpc as pb_grpc
+from policies import FixedBudget
 from util import start_stack
 
 PROMPT = [9, 8, 7, 6, 5, 9, 8, 7]
@@ -65,17 +65,6 @@ def spy_steps(monkeypatch, worker) -> list[tuple[bool, int, int]]:
 
     monkeypatch.setattr(worker, "step", recorded)
     return calls
-
-
-class FixedBudget(LoadAwarePolicy):
-    """Every step gets the same cheap dynamic-tree budget."""
-
-    def __init__(self):
-        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
-        self.fixed = TreeBudget(max_nodes=24, max_depth=6, node_cost=0.002, level_cost=0.01)
-
-    def choose(self, batch_size, is_greedy=True, pool=()):
-        return self.fixed
 
 
 def generate(stack, ssm_names=()) -> tuple[list[int], pb.GenerationStats]:

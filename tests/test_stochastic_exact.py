@@ -21,11 +21,11 @@ from transformers import AutoModelForCausalLM
 
 import specinfer.engine.verification.verifier
 from specinfer.engine.llm_engine import Engine, EngineConfig, mode_params
-from specinfer.engine.scheduling.policy import CostModel, LoadAwarePolicy
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.engine.verification.sampling import SamplingNoise, target_probs, warp_logits
 from specinfer.engine.drafting.speculator import model_free_member
 from specinfer.params import SamplingParams, TreeBudget, TreeShape
+from policies import FixedBudget
 from util import perturbed_copy, save_tiny_llama
 
 VOCAB = 8
@@ -119,17 +119,6 @@ CONFIGS = {
     "t1-dynamic-topk+model-free": (SamplingParams(1.0), TreeShape((1,), is_sampled=False), (1, "lookup", "suffix"),
                                    TreeBudget(max_nodes=12, max_depth=3, node_cost=0.01, level_cost=0.01)),
 }
-
-
-class FixedBudget(LoadAwarePolicy):
-    """Every step gets the same dynamic-tree budget."""
-
-    def __init__(self, budget: TreeBudget):
-        super().__init__(CostModel([(1, 0.01), (64, 0.02)]))
-        self.fixed = budget
-
-    def choose(self, batch_size, is_greedy=True, pool=()):
-        return self.fixed
 
 
 def make_engine(models, num_ssms: int | tuple, shape: TreeShape | None = None, budget: TreeBudget | None = None
