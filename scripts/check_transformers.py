@@ -31,12 +31,13 @@ def load_transformers(model: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if model.suffix == ".gguf":
-        kwargs = dict(gguf_file=model.name)
-        where = model.parent
+        where, file = model.parent, dict(gguf_file=model.name)
+        tok = AutoTokenizer.from_pretrained(where, **file)
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **file)
     else:
-        kwargs, where = dict(use_safetensors=True), model
-    tok = AutoTokenizer.from_pretrained(where, **{k: v for k, v in kwargs.items() if k == "gguf_file"})
-    hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()
+        tok = AutoTokenizer.from_pretrained(model)
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, use_safetensors=True)
+    hf.eval()
     return tok, hf
 
 

@@ -131,6 +131,13 @@ def planned_ports(cfg: StackConfig) -> list[PortUse]:
     return uses
 
 
+def verifier_ports(cfg: StackConfig, index: int, is_standby: bool = False) -> tuple[int, int]:
+    """Verifier `index`'s (gRPC, metrics) ports: its own, or its standby pair."""
+    if is_standby:
+        return standby_port(cfg, index), standby_metrics_port(cfg, index)
+    return cfg.verifier_port + index, cfg.metrics_base_port + 1 + index
+
+
 def standby_port(cfg: StackConfig, index: int) -> int:
     """Verifier `index`'s standby port: after every verifier's own."""
     return cfg.verifier_port + cfg.num_verifiers + index
@@ -298,8 +305,8 @@ class Stack:
         args = self.verifier_args(cfg, spec_targets)
         verifier_targets = []
         for i in range(cfg.num_verifiers):
-            port = cfg.verifier_port + i
-            self.verifiers.append(self.spawn_verifier(i, args, port, cfg.metrics_base_port + 1 + i))
+            port, metrics_port = verifier_ports(cfg, i)
+            self.verifiers.append(self.spawn_verifier(i, args, port, metrics_port))
             verifier_targets.append(f"{cfg.host}:{port}")
         return verifier_targets
 
@@ -452,9 +459,8 @@ class VerifierSwap:
     def _ports(self, index: int) -> tuple[int, int]:
         """The (gRPC, metrics) ports verifier `index` moves to: the pair its present child does not use."""
         cfg = self.stack.cfg
-        own = (cfg.verifier_port + index, cfg.metrics_base_port + 1 + index)
-        standby = (standby_port(cfg, index), standby_metrics_port(cfg, index))
-        return standby if self.stack.verifiers[index].port == own[0] else own
+        is_on_own = self.stack.verifiers[index].port == verifier_ports(cfg, index)[0]
+        return verifier_ports(cfg, index, is_standby=is_on_own)
 
     def step(self) -> str | None:
         """Advances the swap; a line for the user when it is over (done, or given up), else None."""
