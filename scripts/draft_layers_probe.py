@@ -1,13 +1,14 @@
-"""Which of the LLM's layers should a draft keep? One set of teacher data, several cuts, the same steps.
+"""Which of the LLM's layers should a draft keep, at what learning rate, on how much data? One set
+of teacher data, several cuts, the same steps.
 
 `specinfer make-draft` cuts a draft from the LLM's own layers (SpecInfer, arXiv 2305.09781,
 Section 3: SSMs as pruned variants of the LLM) and distils it on the LLM's answers. This script
 trains several cuts on the teacher data of one build, for the same number of steps, and reports
 each one's held-out top-1 agreement and greedy chain acceptance by depth (with the reduced head
-the draft will propose with) and its one-token pass cost.
+the draft will propose with) and its training step's cost.
 
     python scripts/draft_layers_probe.py --llm LLM --work COPY_OF_A_BUILD_WORK_DIR \
-        --layers 2 0,29 0,1,29 --steps 60
+        --layers 2 0,29 0,1,29 --steps 60 [--lr 5e-3] [--batches N]
 
 The work directory is a copy of a `make-draft` build's hidden work directory, taken once its
 teacher data is complete (`data.done` exists).
@@ -63,6 +64,7 @@ def main() -> int:
     parser.add_argument("--work", required=True, type=Path, help="a copy of a make-draft work directory")
     parser.add_argument("--layers", nargs="+", default=["2", "0,29", "0,1,29"])
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--batches", type=int, default=0, help="train on the first N batches of teacher data (0: all)")
     parser.add_argument("--lr", type=float, help="the learning rate (default: the build's)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
@@ -70,7 +72,8 @@ def main() -> int:
     cfg = replace(DraftConfig(), **json.loads((args.work / "run.json").read_text())["settings"])
     if args.lr:
         cfg = replace(cfg, lr=args.lr)
-    train = _concat(sorted((args.work / "data").glob("batch-*.safetensors")), "train")
+    batches = sorted((args.work / "data").glob("batch-*.safetensors"))
+    train = _concat(batches[:args.batches or len(batches)], "train")
     evals = BoostData.from_tensors(load_file(str(args.work / "data" / "eval.safetensors")), "eval")
     print(f"teacher data: {len(train)} answers, {train.num_positions} positions, {evals.num_positions} held out")
     results = []
