@@ -12,7 +12,9 @@ For one model (a checkpoint directory or a GGUF file), in float32 on the CPU:
    products, attention, norms and element-wise operators, everything else), and the rest of the
    wall time, which no operator accounts for (Python, the scheduler, sampling, the profiler);
 3. one bare model pass of each `--rows` count over the same context (the runner alone, no
-   engine), timed without the profiler: the cost of a verification pass of that many tree nodes.
+   engine), timed without the profiler: the cost of a verification pass of that many tree nodes;
+4. a one-row pass over that context held in one run of cache blocks and in scattered blocks (as
+   after a cached system prompt): what gathering the paged KV cache costs, unprofiled.
 
 The operators with the most time of their own (`--top`) are listed after the categories.
 
@@ -136,6 +138,25 @@ def main() -> None:
     for n in rows:
         ms = 1e3 * statistics.median(times[n][2:])
         print(f"  rows {n:3d}: {ms:7.1f} ms  ({ms / floor_ms:.1f}x the floor)")
+
+    # The same context in blocks that are not one run (as after a cached system prompt, whose
+    # blocks the request's own do not follow): attention gathers it instead of slicing it.
+    scattered = runner.new_sequence()
+    runner.prefill(scattered, prompt[:96])
+    gap = runner.allocator.allocate(1)
+    runner.prefill(scattered, prompt[96:])
+    gathered = {"one run of blocks": seq, "scattered blocks": scattered}
+    times = {name: [] for name in gathered}
+    for _ in range(args.repeats):
+        for name, s in gathered.items():
+            start = time.perf_counter()
+            runner.run([chain_work(s, [500], logits="all")])
+            times[name].append(time.perf_counter() - start)
+    print(f"\none-row passes over the {len(prompt)}-token context (median; contiguous: "
+          f"{seq.contiguous_start(len(prompt)) is not None}, {scattered.contiguous_start(len(prompt)) is not None}):")
+    for name in gathered:
+        print(f"  {name:18s} {1e3 * statistics.median(times[name][2:]):7.1f} ms")
+    runner.allocator.free(gap)
 
 
 if __name__ == "__main__":
