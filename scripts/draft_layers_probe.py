@@ -23,17 +23,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file
 
 from specinfer.engine.models.config import ModelConfig
 from specinfer.pool.boost_data import BoostData
 from specinfer.pool.boost_tune import Trainer, agreement, load_model
 from specinfer.pool.make_draft import (
-    WARMUP_STEPS, _concat, acceptance_by_depth, draft_vocabulary, freeze_vocabulary, rate,
+    acceptance_by_depth, concat_batches, distill_config, draft_vocabulary, freeze_vocabulary, rate,
 )
 from specinfer.pool.make_ssm import make_ssm
-from specinfer.pool.tuning_config import DraftConfig, TrainConfig
+from specinfer.pool.tuning_config import DraftConfig
 
 
 def probe(llm: Path, layers: str, train: BoostData, evals: BoostData, steps: int, cfg: DraftConfig) -> dict:
@@ -43,9 +42,7 @@ def probe(llm: Path, layers: str, train: BoostData, evals: BoostData, steps: int
         freeze_vocabulary(model)
         vocab = draft_vocabulary(train, cfg.vocab, ModelConfig.from_dir(cut))
         before = agreement(model, evals, 8, "cpu", False, "before", vocab)
-        train_cfg = TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, kl_weight=cfg.kl_weight,
-                                warmup_steps=WARMUP_STEPS, checkpoint_every=10 ** 9, seed=cfg.seed)
-        trainer = Trainer(model, train_cfg, 0, "cpu")
+        trainer = Trainer(model, distill_config(cfg, steps, checkpoint_every=10 ** 9), 0, "cpu")
         started = time.perf_counter()
         trainer.fit(train, train.mask.clone(), Path(tmp) / "ckpt", True, None)
         train_s = time.perf_counter() - started
@@ -68,12 +65,11 @@ def main() -> int:
     parser.add_argument("--lr", type=float, help="the learning rate (default: the build's)")
     parser.add_argument("--out", type=Path, help="write the results here as JSON")
     args = parser.parse_args()
-    torch.manual_seed(0)
     cfg = replace(DraftConfig(), **json.loads((args.work / "run.json").read_text())["settings"])
     if args.lr:
         cfg = replace(cfg, lr=args.lr)
     batches = sorted((args.work / "data").glob("batch-*.safetensors"))
-    train = _concat(batches[:args.batches or len(batches)], "train")
+    train = concat_batches(batches[:args.batches or len(batches)], "train")
     evals = BoostData.from_tensors(load_file(str(args.work / "data" / "eval.safetensors")), "eval")
     print(f"teacher data: {len(train)} answers, {train.num_positions} positions, {evals.num_positions} held out")
     results = []

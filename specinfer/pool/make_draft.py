@@ -281,7 +281,7 @@ def teacher_data(plan: DraftPlan, clock: Clock, progress: bool, say) -> tuple[Bo
     done = plan.work / "data.done"
     have = sorted(data_dir.glob("batch-*.safetensors"))
     if done.is_file() and have and (plan.work / "costs.json").is_file():
-        return _concat(have, "train"), BoostData.from_tensors(load_file(str(data_dir / "eval.safetensors")), "eval")
+        return concat_batches(have, "train"), BoostData.from_tensors(load_file(str(data_dir / "eval.safetensors")), "eval")
     llm_cfg = ModelConfig.from_dir(plan.llm)
     tokenizer = TextTokenizer.from_dir(plan.llm, llm_cfg.eos_token_ids)
     if plan.corpus is not None:
@@ -320,7 +320,7 @@ def teacher_data(plan: DraftPlan, clock: Clock, progress: bool, say) -> tuple[Bo
             bar.set_postfix(answers=index * cfg.gen_batch_size)
     done.write_text(json.dumps({"batches": index}))
     del engine, llm
-    train = _concat(sorted(data_dir.glob("batch-*.safetensors")), "train")
+    train = concat_batches(sorted(data_dir.glob("batch-*.safetensors")), "train")
     say(f"teacher data: {len(train)} answers, {train.num_positions} positions "
         f"({evals.num_positions} held out) in {clock.elapsed_s / 60:.1f} min")
     return train, evals
@@ -337,7 +337,7 @@ def _teacher_batch(engine, llm, prompts: Sequence[list[int]], data_cfg, seed: in
     return assemble(prompts, continuations, sampled, scores, data_cfg.kl_top_k)
 
 
-def _concat(paths: Sequence[Path], prefix: str) -> BoostData:
+def concat_batches(paths: Sequence[Path], prefix: str) -> BoostData:
     """Batches of teacher data as one, padded to the widest."""
 
     parts = [BoostData.from_tensors(load_file(str(p)), prefix) for p in paths]
@@ -416,8 +416,7 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
     steps_path = plan.work / "steps.json"
     ckpt = plan.work / "ckpt"
     weights = train.mask.clone()
-    train_cfg = TrainConfig(steps=max(TIMING_STEPS + 1, WARMUP_STEPS * 2), batch_size=cfg.batch_size, lr=cfg.lr,
-                            kl_weight=cfg.kl_weight, warmup_steps=WARMUP_STEPS, checkpoint_every=25, seed=cfg.seed)
+    train_cfg = distill_config(cfg, max(TIMING_STEPS + 1, WARMUP_STEPS * 2))
     trainer = Trainer(model, train_cfg, 0, "cpu")
     trainer.resume_from(ckpt)
     if cfg.steps:
@@ -456,6 +455,12 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
     say(f"held-out top-1 agreement {record['agreement_before']:.1%} -> {record['agreement_after']:.1%}; "
         f"chain acceptance by depth {record['acceptance_by_depth_after']}")
     return record
+
+
+def distill_config(cfg: DraftConfig, steps: int, checkpoint_every: int = 25) -> TrainConfig:
+    """The distillation's training settings for `steps` steps."""
+    return TrainConfig(steps=steps, batch_size=cfg.batch_size, lr=cfg.lr, kl_weight=cfg.kl_weight,
+                       warmup_steps=WARMUP_STEPS, checkpoint_every=checkpoint_every, seed=cfg.seed)
 
 
 def eval_reserve_s(evals: BoostData, cfg: DraftConfig, step_s: float | None = None) -> float:
