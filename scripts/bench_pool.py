@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specinfer.limits import PAPER_TREE_WIDTH
+from specinfer.limits import BOOST_KL_TOP_K, PAPER_TREE_WIDTH
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE_PROMPTS = REPO / "benchmarks" / "reference-prompts.jsonl"
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     layers = args.layers or pair.layers
     extras = () if args.no_extra else pair.extra_ssms
     data = DataConfig(num_prompts=args.num_prompts, eval_prompts=args.eval_prompts, prompt_tokens=args.prompt_tokens,
-                      continuation_tokens=args.continuation_tokens, kl_top_k=32 if args.kl_weight else 0,
+                      continuation_tokens=args.continuation_tokens, kl_top_k=BOOST_KL_TOP_K if args.kl_weight else 0,
                       seed=args.seed)
     train = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, kl_weight=args.kl_weight,
                         seed=args.seed)

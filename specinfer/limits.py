@@ -508,5 +508,5 @@ BENCH_NOISY_PHASE_S = 0.0  # 0 = no busy phase first
 BENCH_FIRST_PORT = 50151  # the first port of a benchmarked stack (away from a running one's)
 OMP_WAIT_POLICIES = ("ACTIVE", "PASSIVE")
 DEFAULT_MLP_KEEP = 1.0  # `make-ssm`: share of MLP channels kept (1 = no pruning)
-BOOST_KL_TOP_K = 32  # `boost-tune`: LLM probabilities kept per position for the KL term
+BOOST_KL_TOP_K = 20  # `boost-tune`: LLM probabilities kept per position for the KL term
 BOOST_SEED = 0

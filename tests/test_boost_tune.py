@@ -155,22 +155,64 @@ def test_loss_ignores_zero_weight_positions():
     assert torch.equal(grad[~off], grad2[~off]) and not grad[off].any()
 
 
-def test_targets_are_the_llms_top1(pool):
-    """Greedy continuations serve as their own targets; sampled ones get the LLM's teacher-forced top-1."""
-    from specinfer.pool.boost_data import generate_continuations, score_sequences, targets_for
+def teacher_forced(runner, sequences, top_k):
+    """The reference: one teacher-forced LLM pass per sequence, (top-1, top-k ids, renormalised top-k
+    probabilities) at every position."""
+    from specinfer.engine.runtime.runner import chain_work
+
+    out = []
+    for ids in sequences:
+        seq = runner.new_sequence()
+        try:
+            (rows,) = runner.run([chain_work(seq, ids, "all")])
+        finally:
+            seq.free()
+        top = torch.topk(torch.softmax(rows.float(), dim=-1), top_k, dim=-1)
+        out.append((rows.float().argmax(-1), top.indices, top.values / top.values.sum(-1, keepdim=True)))
+    return out
+
+
+@pytest.mark.parametrize("top_k", [0, 8])
+def test_targets_are_the_llms_own_distribution(pool, top_k):
+    """The targets come from the generation's logprobs, with no second pass: they must be what a
+    teacher-forced pass of the LLM over the same text gives, greedy and sampled rows alike (a sampled
+    row's logprobs are of logits / T, turned back into the raw distribution)."""
+    from specinfer.pool.boost_data import generate_continuations, targets_for
 
     runner = ModelRunner.from_dir(pool.llm, max_kv_tokens=1024)
     prompts = [[5, 9, 17, 33, 40], [7, 8, 100, 3], [11, 12, 13]]
-    cfg = DataConfig(continuation_tokens=10, sampled_fraction=0.34)
-    conts, sampled = generate_continuations(Engine.from_runners(runner), prompts, cfg, seed=0, progress=False)
-    assert sampled.count(True) == 1
-    fast = targets_for(runner, prompts, conts, sampled, 0, False)
-    slow = score_sequences(runner, [p + c for p, c in zip(prompts, conts)], 0, False)
-    for p, c, (f, _, _), (s, _, _), was_sampled in zip(prompts, conts, fast, slow, sampled):
+    cfg = DataConfig(continuation_tokens=10, sampled_fraction=0.67, temperature=0.7, kl_top_k=top_k)
+    conts, sampled, logprobs = generate_continuations(Engine.from_runners(runner), prompts, cfg, seed=0,
+                                                      progress=False)
+    assert sampled.count(True) == 2
+    got = targets_for(prompts, conts, sampled, logprobs, top_k, cfg.temperature)
+    want = teacher_forced(runner, [p + c for p, c in zip(prompts, conts)], max(top_k, 1))
+    for p, c, (top1, ids, probs), (ref1, ref_ids, ref_probs), was_sampled in zip(prompts, conts, got, want, sampled):
         span = slice(len(p) - 1, len(p) + len(c) - 1)
-        assert torch.equal(f[span], s[span])
-        assert torch.equal(f[span], torch.tensor(c)) != was_sampled
+        assert torch.equal(top1[span], ref1[span])
+        assert torch.equal(top1[span], torch.tensor(c)) != was_sampled  # a sampled answer leaves the top-1
+        assert ids.shape[-1] == top_k
+        if top_k:
+            assert torch.equal(ids[span], ref_ids[span])
+            renormalised = probs[span] / probs[span].sum(-1, keepdim=True)
+            assert torch.allclose(renormalised, ref_probs[span], atol=1e-5)
     assert runner.allocator.num_used == 0
+
+
+def test_targets_keep_the_sampled_tokens_top1():
+    """A sampled token's own logprob list gives its position's top-1 and the raw distribution:
+    softmax(T * logprob) over the alternatives, whatever the sampled token was."""
+    from specinfer.logprobs import TokenLogprob
+    from specinfer.pool.boost_data import targets_for
+
+    raw = torch.tensor([2.0, 1.0, 0.5])
+    warped = torch.log_softmax(raw / 0.5, 0)
+    lp = TokenLogprob(9, float(warped[2]), tuple((t, float(v)) for t, v in zip([4, 9, 6], warped)))
+    (top1, ids, probs), = targets_for([[1, 2]], [[9, 3]], [True], [[lp, lp]], 3, 0.5)
+    assert top1[1:3].tolist() == [4, 4]
+    assert ids[1].tolist() == [4, 9, 6]
+    assert torch.allclose(probs[1], torch.softmax(raw, 0), atol=1e-6)
+    assert not probs[0].any() and not probs[3].any()
 
 
 class Interrupt(Exception):
@@ -248,3 +290,12 @@ def test_mixed_policy_tree_shapes(tiny_pair):
         speculator.release(states)
     with pytest.raises(UserError, match="policy"):
         TreeShape(widths, policy="best")
+
+
+def test_kl_top_k_is_bounded_by_the_engines_logprobs():
+    """The LLM's top-k comes from the engine's logprobs, so a larger k is refused, naming the bound."""
+    from specinfer.limits import MAX_LOGPROBS
+
+    DataConfig(kl_top_k=MAX_LOGPROBS)
+    with pytest.raises(UserError, match=rf"--kl-top-k must be in \[0, {MAX_LOGPROBS}\]"):
+        DataConfig(kl_top_k=MAX_LOGPROBS + 1)

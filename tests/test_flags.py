@@ -147,7 +147,7 @@ def test_any_parser_reads_a_commands_options_whole(monkeypatch):
     assert args.target is None and resolve_declared(args).target == "gw:3"
     assert resolve_declared(args).target == "gw:3"  # resolving again changes nothing
     tune = parser.parse_args(["boost-tune", "--llm", "l", "--ssm", "s", "--corpus", "c", "--out", "o"])
-    assert (tune.temperature, tune.seed, tune.kl_top_k, tune.device, tune.exclude) == (1.0, 0, 32, "auto", [])
+    assert (tune.temperature, tune.seed, tune.kl_top_k, tune.device, tune.exclude) == (1.0, 0, 20, "auto", [])
 
 
 def test_bad_values_name_their_option():

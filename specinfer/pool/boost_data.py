@@ -13,9 +13,10 @@ reproduce the LLM. This module builds that data, deterministically from a seed:
    many requests in lockstep): greedily, or, for a seeded ``sampled_fraction`` of the prompts,
    by sampling at ``temperature`` (the contexts a stochastic request visits).
 3. **Targets.** At each continuation position the target is the LLM's top-1 token there: for a
-   greedy continuation that is the next continuation token itself; sampled continuations (and
-   every sequence, when a KL term is wanted) are re-read by the LLM in one teacher-forced pass,
-   which also gives its top ``kl_top_k`` probabilities.
+   greedy continuation that is the next continuation token itself; for a sampled one (and for
+   the top ``kl_top_k`` probabilities of a KL term) they come with the generation, from the
+   logprobs the engine computes from the logits it already has, so no second LLM pass re-reads
+   the text.
 
 `BoostData` holds the result as padded tensors and round-trips through safetensors.
 """
@@ -34,8 +35,8 @@ from specinfer.errors import UserError
 from specinfer.pool.tuning_config import DataConfig
 from specinfer.util import progress_bar
 from specinfer.engine.llm_engine import Engine, mode_params
+from specinfer.logprobs import TokenLogprob
 from specinfer.params import SamplingParams
-from specinfer.engine.runtime.runner import chain_work
 
 PAD_ID = 0
 
@@ -139,65 +140,60 @@ def draw_prompts(regions: Sequence[_Region], count: int, min_len: int, max_len: 
 
 
 def generate_continuations(engine, prompts: Sequence[list[int]], cfg: DataConfig, seed: int,
-                           progress: bool) -> tuple[list[list[int]], list[bool]]:
-    """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset)."""
+                           progress: bool) -> tuple[list[list[int]], list[bool], list[list[TokenLogprob]]]:
+    """The LLM's continuation of every prompt (greedy, or sampled for a seeded subset), and the
+    logprobs the engine computed with each token, where the targets need them (a sampled
+    continuation, or any when a KL term is wanted; empty otherwise)."""
     rng = random.Random(seed)
     order = list(range(len(prompts)))
     rng.shuffle(order)
     sampled = set(order[: round(cfg.sampled_fraction * len(prompts))])
     outputs: list[list[int]] = []
+    logprobs: list[list[TokenLogprob]] = []
     with progress_bar(len(prompts), "LLM continuations", progress) as bar:
         for lo in range(0, len(prompts), cfg.gen_batch_size):
             requests = []
             for n in range(lo, min(lo + cfg.gen_batch_size, len(prompts))):
+                num_top = max(1, cfg.kl_top_k) if (cfg.kl_top_k or n in sampled) else None
                 params = (SamplingParams(temperature=cfg.temperature, seed=seed * 100_003 + n)
                           if n in sampled else SamplingParams())
-                requests.append(engine.start(list(prompts[n]),
-                                             mode_params("incremental", cfg.continuation_tokens, sampling=params)))
-            outputs.extend(r.output_ids for r in engine.generate_batch(requests))
+                requests.append(engine.start(list(prompts[n]), mode_params(
+                    "incremental", cfg.continuation_tokens, sampling=params, num_logprobs=num_top)))
+            for r in engine.generate_batch(requests):
+                outputs.append(r.output_ids)
+                logprobs.append(r.output_logprobs)
             bar.update(len(requests))
-    return outputs, [n in sampled for n in range(len(prompts))]
+    return outputs, [n in sampled for n in range(len(prompts))], logprobs
 
 
-def score_sequences(runner, sequences: Sequence[list[int]], top_k: int, progress: bool,
-                    batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """One teacher-forced LLM pass per sequence: (top-1 ids, top-k ids, top-k probs) per position."""
+def targets_for(prompts: Sequence[list[int]], continuations: Sequence[list[int]], sampled: Sequence[bool],
+                logprobs: Sequence[Sequence[TokenLogprob]], top_k: int, temperature: float
+                ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The LLM's targets per sequence, (top-1 ids, top-k ids, top-k probabilities) per position,
+    from the generation itself: no second pass of the LLM. A greedy continuation is the LLM's top-1
+    at every position. Otherwise the engine's logprobs give them: a greedy token's are the raw
+    distribution's; a sampled token's are of the distribution it was drawn from (logits / T), the
+    same order, and T * logprob is the raw log-probability up to a constant, so the raw top-k,
+    renormalised (what the KL term uses), is softmax(T * logprobs)."""
     out = []
-    with progress_bar(len(sequences), "LLM targets", progress) as bar:
-        for lo in range(0, len(sequences), batch):
-            chunk = sequences[lo : lo + batch]
-            seqs = [runner.new_sequence() for _ in chunk]
-            try:
-                logits = runner.run([chain_work(s, ids, "all") for s, ids in zip(seqs, chunk)])
-            finally:
-                for s in seqs:
-                    s.free()
-            for rows in logits:
-                rows = rows.float().cpu()
-                if top_k:
-                    top = torch.topk(torch.softmax(rows, dim=-1), top_k, dim=-1)
-                    out.append((rows.argmax(-1), top.indices, top.values))
-                else:
-                    empty = torch.zeros(rows.shape[0], 0)
-                    out.append((rows.argmax(-1), empty.long(), empty))
-            bar.update(len(chunk))
-    return out
-
-
-def targets_for(llm_runner, prompts: Sequence[list[int]], continuations: Sequence[list[int]], sampled: Sequence[bool],
-                top_k: int, progress: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The LLM's targets per sequence. A greedy continuation is already the LLM's top-1 at every
-    continuation position, so only sampled sequences (or a KL term) need the teacher-forced pass."""
-    need = [n for n in range(len(prompts)) if top_k or sampled[n]]
-    scored = dict(zip(need, score_sequences(llm_runner, [prompts[n] + continuations[n] for n in need], top_k, progress)))
-    out = []
-    for n, (p, c) in enumerate(zip(prompts, continuations)):
-        if n in scored:
-            out.append(scored[n])
-            continue
+    for p, c, was_sampled, lps in zip(prompts, continuations, sampled, logprobs):
         top1 = torch.tensor(list(p[1:]) + list(c) + [PAD_ID], dtype=torch.long)  # row j predicts token j + 1
-        empty = torch.zeros(len(top1), 0)
-        out.append((top1, empty.long(), empty))
+        ids = torch.zeros(len(top1), top_k, dtype=torch.long)
+        probs = torch.zeros(len(top1), top_k)
+        if was_sampled or top_k:
+            if len(lps) != len(c):
+                raise RuntimeError(f"the engine returned {len(lps)} logprobs for {len(c)} tokens")
+            first = len(p) - 1
+            for j, lp in enumerate(lps):
+                top = lp.top[: max(1, top_k)]
+                if was_sampled:
+                    top1[first + j] = top[0][0]
+                if top_k:
+                    values = torch.tensor([v for _, v in top], dtype=torch.float64)
+                    values = torch.softmax(values * temperature, 0) if was_sampled else values.exp()
+                    ids[first + j, : len(top)] = torch.tensor([t for t, _ in top])
+                    probs[first + j, : len(top)] = values.float()
+        out.append((top1, ids, probs))
     return out
 
 
@@ -239,7 +235,7 @@ def build_data(llm_runner, tokenizer, corpus: Sequence[Path], cfg: DataConfig,
     for split, regions, count in (("train", train_regions, cfg.num_prompts), ("eval", eval_regions, cfg.eval_prompts)):
         seed = cfg.seed * 2 + (split == "eval")
         prompts = draw_prompts(regions, count, min_len, cfg.prompt_tokens, seed)
-        continuations, sampled = generate_continuations(engine, prompts, cfg, seed, progress)
-        scores = targets_for(llm_runner, prompts, continuations, sampled, cfg.kl_top_k, progress)
+        continuations, sampled, logprobs = generate_continuations(engine, prompts, cfg, seed, progress)
+        scores = targets_for(prompts, continuations, sampled, logprobs, cfg.kl_top_k, cfg.temperature)
         out.append(assemble(prompts, continuations, sampled, scores, cfg.kl_top_k))
     return out[0], out[1]

@@ -11,7 +11,8 @@ LLM's own outputs. This command does both within a time budget, in one go:
    (`specinfer/pool/data/seed_prompts.jsonl`), rendered with the LLM's chat template, or windows
    of a corpus the user names. Half the answers are greedy, half sampled at the serving
    temperature (the contexts a stochastic request visits), generated in lockstep batches, and the
-   LLM's top-k distribution at every answer position is kept (`specinfer.pool.boost_data`).
+   LLM's top-k distribution at every answer position is kept, taken from the logits the
+   generation computed, with no second pass of the LLM (`specinfer.pool.boost_data`).
    Batches are generated until the data's share of the budget is spent.
 3. **Distillation.** The cut layers (and final norm) are trained on those positions with
    cross-entropy on the LLM's top-1 plus the cross-entropy against its top-k distribution
@@ -299,7 +300,7 @@ def teacher_data(plan: DraftPlan, clock: Clock, progress: bool, say) -> tuple[Bo
     eval_path = data_dir / "eval.safetensors"
     if not eval_path.is_file():
         greedy = replace(data_cfg, sampled_fraction=0.0)
-        evals = _teacher_batch(engine, llm, eval_prompts, greedy, cfg.seed * 7919 + 1, progress)
+        evals = _teacher_batch(engine, eval_prompts, greedy, cfg.seed * 7919 + 1, progress)
         write_atomic(eval_path, lambda tmp: save_file(evals.to_tensors("eval"), str(tmp)))
     evals = BoostData.from_tensors(load_file(str(eval_path)), "eval")
     data_end_s = clock.elapsed_s + cfg.data_share * clock.left_s
@@ -311,7 +312,7 @@ def teacher_data(plan: DraftPlan, clock: Clock, progress: bool, say) -> tuple[Bo
             started = clock.elapsed_s
             lo = index * cfg.gen_batch_size
             chunk = [train_prompts[(lo + k) % len(train_prompts)] for k in range(cfg.gen_batch_size)]
-            batch = _teacher_batch(engine, llm, chunk, data_cfg, cfg.seed * 7919 + 2 + index, progress)
+            batch = _teacher_batch(engine, chunk, data_cfg, cfg.seed * 7919 + 2 + index, progress)
             path = data_dir / f"batch-{index:04d}.safetensors"
             write_atomic(path, lambda tmp: save_file(batch.to_tensors("train"), str(tmp)))
             index += 1
@@ -326,14 +327,13 @@ def teacher_data(plan: DraftPlan, clock: Clock, progress: bool, say) -> tuple[Bo
     return train, evals
 
 
-def _teacher_batch(engine, llm, prompts: Sequence[list[int]], data_cfg, seed: int, progress: bool) -> BoostData:
+def _teacher_batch(engine, prompts: Sequence[list[int]], data_cfg, seed: int, progress: bool) -> BoostData:
 
-    continuations, sampled = generate_continuations(engine, prompts, data_cfg, seed, progress)
+    continuations, sampled, logprobs = generate_continuations(engine, prompts, data_cfg, seed, progress)
     keep = [n for n, c in enumerate(continuations) if len(c) >= 2] or [0]  # an answer that ends at once teaches
-    prompts = [prompts[n] for n in keep]  # nothing (one kept, so a batch is never empty)
-    continuations = [continuations[n] for n in keep]
-    sampled = [sampled[n] for n in keep]
-    scores = targets_for(llm, prompts, continuations, sampled, data_cfg.kl_top_k, progress)
+    prompts, continuations, sampled, logprobs = ([xs[n] for n in keep]  # nothing (one kept: never an empty batch)
+                                                 for xs in (prompts, continuations, sampled, logprobs))
+    scores = targets_for(prompts, continuations, sampled, logprobs, data_cfg.kl_top_k, data_cfg.temperature)
     return assemble(prompts, continuations, sampled, scores, data_cfg.kl_top_k)
 
 

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from specinfer.errors import UserError
+from specinfer.limits import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,9 @@ class DataConfig:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
         if not 0.0 < self.eval_fraction < 1.0:
             raise UserError(f"eval fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.kl_top_k < 0 or self.gen_batch_size < 1:
-            raise UserError("--kl-top-k must be >= 0 and the generation batch size >= 1")
+        if not 0 <= self.kl_top_k <= MAX_LOGPROBS or self.gen_batch_size < 1:
+            raise UserError(f"--kl-top-k must be in [0, {MAX_LOGPROBS}] (the engine's logprobs give the LLM's "
+                            f"top-k), got {self.kl_top_k}; the generation batch size must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class DraftConfig:
     continuation_tokens: int = 96
     sampled_fraction: float = 0.5  # continuations sampled (the contexts stochastic requests visit)
     temperature: float = 0.7
-    kl_top_k: int = 32
+    kl_top_k: int = 20  # the most the engine's logprobs give (limits.MAX_LOGPROBS)
     kl_weight: float = 1.0
     eval_prompts: int = 16
     gen_batch_size: int = 48
