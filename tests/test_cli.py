@@ -219,3 +219,23 @@ def test_a_shared_setting_reads_the_same_flag_forms_and_variable_everywhere():
         assert parser.parse_args(["generate", "--prompt", "x", *form]).prefix_caching is False
     assert verifier_config(["--model", "m", "--offload"], {}).execution.offload is True
     assert speculator_config(["--ssm", "s", "--no-model-free", "--no-cuda-graphs"], {}).execution.cuda_graphs is False
+
+
+def test_bench_reports_the_pool_members_at_its_own_decoding(capsys):
+    """Greedy and sampled steps judge an SSM apart: a sampled bench reports the sampled verdicts,
+    not the greedy ones (which a sampled run never touches)."""
+    from types import SimpleNamespace
+
+    from specinfer.cli.bench import member_verdicts
+    from specinfer.engine.drafting.dynamic import MemberGain
+    from specinfer.params import TreeBudget
+
+    gains = {True: MemberGain(), False: MemberGain()}
+    for _ in range(3):
+        gains[False].observe(0, 0.5, accepted=1, nodes=2, levels=1)
+    engine = SimpleNamespace(source=SimpleNamespace(speculator=SimpleNamespace(runners=[None], member_gain=gains),
+                                                    names=["ssm-0"]),
+                             load_policy=SimpleNamespace(budget=lambda _: TreeBudget()))
+    assert member_verdicts(engine, ["draft"], is_greedy=False)["ssm-0"]["runs"] == 3
+    assert member_verdicts(engine, ["draft"], is_greedy=True)["ssm-0"]["runs"] == 0
+    assert "ssm-0 (draft) stays in the trees" in capsys.readouterr().err

@@ -269,7 +269,8 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
         "config": _config(args, paths, engine, len(prompt_ids), widths, ssm_dtypes, ssm_dtype_choice, constraint,
                           processed),
         "results": {name: results[name].summary(results["incremental"], reference) for name in names},
-        "pool_members": member_verdicts(engine, paths.ssms),  # what each SSM's drafts alone brought in dynamic trees
+        # what each SSM's drafts alone brought in dynamic trees, at the bench's decoding (greedy or sampled)
+        "pool_members": member_verdicts(engine, paths.ssms, is_greedy=not args.temperature),
     }
     report["summary"] = summary(report["results"])
     engine.verifier.runner.close()
@@ -277,10 +278,10 @@ def run_bench(args: argparse.Namespace, cache_dir: Path) -> int:
     return 0
 
 
-def member_verdicts(engine, ssm_dirs) -> dict:
+def member_verdicts(engine, ssm_dirs, is_greedy: bool = True) -> dict:
     """Each SSM of the pool (`ssm_dirs`, in pool order) in the dynamic-tree arms: what its drafts
     alone got accepted, and whether it dropped out of the trees (its passes did not pay); one
-    line each on stderr."""
+    line each on stderr. Greedy and sampled steps are judged apart: `is_greedy` says which."""
     source = engine.source
     speculator = getattr(source, "speculator", None)
     if speculator is None or engine.load_policy is None:
@@ -288,7 +289,7 @@ def member_verdicts(engine, ssm_dirs) -> dict:
     budget = engine.load_policy.budget(1)
     verdicts = {}
     for m, name in enumerate(source.names[:len(speculator.runners)]):
-        member = speculator.member_gain[True].summary(m)
+        member = speculator.member_gain[is_greedy].summary(m)
         verdicts[name] = {**member, "level_cost": round(budget.level_cost, 4), "start_cost": round(budget.ssm_cost, 4)}
         if not member["runs"]:
             continue
