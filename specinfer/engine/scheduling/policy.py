@@ -62,6 +62,10 @@ PROBE_INTERVAL_S = 0.5  # speculation not chosen is still measured with a probe 
 PROBE_SHARE = 0.1  # and probes take at most this share of the time
 NUM_PROBE_STEPS = 2  # the first step after plain ones also pays the SSMs' catch-up
 COST_HALF_LIFE_S = 2.0  # drafting-cost observations this old weigh half
+# The drafting-cost fit's start and level terms lean on a prior (no start cost; the initial level
+# cost) worth this many observations: a handful of slow steps cannot price a level at half a step,
+# which made the policy flip between speculating and declining from run to run.
+DRAFT_PRIOR_WEIGHT = 4.0
 OUTLIER_FACTOR = 4.0  # a drafting time counts at most this many times what the fit predicts
 
 
@@ -219,13 +223,19 @@ class DecayedLeastSquares:
                 self.xx[i][j] = d * self.xx[i][j] + x[i] * x[j]
         self.weight = d * self.weight + 1.0
 
-    def coefficients(self) -> list[float] | None:
-        """The fit (None before any observation)."""
+    def coefficients(self, prior: tuple[float | None, ...] | None = None, prior_weight: float = 0.0
+                     ) -> list[float] | None:
+        """The fit (None before any observation), each term with a value in `prior` pulled towards
+        it as if by `prior_weight` observations of that term alone (None: left free), so a term
+        that few observations tell apart stays near its prior instead of swinging with them."""
         if self.weight <= 0:
             return None
         a = [row[:] + [self.xy[i]] for i, row in enumerate(self.xx)]
         for i in range(self.n):
             a[i][i] += self.ridge * (1.0 + a[i][i])
+            if prior is not None and prior[i] is not None:
+                a[i][i] += prior_weight
+                a[i][self.n] += prior_weight * prior[i]
         for col in range(self.n):  # Gaussian elimination with partial pivoting
             pivot = max(range(col, self.n), key=lambda r: abs(a[r][col]))
             if abs(a[pivot][col]) < 1e-12:
@@ -254,6 +264,7 @@ class LoadAwarePolicy:
         self.max_nodes, self.max_depth = max_nodes, max_depth
         # Until measured, an SSM level costs a tenth of a one-token LLM pass.
         self.level_seconds = level_seconds if level_seconds is not None else 0.1 * cost.seconds(1)
+        self._level_prior_s = self.level_seconds  # where the fit's level term starts and leans while evidence is thin
         self.fixed_seconds = 0.0
         self.step_overhead_s = 0.0  # a step's time beyond its LLM pass, fitted online from plain steps
         # Drafting time = fixed + ssm_start (when the SSMs run at all: their first pass reads what they
@@ -414,7 +425,7 @@ class LoadAwarePolicy:
                 predicted = self._draft_seconds(num_levels)
                 seconds = min(seconds, OUTLIER_FACTOR * predicted + 0.001)
             self._draft_fit.observe((1.0, float(num_levels > 0), float(num_levels)), seconds, decay)
-            fit = self._draft_fit.coefficients()
+            fit = self._draft_fit.coefficients((None, 0.0, self._level_prior_s), DRAFT_PRIOR_WEIGHT)
             if fit is None:
                 return
             fixed, start, per_level = (max(0.0, b) for b in fit)
