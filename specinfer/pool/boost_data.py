@@ -24,6 +24,7 @@ reproduce the LLM. This module builds that data, deterministically from a seed:
 from __future__ import annotations
 
 import bisect
+import math
 import random
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -183,16 +184,17 @@ def targets_for(prompts: Sequence[list[int]], continuations: Sequence[list[int]]
         if was_sampled or top_k:
             if len(lps) != len(c):
                 raise RuntimeError(f"the engine returned {len(lps)} logprobs for {len(c)} tokens")
-            first = len(p) - 1
-            for j, lp in enumerate(lps):
-                top = lp.top[: max(1, top_k)]
-                if was_sampled:
-                    top1[first + j] = top[0][0]
-                if top_k:
-                    values = torch.tensor([v for _, v in top], dtype=torch.float64)
-                    values = torch.softmax(values * temperature, 0) if was_sampled else values.exp()
-                    ids[first + j, : len(top)] = torch.tensor([t for t, _ in top])
-                    probs[first + j, : len(top)] = values.float()
+            span = slice(len(p) - 1, len(p) - 1 + len(c))
+            if was_sampled:
+                top1[span] = torch.tensor([lp.top[0][0] for lp in lps])
+            if top_k:  # every token's alternatives, padded to k with probability 0 (a tiny vocabulary)
+                width = [len(lp.top[:top_k]) for lp in lps]
+                ids[span] = torch.tensor([[t for t, _ in lp.top[:top_k]] + [0] * (top_k - n)
+                                          for lp, n in zip(lps, width)])
+                values = torch.tensor([[v for _, v in lp.top[:top_k]] + [-math.inf] * (top_k - n)
+                                       for lp, n in zip(lps, width)], dtype=torch.float64)
+                values = torch.softmax(values * temperature, -1) if was_sampled else values.exp()
+                probs[span] = values.float()
         out.append((top1, ids, probs))
     return out
 
