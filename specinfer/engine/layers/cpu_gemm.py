@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output features a panel holds
+REVISION = 2  # of cpu_gemm.c: 2 asks the memory for the weights ahead of the arithmetic
 
 
 @functools.cache
@@ -42,8 +43,9 @@ def available() -> bool:
 
 
 def kernel_name() -> str:
-    """Which of the kernel's paths this CPU runs (for caches of what a pass costs)."""
-    return {2: "panels-avx512", 1: "panels-avx2"}[_library()[1]]
+    """Which of the kernel's paths this CPU runs, and its revision (for caches of what a pass
+    costs: a revision that prices passes differently measures them anew)."""
+    return {2: "panels-avx512", 1: "panels-avx2"}[_library()[1]] + f"-r{REVISION}"
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
