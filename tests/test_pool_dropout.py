@@ -83,6 +83,43 @@ def test_a_useless_ssm_drops_out_and_the_defaults_keep_their_tokens_per_step(mod
     assert gain["dropped"] and gain["accepted_alone"] < 0.2 and 0 < gain["runs"] < 16
 
 
+def levels_run(gain, budget) -> int:
+    """The levels an SSM sure of every token (probability ~1 for token 5) expands in the next
+    step it runs, from a fresh calibration (its prior: the SSM's confidence), no model-free drafts."""
+    import torch
+
+    from specinfer.engine.drafting.dynamic import Calibration, DynamicBuild
+    from specinfer.params import SamplingParams
+
+    calibration = Calibration()
+    for _ in range(gain.FORCE_EVERY):
+        build = DynamicBuild(1, 16, budget, SamplingParams(), None, calibration, gain, [], {0: None})
+        if build.is_expanding:
+            break
+    else:
+        return 0
+    while build.is_expanding:
+        rows = torch.full((len(build.frontier), 32), -20.0)
+        rows[:, 5] = 20.0
+        build.grow({0: rows})
+    return build.num_levels
+
+
+def test_a_dropped_ssms_retrials_run_only_a_few_levels():
+    """Out of the trees, a member still runs every `FORCE_EVERY` steps, but only
+    `RETRIAL_LEVELS` deep: its optimistic prior must not buy a weak draft deep trees at every
+    retrial. A member that pays runs as deep as its values say."""
+    from specinfer.engine.drafting.dynamic import MemberGain
+    from specinfer.params import TreeBudget
+
+    budget = TreeBudget(max_nodes=24, max_depth=6, node_cost=0.02, level_cost=0.1)
+    assert levels_run(MemberGain(), budget) == 6  # judged worth it (its prior): as deep as the budget
+    dropped = MemberGain()
+    for _ in range(64):  # five nodes and three levels a run, for no accepted token
+        dropped.observe(0, 0.0, 0, 5, 3)
+    assert levels_run(dropped, budget) == MemberGain.RETRIAL_LEVELS == 2
+
+
 def test_a_good_ssm_stays_in_and_adds_to_the_model_free_members(models, clock):
     free, _ = defaults_tokens_per_step(models, clock, None)
     with_good, engine = defaults_tokens_per_step(models, clock, "good")

@@ -142,13 +142,16 @@ class MemberGain:
     verification accepted that only its drafts proposed (none of the model-free members' did),
     the nodes only it proposed, and the levels it ran, by how much the model-free candidates
     already offered (expected accepted tokens, bucketed). A member runs while that pays for its
-    share of the start and level costs (`is_worth`), so one whose measured acceptance cannot pay
+    share of the start and level costs (`max_levels`), so one whose measured acceptance cannot pay
     for its cost drops out of the tree; left out of a bucket for `FORCE_EVERY` steps it runs
-    anyway, so a verdict cannot stick. Means over a window of recent runs, from an optimistic
+    anyway, so a verdict cannot stick, but only `RETRIAL_LEVELS` deep: a retrial measures what
+    the member's first levels bring, and a weak draft valued by its optimistic prior would
+    otherwise be followed many levels deep at every retrial. Means over a window of recent runs, from an optimistic
     prior worth `PRIOR_WEIGHT` runs (a member is tried before it is judged)."""
 
     BUCKETS = (0.3, 1.0, 2.0)
     FORCE_EVERY = 32
+    RETRIAL_LEVELS = 2  # the most levels a member runs in a retrial
     PRIOR = (1.5, 6.0, 3.0)  # accepted tokens, nodes, levels
     PRIOR_WEIGHT = 2.0
     WINDOW = 64.0  # runs a mean remembers
@@ -170,9 +173,10 @@ class MemberGain:
         weight = sums[3] + self.PRIOR_WEIGHT
         return (*((s + self.PRIOR_WEIGHT * p) / weight for s, p in zip(sums, self.PRIOR)), sums[3])
 
-    def is_worth(self, member: int, model_free_value: float, model_free_nodes: int, budget: TreeBudget,
-                 num_running: int = 1) -> bool:
-        """Whether `member` runs this step, one of `num_running` members sharing the start cost."""
+    def max_levels(self, member: int, model_free_value: float, model_free_nodes: int, budget: TreeBudget,
+                   num_running: int = 1) -> int:
+        """How many levels `member` runs this step, one of `num_running` members sharing the start
+        cost: 0 (it sits out), `RETRIAL_LEVELS` (a retrial) or the budget's depth."""
         key = (member, self._bucket(model_free_value))
         with self._lock:
             gain, extra_nodes, levels, _ = self.mean(member, model_free_value)
@@ -184,9 +188,9 @@ class MemberGain:
             self._skip_share[member] = share + self.SKIP_WEIGHT * ((not is_worth) - share)
             if is_worth or skipped + 1 >= self.FORCE_EVERY:
                 self._skipped[key] = 0
-                return True
+                return budget.max_depth if is_worth else min(budget.max_depth, self.RETRIAL_LEVELS)
             self._skipped[key] = skipped + 1
-            return False
+            return 0
 
     def observe(self, member: int, model_free_value: float, accepted: int, nodes: int, levels: int) -> None:
         """One verified step `member` ran in: what only its drafts got accepted and added."""
@@ -354,8 +358,11 @@ class DynamicBuild:
         chosen, self.model_free_value = self.cands.select(budget, 0, calibration.reach)
         self.num_model_free_nodes = len(chosen) - 1
         ssm_seqs = ssm_seqs if budget.max_depth > 0 else {}
-        self.ssm_seqs = {m: seq for m, seq in ssm_seqs.items()
-                         if gain.is_worth(m, self.model_free_value, self.num_model_free_nodes, budget, len(ssm_seqs))}
+        levels = {m: gain.max_levels(m, self.model_free_value, self.num_model_free_nodes, budget, len(ssm_seqs))
+                  for m in ssm_seqs}
+        self.ssm_seqs = {m: seq for m, seq in ssm_seqs.items() if levels[m] > 0}
+        # The SSMs expand no deeper than the deepest of them may (a retrial alone: its few levels).
+        self.max_levels = max(levels.values(), default=0)
         self.fed = {m: FedNodes([-1]) for m in self.ssm_seqs}
         self.frontier = [0] if self.ssm_seqs else []
 
@@ -411,7 +418,7 @@ class DynamicBuild:
     def _next_frontier(self, depth: int) -> list[int]:
         """The next level's nodes to expand: children of this level's, the most valuable that
         could still pay for a child, as long as a level pays for itself."""
-        if depth >= self.budget.max_depth:
+        if depth >= min(self.budget.max_depth, self.max_levels):
             return []
         price, num_nodes, total = self._price()
         if num_nodes >= self.budget.max_nodes:
