@@ -146,8 +146,8 @@ class MemberGain:
     for its cost drops out of the tree; left out of a bucket for `FORCE_EVERY` steps it runs
     anyway, so a verdict cannot stick, but only `RETRIAL_LEVELS` deep: a retrial measures what
     the member's first levels bring, and a weak draft valued by its optimistic prior would
-    otherwise be followed many levels deep at every retrial. Means over a window of recent runs, from an optimistic
-    prior worth `PRIOR_WEIGHT` runs (a member is tried before it is judged)."""
+    otherwise be followed many levels deep at every retrial. Means over a window of recent runs,
+    from an optimistic prior worth `PRIOR_WEIGHT` runs (a member is tried before it is judged)."""
 
     BUCKETS = (0.3, 1.0, 2.0)
     FORCE_EVERY = 32
