@@ -169,13 +169,18 @@ void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_
                     int num_threads) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     if (m <= 0 || n <= 0) return; /* no rows (an empty pass) or no outputs: nothing to compute */
-    /* Chunks of whole tiles: 6 panels where every group has 7-8 rows (tiles of 3 panels), else 8. */
+    /* Each thread takes an equal share of the panels (a few panels more or less would leave one
+     * thread streaming alone at the end), in chunks of whole tiles: 6 panels where every group
+     * has 7-8 rows (tiles of 3 panels), else 8, so that every group of rows reads a chunk's
+     * panels while they are in the cache. */
     const int64_t chunk = isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
-    const int64_t num_chunks = (num_panels + chunk - 1) / chunk;
+    const int64_t threads = num_threads > 1 ? num_threads : 1;
+    const int64_t share = (num_panels + threads - 1) / threads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t c = 0; c < num_chunks; c++) {
-        const int64_t p0 = c * chunk, p1 = p0 + chunk < num_panels ? p0 + chunk : num_panels;
-        panels(Wp, x, y, m, n, k, p0, p1, isa);
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t end = (t + 1) * share < num_panels ? (t + 1) * share : num_panels;
+        for (int64_t p0 = t * share; p0 < end; p0 += chunk)
+            panels(Wp, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
     }
 }
 
