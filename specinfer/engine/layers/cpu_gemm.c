@@ -170,9 +170,9 @@ void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     if (m <= 0 || n <= 0) return; /* no rows (an empty pass) or no outputs: nothing to compute */
     /* Each thread takes an equal share of the panels (a few panels more or less would leave one
-     * thread streaming alone at the end), in chunks of whole tiles: 6 panels where every group
-     * has 7-8 rows (tiles of 3 panels), else 8, so that every group of rows reads a chunk's
-     * panels while they are in the cache. */
+     * thread streaming alone at the end), in chunks of whole tiles but for a share's last: 6
+     * panels where every group has 7-8 rows (tiles of 3 panels), else 8, so that every group of
+     * rows reads a chunk's panels while they are in the cache. */
     const int64_t chunk = isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
     const int64_t threads = num_threads > 1 ? num_threads : 1;
     const int64_t share = (num_panels + threads - 1) / threads;
