@@ -14,7 +14,6 @@ milliseconds a pass per row count, and whether the two libraries' sums are bitwi
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
@@ -27,14 +26,6 @@ SHAPES = {  # (hidden, intermediate, kv width, layers, vocabulary)
     "smollm2": (576, 1536, 192, 30, 49152),
     "reference": (512, 1408, 256, 8, 8192),
 }
-
-
-def load(path: str):
-    lib = ctypes.CDLL(path)
-    lib.specinfer_gemm_isa.restype = ctypes.c_int
-    lib.specinfer_gemm.restype = None
-    lib.specinfer_gemm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int] * 2
-    return lib, lib.specinfer_gemm_isa()
 
 
 def main() -> None:
@@ -53,7 +44,9 @@ def main() -> None:
     mats = [(cpu_gemm.pack(torch.randn(n, k, generator=gen) * 0.05), n, k) for n, k in shapes]
     rows = [int(r) for r in args.rows.split(",")]
     xs = {m: [torch.randn(m, k, generator=gen) for _, _, k in mats] for m in rows}
-    libs = [load(path) for path in args.libs]
+    libs = [cpu_gemm.load(path) for path in args.libs]
+    if None in libs:
+        raise SystemExit("a library did not load, or this CPU runs neither of its paths")
     outs = [{m: [torch.empty(m, n) for _, n, _ in mats] for m in rows} for _ in libs]
 
     def run(i: int, m: int) -> float:

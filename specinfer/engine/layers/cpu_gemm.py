@@ -18,13 +18,11 @@ PANEL = 16  # output features a panel holds
 REVISION = 3  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads
 
 
-@functools.cache
-def _library() -> tuple[ctypes.CDLL, int] | None:
-    candidates = sorted(Path(__file__).parent.glob("_cpu_gemm*.so"))
-    if not candidates:
-        return None
+def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
+    """The kernel library at `path` and the path it runs on this CPU (`specinfer_gemm_isa`: 2
+    AVX-512, 1 AVX2), or None where it cannot load or this CPU runs neither."""
     try:
-        lib = ctypes.CDLL(str(candidates[0]))
+        lib = ctypes.CDLL(str(path))
     except OSError:
         return None
     lib.specinfer_gemm_isa.restype = ctypes.c_int
@@ -35,6 +33,12 @@ def _library() -> tuple[ctypes.CDLL, int] | None:
     lib.specinfer_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return lib, isa
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL, int] | None:
+    candidates = sorted(Path(__file__).parent.glob("_cpu_gemm*.so"))
+    return load(candidates[0]) if candidates else None
 
 
 def available() -> bool:

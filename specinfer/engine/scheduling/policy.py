@@ -34,8 +34,9 @@ SSM's measured level, would otherwise decode a fresh pool plainly until probes t
 
 A choice cannot stick. Costs are refitted with weights that halve every `half_life_s` of
 (injectable) clock time (the drafting cost's start and level terms leaning on a prior worth a
-few observations, so that a handful of steps cannot swing them), and while plain decoding wins, speculation is probed with two steps
-every `probe_interval_s` (less often when probes are slow: at most `PROBE_SHARE` of the time),
+few observations, so that a handful of steps cannot swing them), and while plain decoding wins,
+speculation is probed with two steps every `probe_interval_s` (less often when probes are slow:
+at most `PROBE_SHARE` of the time),
 unless even an optimistic estimate of it (its acceptance plus its uncertainty, and a drafting
 cost that fades with the age of its measurement) could not win: probes are paid only where they
 could change the verdict. Plain Python; the one
