@@ -120,23 +120,6 @@ def test_a_dropped_ssms_retrials_run_only_a_few_levels():
     assert levels_run(dropped, budget) == MemberGain.RETRIAL_LEVELS == 2
 
 
-def test_what_a_member_showed_at_one_model_free_value_is_its_prior_at_the_others():
-    """A member's runs where the model-free drafts offered nothing tell what it will do where
-    they offer more: a draft that brought no token there is not tried deep again at every other
-    model-free value before each judges it, and one that brought many still is."""
-    from specinfer.engine.drafting.dynamic import MemberGain
-    from specinfer.params import TreeBudget
-
-    budget = TreeBudget(max_nodes=24, max_depth=6, node_cost=0.02, level_cost=0.1)
-    assert MemberGain().max_levels(0, 1.5, 0, budget) == 6  # untried: its optimistic prior
-    weak, strong = MemberGain(), MemberGain()
-    for _ in range(8):  # at model-free value 0 (another bucket than 1.5's)
-        weak.observe(0, 0.0, 0, 5, 3)
-        strong.observe(0, 0.0, 3, 5, 3)
-    assert weak.max_levels(0, 1.5, 0, budget) == 0
-    assert strong.max_levels(0, 1.5, 0, budget) == 6
-
-
 def test_a_good_ssm_stays_in_and_adds_to_the_model_free_members(models, clock):
     free, _ = defaults_tokens_per_step(models, clock, None)
     with_good, engine = defaults_tokens_per_step(models, clock, "good")

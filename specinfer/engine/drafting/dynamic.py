@@ -147,8 +147,7 @@ class MemberGain:
     anyway, so a verdict cannot stick, but only `RETRIAL_LEVELS` deep: a retrial measures what
     the member's first levels bring, and a weak draft valued by its optimistic prior would
     otherwise be followed many levels deep at every retrial. Means over a window of recent runs,
-    from an optimistic prior worth `PRIOR_WEIGHT` runs (a member is tried before it is judged),
-    shared by the buckets (`mean`)."""
+    from an optimistic prior worth `PRIOR_WEIGHT` runs (a member is tried before it is judged)."""
 
     BUCKETS = (0.3, 1.0, 2.0)
     FORCE_EVERY = 32
@@ -169,15 +168,10 @@ class MemberGain:
         return bisect.bisect(self.BUCKETS, model_free_value)
 
     def mean(self, member: int, model_free_value: float) -> tuple[float, float, float, float]:
-        """(accepted tokens, nodes, levels, runs measured) of `member` at this model-free value.
-        A bucket's prior is the member's mean over all its buckets (itself from `PRIOR`): what
-        its runs showed at other model-free values is the best guess at a new one, so a weak
-        draft is not tried deep a few times in every bucket before it is judged in each."""
-        own = self._sums.get((member, self._bucket(model_free_value)), [0.0, 0.0, 0.0, 0.0])
-        pooled = [sum(v[i] for k, v in self._sums.items() if k[0] == member) for i in range(4)]
-        prior = [(s + self.PRIOR_WEIGHT * p) / (pooled[3] + self.PRIOR_WEIGHT) for s, p in zip(pooled, self.PRIOR)]
-        weight = own[3] + self.PRIOR_WEIGHT
-        return (*((s + self.PRIOR_WEIGHT * p) / weight for s, p in zip(own, prior)), own[3])
+        """(accepted tokens, nodes, levels, runs measured) of `member` at this model-free value."""
+        sums = self._sums.get((member, self._bucket(model_free_value)), [0.0, 0.0, 0.0, 0.0])
+        weight = sums[3] + self.PRIOR_WEIGHT
+        return (*((s + self.PRIOR_WEIGHT * p) / weight for s, p in zip(sums, self.PRIOR)), sums[3])
 
     def max_levels(self, member: int, model_free_value: float, model_free_nodes: int, budget: TreeBudget,
                    num_running: int = 1) -> int:
