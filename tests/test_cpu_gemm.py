@@ -21,7 +21,8 @@ SHAPES = [(64, 64), (40, 17), (100, 576), (16, 1), (3, 8), (257, 96)]
 def raw_gemm(panels: torch.Tensor, x: torch.Tensor, n: int, isa: int, threads: int) -> torch.Tensor:
     lib, _ = cpu_gemm._library()
     out = torch.full((x.shape[0], n), float("nan"))
-    lib.specinfer_gemm(panels.data_ptr(), x.data_ptr(), out.data_ptr(), x.shape[0], n, x.shape[1], isa, threads)
+    lib.specinfer_gemm(panels.data_ptr(), cpu_gemm._FORMATS[panels.dtype], x.data_ptr(), out.data_ptr(), x.shape[0],
+                       n, x.shape[1], isa, threads)
     return out
 
 
@@ -76,6 +77,58 @@ def test_avx2_and_avx512_paths_agree_bitwise():
         w, x = torch.randn(n, k), torch.randn(9, k)
         panels = cpu_gemm.pack(w)
         assert torch.equal(raw_gemm(panels, x, n, 2, 2), raw_gemm(panels, x, n, 1, 2)), (n, k)
+
+
+def exactly(w: torch.Tensor, storage: torch.dtype) -> torch.Tensor:
+    """`w` rounded to values `storage` holds exactly, as a checkpoint stored in it gives, in float32."""
+    return w.to(storage).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_16_bit_panels_multiply_bitwise_as_float32_ones(n, k, storage):
+    """A weight of exact 16-bit values packed in 16 bits gives, for every batch size, thread split
+    and instruction set, bit for bit what its float32 panels give (the widening in registers is
+    exact), from half the bytes."""
+    torch.manual_seed(n + k)
+    w, x = exactly(torch.randn(n, k), storage), torch.randn(17, k)
+    wide, narrow = cpu_gemm.pack(w), cpu_gemm.pack(w, storage)
+    assert narrow.dtype == storage and narrow.shape == wide.shape
+    assert narrow.numel() * narrow.element_size() * 2 == wide.numel() * wide.element_size()
+    _, best = cpu_gemm._library()
+    for isa in sorted({1, best}):
+        for m in (1, 2, 3, 5, 7, 8, 9, 16, 17):
+            for threads in (1, 2):
+                got = raw_gemm(narrow, x[:m].contiguous(), n, isa, threads)
+                assert torch.equal(got, raw_gemm(wide, x[:m].contiguous(), n, isa, threads)), (isa, m, threads)
+
+
+def test_a_weight_is_stored_in_the_narrowest_type_that_holds_it_exactly():
+    torch.manual_seed(11)
+    w = torch.randn(48, 32)
+    assert cpu_gemm.exact_storage(exactly(w, torch.bfloat16)) == torch.bfloat16
+    assert cpu_gemm.exact_storage(exactly(w, torch.float16)) == torch.float16
+    assert cpu_gemm.exact_storage(w) == torch.float32
+    one_off = exactly(w, torch.bfloat16)
+    one_off[5, 7] += 1e-7  # a single element off the 16-bit grid keeps the whole weight in float32
+    assert cpu_gemm.exact_storage(one_off) == torch.float32
+    big = exactly(w, torch.bfloat16) * 2.0 ** 20  # bfloat16 values past float16's range: bfloat16, not float16
+    assert cpu_gemm.exact_storage(big) == torch.bfloat16
+    nan = w.clone()
+    nan[0, 0] = float("nan")
+    assert cpu_gemm.exact_storage(nan) == torch.float32
+
+
+@needs_kernel
+def test_a_bfloat16_checkpoints_weights_are_packed_in_16_bits_and_multiply_as_before():
+    torch.manual_seed(13)
+    w, b = exactly(torch.randn(40, 24), torch.bfloat16), torch.randn(40)
+    packed = pack(w)
+    assert isinstance(packed, Panels) and packed.data.dtype == torch.bfloat16
+    x = torch.randn(3, 24)
+    assert torch.equal(linear(x, packed, b), linear(x, Panels(cpu_gemm.pack(w), 40), b))
+    torch.testing.assert_close(linear(x, packed, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel

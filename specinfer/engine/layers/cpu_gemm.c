@@ -7,6 +7,10 @@
  * once, broadcasting x's elements against it, with the sums of several panels and rows in
  * registers.
  *
+ * A weight whose every element is exactly a bfloat16 (checkpoints stored in bfloat16) or a float16
+ * value is kept in panels of that 16-bit type and widened to float32 in registers: the widening is
+ * exact, so its products are bitwise those of its float32 panels, from half the bytes of memory.
+ *
  * Every output element is one chain of fused multiply-adds over j = 0 .. k - 1 in order, whatever
  * the number of rows, the tile it falls in, the thread that computes it, or the instruction set
  * (the AVX2 path holds a panel in two halves): a row of a tree pass is bitwise the row a one-token
@@ -25,23 +29,41 @@
  * weights at the memory's speed either way). A prefetch is a hint that never faults, so asking
  * past the last panel is harmless. */
 #define AHEAD 32
+/* Panel element formats: float32, and the 16-bit ones widened exactly to float32 in registers. */
+#define FMT_F32 0
+#define FMT_BF16 1
+#define FMT_F16 2
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 
 /* ---- AVX-512: a panel is one register ---- */
 
-#define TILE512(R, P)                                                                                        \
-    __attribute__((target("avx512f"))) static void tile512_##R##x##P(const float *Wp, const float *x, float *y, \
-                                                                     int64_t n, int64_t k, int64_t p0) {        \
+/* A panel's line j of 16 weights as float32: loaded as they are, or widened exactly from 16 bits. */
+#define LOAD512_F32(w, i) _mm512_loadu_ps((const float *)(w) + (i))
+#define LOAD512_BF16(w, i) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(w) + (i)))), 16))
+#define LOAD512_F16(w, i) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)(w) + (i))))
+/* Lines of 16 bits are half a cache line: ask twice as many of them ahead. */
+#define AHEAD_F32 AHEAD
+#define AHEAD_BF16 (2 * AHEAD)
+#define AHEAD_F16 (2 * AHEAD)
+#define ELEM_F32 float
+#define ELEM_BF16 uint16_t
+#define ELEM_F16 uint16_t
+
+#define TILE512(R, P, F)                                                                                     \
+    __attribute__((target("avx512f"))) static void tile512_##F##_##R##x##P(const void *Wv, const float *x,  \
+                                                                         float *y, int64_t n, int64_t k,      \
+                                                                         int64_t p0) {                        \
         __m512 acc[R][P];                                                                                    \
         for (int r = 0; r < R; r++)                                                                          \
             for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
-        const float *w = Wp + p0 * k * PANEL;                                                                \
+        const ELEM_##F *w = (const ELEM_##F *)Wv + p0 * k * PANEL;                                           \
         for (int64_t j = 0; j < k; j++) {                                                                    \
             __m512 wv[P];                                                                                    \
-            for (int q = 0; q < P; q++) wv[q] = _mm512_loadu_ps(w + (q * k + j) * PANEL);                     \
-            for (int q = 0; q < P; q++) _mm_prefetch((const char *)(w + (q * k + j + AHEAD) * PANEL), _MM_HINT_T0); \
+            for (int q = 0; q < P; q++) wv[q] = LOAD512_##F(w, (q * k + j) * PANEL);                          \
+            for (int q = 0; q < P; q++) _mm_prefetch((const char *)(w + (q * k + j + AHEAD_##F) * PANEL), _MM_HINT_T0); \
             for (int r = 0; r < R; r++) {                                                                    \
                 const __m512 xv = _mm512_set1_ps(x[r * k + j]);                                              \
                 for (int q = 0; q < P; q++) acc[r][q] = _mm512_fmadd_ps(wv[q], xv, acc[r][q]);               \
@@ -57,38 +79,35 @@
             }                                                                                                \
     }
 
-TILE512(1, 8)
-TILE512(1, 1)
-TILE512(2, 4)
-TILE512(2, 1)
-TILE512(3, 4)
-TILE512(3, 1)
-TILE512(4, 4)
-TILE512(4, 1)
-TILE512(5, 4)
-TILE512(5, 1)
-TILE512(6, 4)
-TILE512(6, 1)
-TILE512(7, 3)
-TILE512(7, 1)
-TILE512(8, 3)
-TILE512(8, 1)
+#define TILES512(F)                                                                                          \
+    TILE512(1, 8, F) TILE512(1, 1, F) TILE512(2, 4, F) TILE512(2, 1, F) TILE512(3, 4, F) TILE512(3, 1, F)    \
+    TILE512(4, 4, F) TILE512(4, 1, F) TILE512(5, 4, F) TILE512(5, 1, F) TILE512(6, 4, F) TILE512(6, 1, F)    \
+    TILE512(7, 3, F) TILE512(7, 1, F) TILE512(8, 3, F) TILE512(8, 1, F)
+
+TILES512(F32)
+TILES512(BF16)
+TILES512(F16)
 
 /* ---- AVX2 + FMA: a panel is two registers ---- */
 
-#define TILE256(R, P)                                                                                        \
-    __attribute__((target("avx2,fma"))) static void tile256_##R##x##P(const float *Wp, const float *x, float *y, \
-                                                                       int64_t n, int64_t k, int64_t p0) {      \
+#define LOAD256_F32(w, i) _mm256_loadu_ps((const float *)(w) + (i))
+#define LOAD256_BF16(w, i) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)(w) + (i)))), 16))
+#define LOAD256_F16(w, i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)(w) + (i))))
+
+#define TILE256(R, P, F)                                                                                     \
+    __attribute__((target("avx2,fma,f16c"))) static void tile256_##F##_##R##x##P(                            \
+        const void *Wv, const float *x, float *y, int64_t n, int64_t k, int64_t p0) {                        \
         __m256 acc[R][2 * P];                                                                                \
         for (int r = 0; r < R; r++)                                                                          \
             for (int q = 0; q < 2 * P; q++) acc[r][q] = _mm256_setzero_ps();                                 \
-        const float *w = Wp + p0 * k * PANEL;                                                                \
+        const ELEM_##F *w = (const ELEM_##F *)Wv + p0 * k * PANEL;                                           \
         for (int64_t j = 0; j < k; j++) {                                                                    \
             __m256 wv[2 * P];                                                                                \
             for (int q = 0; q < P; q++) {                                                                    \
-                wv[2 * q] = _mm256_loadu_ps(w + (q * k + j) * PANEL);                                        \
-                wv[2 * q + 1] = _mm256_loadu_ps(w + (q * k + j) * PANEL + 8);                                \
-                _mm_prefetch((const char *)(w + (q * k + j + AHEAD) * PANEL), _MM_HINT_T0);                 \
+                wv[2 * q] = LOAD256_##F(w, (q * k + j) * PANEL);                                              \
+                wv[2 * q + 1] = LOAD256_##F(w, (q * k + j) * PANEL + 8);                                      \
+                _mm_prefetch((const char *)(w + (q * k + j + AHEAD_##F) * PANEL), _MM_HINT_T0);             \
             }                                                                                                \
             for (int r = 0; r < R; r++) {                                                                    \
                 const __m256 xv = _mm256_set1_ps(x[r * k + j]);                                              \
@@ -105,28 +124,37 @@ TILE512(8, 1)
             }                                                                                                \
     }
 
-TILE256(1, 4)
-TILE256(1, 1)
-TILE256(2, 2)
-TILE256(2, 1)
-TILE256(3, 2)
-TILE256(3, 1)
+#define TILES256(F) \
+    TILE256(1, 4, F) TILE256(1, 1, F) TILE256(2, 2, F) TILE256(2, 1, F) TILE256(3, 2, F) TILE256(3, 1, F)
+
+TILES256(F32)
+TILES256(BF16)
+TILES256(F16)
 
 /* 2: AVX-512, 1: AVX2 + FMA, 0: neither (the caller uses torch's kernels). */
 int specinfer_gemm_isa(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f")) return 2;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return 1;
     return 0;
 }
 
 /* Rows [0, m) of x against panels [p0, p1), in groups of rows of near-equal size (at most 8 with
  * AVX-512, 3 with AVX2), each group one pass over the panels. */
-#define SWEEP(ISA, R, P)                                                                        \
-    do {                                                                                        \
-        int64_t p = p0;                                                                         \
-        for (; p + P <= p1; p += P) tile##ISA##_##R##x##P(Wp, x + r * k, y + r * n, n, k, p);   \
-        for (; p < p1; p++) tile##ISA##_##R##x1(Wp, x + r * k, y + r * n, n, k, p);             \
+#define SWEEP_F(ISA, F, R, P)                                                                      \
+    do {                                                                                           \
+        int64_t p = p0;                                                                            \
+        for (; p + P <= p1; p += P) tile##ISA##_##F##_##R##x##P(Wp, x + r * k, y + r * n, n, k, p); \
+        for (; p < p1; p++) tile##ISA##_##F##_##R##x1(Wp, x + r * k, y + r * n, n, k, p);           \
+    } while (0)
+#define SWEEP(ISA, R, P)                                        \
+    do {                                                        \
+        if (fmt == FMT_BF16)                                    \
+            SWEEP_F(ISA, BF16, R, P);                           \
+        else if (fmt == FMT_F16)                                \
+            SWEEP_F(ISA, F16, R, P);                            \
+        else                                                    \
+            SWEEP_F(ISA, F32, R, P);                            \
     } while (0)
 
 /* How many groups m rows split into: at most 8 rows a group with AVX-512, 3 with AVX2. */
@@ -135,8 +163,8 @@ static int64_t row_groups(int64_t m, int isa) {
     return (m + most - 1) / most;
 }
 
-static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t p0,
-                   int64_t p1, int isa) {
+static void panels(const void *Wp, int fmt, const float *x, float *y, int64_t m, int64_t n, int64_t k,
+                   int64_t p0, int64_t p1, int isa) {
     const int64_t groups = row_groups(m, isa);
     for (int64_t g = 0, r = 0; g < groups; g++) {
         const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
@@ -162,10 +190,10 @@ static void panels(const float *Wp, const float *x, float *y, int64_t m, int64_t
     }
 }
 
-/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by cpu_gemm.pack; isa from
- * specinfer_gemm_isa(). Threads take whole chunks of panels, so the split changes which thread
- * computes an element, never how. */
-void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
+/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by cpu_gemm.pack in format fmt (FMT_*); isa
+ * from specinfer_gemm_isa(). Threads take whole chunks of panels, so the split changes which
+ * thread computes an element, never how. */
+void specinfer_gemm(const void *Wp, int fmt, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
                     int num_threads) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     if (m <= 0 || n <= 0) return; /* no rows (an empty pass) or no outputs: nothing to compute */
@@ -180,7 +208,7 @@ void specinfer_gemm(const float *Wp, const float *x, float *y, int64_t m, int64_
     for (int64_t t = 0; t < threads; t++) {
         const int64_t end = (t + 1) * share < num_panels ? (t + 1) * share : num_panels;
         for (int64_t p0 = t * share; p0 < end; p0 += chunk)
-            panels(Wp, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
+            panels(Wp, fmt, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
     }
 }
 

@@ -1,5 +1,9 @@
 """The small-batch float32 products of `cpu_gemm.c`, loaded through ctypes.
 
+A float32 weight whose elements are all exactly bfloat16 (or float16) values, as a checkpoint
+stored in that type gives, is packed in it: the kernel widens each element back to the same
+float32 in registers, so the products are bitwise the float32 panels' from half the memory.
+
 The library is built with the package (setup.py) where a C compiler is found; without it, or on
 a CPU with neither AVX-512 nor AVX2 and FMA, `available()` is False and the decoder keeps torch's
 kernels (`layers/linear.py`).
@@ -15,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output features a panel holds
-REVISION = 3  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads
+REVISION = 4  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
+# 4 keeps exactly-16-bit weights in 16 bits
+_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a panel's dtype -> cpu_gemm.c's FMT_*
 
 
 def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
@@ -30,7 +36,7 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
     if isa <= 0:
         return None
     lib.specinfer_gemm.restype = None
-    lib.specinfer_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+    lib.specinfer_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return lib, isa
 
@@ -52,11 +58,21 @@ def kernel_name() -> str:
     return {2: "panels-avx512", 1: "panels-avx2"}[_library()[1]] + f"-r{REVISION}"
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight (n, k), float32 on the CPU, as the kernel's panels: (ceil(n / 16), k, 16), zero past n."""
+def exact_storage(weight: torch.Tensor) -> torch.dtype:
+    """The narrowest type that holds every element of the float32 `weight` exactly: bfloat16,
+    float16 or float32 itself."""
+    for dtype in (torch.bfloat16, torch.float16):
+        if torch.equal(weight.to(dtype).float(), weight):
+            return dtype
+    return torch.float32
+
+
+def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight (n, k), float32 on the CPU, as the kernel's panels: (ceil(n / 16), k, 16), zero past n,
+    stored as `storage` (which must hold every element exactly: `exact_storage`)."""
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, -n % PANEL))  # (16 * num_panels, k)
-    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous()
+    return padded.view(-1, PANEL, k).transpose(1, 2).to(storage).contiguous()
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
@@ -64,6 +80,6 @@ def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     lib, isa = _library()
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    lib.specinfer_gemm(panels.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1],
-                       isa, torch.get_num_threads())
+    lib.specinfer_gemm(panels.data_ptr(), _FORMATS[panels.dtype], rows.data_ptr(), out.data_ptr(), rows.shape[0],
+                       n, rows.shape[1], isa, torch.get_num_threads())
     return out.view(*x.shape[:-1], n)

@@ -11,7 +11,9 @@ float32 (or bfloat16) arithmetic in another summation order, as any other GEMM k
 Float32 weights go to the project's own kernel where it is built (`layers/cpu_gemm.c`): panels of
 16 output features, streamed once a pass, which read the weights 1.4-2x faster than oneDNN at one
 row and match it to a few dozen rows. Its sums do not depend on the number of rows, so a tree
-pass's rows are bitwise what one-token passes give.
+pass's rows are bitwise what one-token passes give. A weight that a bfloat16 (or float16)
+checkpoint gave, every element exactly a 16-bit value, stays in 16 bits there and is widened in
+registers: the same float32 products from half the bytes a pass streams.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True)
 class Panels:
-    """A float32 weight (num_out, in) laid out for `cpu_gemm` (`cpu_gemm.pack`)."""
+    """A float32 weight (num_out, in) laid out for `cpu_gemm` (`cpu_gemm.pack`), stored in float32
+    or, where it holds every element exactly, in bfloat16 or float16."""
 
     data: torch.Tensor
     num_out: int
@@ -59,7 +62,7 @@ class Panels:
 def pack(weight: torch.Tensor) -> torch.Tensor | Panels:
     """`weight` (out, in) laid out once for the CPU's kernels; `linear` takes it as it takes `weight`."""
     if weight.dtype == torch.float32 and cpu_gemm.available():
-        return Panels(cpu_gemm.pack(weight), weight.shape[0])
+        return Panels(cpu_gemm.pack(weight, cpu_gemm.exact_storage(weight)), weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
