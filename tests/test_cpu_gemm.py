@@ -168,3 +168,76 @@ def test_an_empty_pass_computes_nothing_and_does_not_crash():
         pytest.skip("the kernel is not built here")
     panels = cpu_gemm.pack(torch.randn(40, 24))
     assert cpu_gemm.gemm(torch.empty(0, 24), panels, 40).shape == (0, 40)
+
+
+# ---- block codes (a GGUF's quantized weights) ---------------------------------------------------------
+
+
+def random_codes(n: int, k: int, block: int, seed: int, is_signed: bool = False) -> cpu_gemm.BlockCodes:
+    """Codes as a Q4_1-like format gives: 4-bit codes, float16 scales and offsets (or signed codes
+    and no offset, as Q8_0's)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = (torch.randint(-128, 128, (n, k), generator=gen) if is_signed
+             else torch.randint(0, 16, (n, k), generator=gen)).to(torch.int8)
+    scales = (torch.rand(n, k // block, generator=gen) * 0.02).half().float()
+    offsets = torch.zeros_like(scales) if is_signed else (torch.randn(n, k // block, generator=gen) * 0.1).half().float()
+    return cpu_gemm.BlockCodes(codes, scales, offsets, block)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block,is_signed", [(32, False), (32, True), (16, True)])
+@pytest.mark.parametrize("n,k", [(64, 64), (40, 96), (257, 32), (3, 96)])
+def test_code_panels_multiply_bitwise_as_the_float32_weight_they_define(n, k, block, is_signed):
+    """The kernel rebuilds each element with the fma that defines it: for every batch size, thread
+    split and instruction set, bit for bit the float32 panels of the codes' values."""
+    if k % block:
+        pytest.skip("k is not a whole number of blocks")
+    codes = random_codes(n, k, block, seed=n + k + block, is_signed=is_signed)
+    w = codes.values()
+    assert w is not None
+    coded, wide = cpu_gemm.pack_codes(codes), cpu_gemm.pack(w)
+    lib, best = cpu_gemm._library()
+    x = torch.randn(17, k)
+    for isa in sorted({1, best}):
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
+            for threads in (1, 2):
+                rows = x[:m].contiguous()
+                got = torch.full((m, n), float("nan"))
+                lib.specinfer_gemm_codes(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                         block, rows.data_ptr(), got.data_ptr(), m, n, k, isa, threads)
+                assert torch.equal(got, raw_gemm(wide, rows, n, isa, threads)), (isa, m, threads)
+
+
+def test_codes_values_round_once_as_float32_fma_does():
+    """`values` is fma(scale, code, offset) rounded once to float32: for float16 scales and offsets
+    that is numpy's float32 `scale * code + offset` (the product is exact), as gguf-py dequantizes."""
+    codes = random_codes(48, 64, 32, seed=1)
+    expand = lambda t: t.numpy().repeat(32, axis=1)  # noqa: E731
+    reference = expand(codes.scales) * codes.codes.numpy().astype("float32") + expand(codes.offsets)
+    assert torch.equal(codes.values(), torch.from_numpy(reference))
+
+
+def test_codes_that_float64_cannot_sum_exactly_are_not_trusted():
+    """An offset far below the products' last bit makes the float64 sum inexact: `values` refuses
+    it rather than risk a double rounding the kernel's single fma would not make."""
+    codes = random_codes(16, 32, 32, seed=2)
+    tiny = torch.full_like(codes.offsets, 2.0 ** -80)
+    assert cpu_gemm.BlockCodes(codes.codes, codes.scales, tiny, 32).values() is None
+
+
+@needs_kernel
+def test_a_weight_is_packed_as_its_codes_only_where_they_define_it_exactly():
+    codes = random_codes(40, 64, 32, seed=3)
+    w = codes.values()
+    w.block_codes = codes
+    packed = pack(w)
+    assert isinstance(packed.data, cpu_gemm.CodePanels)
+    x = torch.randn(3, 64)
+    assert torch.equal(linear(x, packed), linear(x, Panels(cpu_gemm.pack(w), 40)))
+    wide = Panels(cpu_gemm.pack(w), 40)
+    assert packed.numel() * packed.element_size() < wide.numel() * wide.element_size() / 3  # a third of the bytes
+    changed = w.clone()
+    changed[7, 9] += 1e-3  # one element no longer what the codes say: the codes are not used
+    changed.block_codes = codes
+    assert not isinstance(pack(changed).data, cpu_gemm.CodePanels)
+    assert torch.equal(linear(x, pack(changed)), linear(x, Panels(cpu_gemm.pack(changed), 40)))

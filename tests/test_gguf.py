@@ -416,6 +416,42 @@ def test_k_quant_model_decodes_what_its_reference_does(k_quant_model, capsys):
     assert generate(capsys, path, "--mode", "incremental") == generate(capsys, ref_dir, "--mode", "incremental")
 
 
+def logits_of(model_dir, is_coded: bool | None = None) -> torch.Tensor:
+    """A pass's float32 logits over a short prompt and a 5-node chain; with `is_coded` set, first
+    checks whether the CPU kernel multiplies the model's matrices as block codes."""
+    from specinfer.engine.layers import cpu_gemm
+    from specinfer.engine.runtime.runner import ModelRunner, chain_work
+
+    runner = ModelRunner.from_dir(model_dir, "float32", "cpu", 512)
+    if is_coded is not None:
+        matrices = [w for name, w in runner.model.w.items() if name.endswith((".qkv", ".o", ".gate_up", ".down"))]
+        assert all(isinstance(w.data, cpu_gemm.CodePanels) == is_coded for w in matrices)
+    seq = runner.new_sequence()
+    runner.prefill(seq, [5, 9, 13, 21, 34, 2, 7, 40])
+    return runner.run([chain_work(seq, [3, 11, 19, 27, 35], logits="all")])[0]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "K"])
+def test_block_coded_weights_give_the_directory_s_logits_bit_for_bit(models, k_quant_model, qtype):
+    """The CPU kernel multiplies a GGUF's Q4_0, Q4_1, Q8_0 and K-quant matrices as their codes,
+    rebuilding each float32 element in registers: every logit equals the dequantized directory's."""
+    from specinfer.engine.layers import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernel is not built here")
+    path, ref_dir = k_quant_model if qtype == "K" else models[qtype]
+    assert torch.equal(logits_of(path, is_coded=True), logits_of(ref_dir, is_coded=False))
+
+
+def test_every_coded_tensor_carries_codes_that_define_it(models, k_quant_model):
+    from specinfer.engine.models.checkpoint import load_state_dict
+
+    for path in [models[q][0] for q in ("Q8_0", "Q4_0", "Q4_1")] + [k_quant_model[0]]:
+        matrices = {n: t for n, t in load_state_dict(path).items() if t.ndim == 2}
+        for name, t in matrices.items():
+            assert torch.equal(t.block_codes.values(), t), (path.name, name)
+
+
 def test_the_k_quant_reference_has_teeth():
     """A block read with another K-quant's layout, or a nibble order swapped, gives other values."""
     rng = np.random.default_rng(1)

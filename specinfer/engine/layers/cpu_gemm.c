@@ -11,6 +11,11 @@
  * value is kept in panels of that 16-bit type and widened to float32 in registers: the widening is
  * exact, so its products are bitwise those of its float32 panels, from half the bytes of memory.
  *
+ * A weight dequantized from blocks of integer codes (a GGUF's Q4_0, Q4_1, Q8_0, ...: every element
+ * w[i][j] = fma(scale, code, offset) with one scale and offset per row and block of inputs) is
+ * kept as those codes, one byte each, and rebuilt in registers by that very fma: the same float32
+ * elements, so the same products, from a quarter of the bytes and a few more instructions.
+ *
  * Every output element is one chain of fused multiply-adds over j = 0 .. k - 1 in order, whatever
  * the number of rows, the tile it falls in, the thread that computes it, or the instruction set
  * (the AVX2 path holds a panel in two halves): a row of a tree pass is bitwise the row a one-token
@@ -131,6 +136,93 @@ TILES256(F32)
 TILES256(BF16)
 TILES256(F16)
 
+
+/* ---- Block codes: panels of int8 codes (as the float32 panels, one byte an element), and per
+ * panel and block of `block` inputs one line of 16 scales and one of 16 offsets ---- */
+
+#define AHEAD_CODES (4 * AHEAD) /* lines of 16 bytes: a quarter of a cache line */
+
+#define TILEQ512(R, P)                                                                                       \
+    __attribute__((target("avx512f"))) static void tileq512_##R##x##P(                                      \
+        const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n,  \
+        int64_t k, int64_t p0) {                                                                             \
+        const int64_t nb = k / block;                                                                        \
+        __m512 acc[R][P];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
+        const int8_t *c = C + p0 * k * PANEL;                                                                \
+        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                                   \
+            __m512 sv[P], ov[P];                                                                             \
+            for (int q = 0; q < P; q++) {                                                                    \
+                sv[q] = _mm512_loadu_ps(s + (q * nb + b) * PANEL);                                           \
+                ov[q] = _mm512_loadu_ps(o + (q * nb + b) * PANEL);                                           \
+            }                                                                                                \
+            for (int64_t j = b * block; j < (b + 1) * block; j++) {                                          \
+                __m512 wv[P];                                                                                \
+                for (int q = 0; q < P; q++) {                                                                \
+                    const __m128i code = _mm_loadu_si128((const __m128i *)(c + (q * k + j) * PANEL));         \
+                    wv[q] = _mm512_fmadd_ps(sv[q], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(code)), ov[q]);   \
+                    _mm_prefetch((const char *)(c + (q * k + j + AHEAD_CODES) * PANEL), _MM_HINT_T0);       \
+                }                                                                                            \
+                for (int r = 0; r < R; r++) {                                                                \
+                    const __m512 xv = _mm512_set1_ps(x[r * k + j]);                                          \
+                    for (int q = 0; q < P; q++) acc[r][q] = _mm512_fmadd_ps(wv[q], xv, acc[r][q]);           \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) {                                                                    \
+                const int64_t out = (p0 + q) * PANEL;                                                        \
+                if (out + PANEL <= n)                                                                        \
+                    _mm512_storeu_ps(y + r * n + out, acc[r][q]);                                            \
+                else                                                                                         \
+                    _mm512_mask_storeu_ps(y + r * n + out, (__mmask16)((1u << (n - out)) - 1u), acc[r][q]);   \
+            }                                                                                                \
+    }
+
+TILEQ512(1, 4) TILEQ512(1, 1) TILEQ512(2, 4) TILEQ512(2, 1) TILEQ512(3, 4) TILEQ512(3, 1) TILEQ512(4, 3)
+TILEQ512(4, 1) TILEQ512(5, 3) TILEQ512(5, 1) TILEQ512(6, 3) TILEQ512(6, 1) TILEQ512(7, 2) TILEQ512(7, 1)
+TILEQ512(8, 2) TILEQ512(8, 1)
+
+/* AVX2: a panel's line of 16 codes in two halves of 8. */
+#define TILEQ256(R)                                                                                          \
+    __attribute__((target("avx2,fma"))) static void tileq256_##R##x1(                                       \
+        const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n,  \
+        int64_t k, int64_t p0) {                                                                             \
+        const int64_t nb = k / block;                                                                        \
+        __m256 acc[R][2];                                                                                    \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
+        const int8_t *c = C + p0 * k * PANEL;                                                                \
+        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                                   \
+            const __m256 s0 = _mm256_loadu_ps(s + b * PANEL), s1 = _mm256_loadu_ps(s + b * PANEL + 8);       \
+            const __m256 o0 = _mm256_loadu_ps(o + b * PANEL), o1 = _mm256_loadu_ps(o + b * PANEL + 8);       \
+            for (int64_t j = b * block; j < (b + 1) * block; j++) {                                          \
+                const int8_t *line = c + j * PANEL;                                                          \
+                const __m256 w0 = _mm256_fmadd_ps(                                                           \
+                    s0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)line))), o0); \
+                const __m256 w1 = _mm256_fmadd_ps(                                                           \
+                    s1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(line + 8)))), o1); \
+                _mm_prefetch((const char *)(line + AHEAD_CODES * PANEL), _MM_HINT_T0);                      \
+                for (int r = 0; r < R; r++) {                                                                \
+                    const __m256 xv = _mm256_set1_ps(x[r * k + j]);                                          \
+                    acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);                                          \
+                    acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);                                          \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) {                                                                        \
+            const int64_t out = p0 * PANEL;                                                                  \
+            float buf[PANEL];                                                                                \
+            _mm256_storeu_ps(buf, acc[r][0]);                                                                \
+            _mm256_storeu_ps(buf + 8, acc[r][1]);                                                            \
+            memcpy(y + r * n + out, buf, sizeof(float) * (size_t)(out + PANEL <= n ? PANEL : n - out));       \
+        }                                                                                                    \
+    }
+
+TILEQ256(1) TILEQ256(2) TILEQ256(3)
+
 /* 2: AVX-512, 1: AVX2 + FMA, 0: neither (the caller uses torch's kernels). */
 int specinfer_gemm_isa(void) {
     __builtin_cpu_init();
@@ -209,6 +301,59 @@ void specinfer_gemm(const void *Wp, int fmt, const float *x, float *y, int64_t m
         const int64_t end = (t + 1) * share < num_panels ? (t + 1) * share : num_panels;
         for (int64_t p0 = t * share; p0 < end; p0 += chunk)
             panels(Wp, fmt, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
+    }
+}
+
+#define SWEEPQ(ISA, R, P)                                                                               \
+    do {                                                                                                \
+        int64_t p = p0;                                                                                 \
+        for (; p + P <= p1; p += P) tileq##ISA##_##R##x##P(C, S, O, block, x + r * k, y + r * n, n, k, p); \
+        for (; p < p1; p++) tileq##ISA##_##R##x1(C, S, O, block, x + r * k, y + r * n, n, k, p);         \
+    } while (0)
+
+static void panels_codes(const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y,
+                         int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1, int isa) {
+    const int64_t groups = row_groups(m, isa);
+    for (int64_t g = 0, r = 0; g < groups; g++) {
+        const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
+        if (isa == 2) {
+            switch (rows) {
+                case 1: SWEEPQ(512, 1, 4); break;
+                case 2: SWEEPQ(512, 2, 4); break;
+                case 3: SWEEPQ(512, 3, 4); break;
+                case 4: SWEEPQ(512, 4, 3); break;
+                case 5: SWEEPQ(512, 5, 3); break;
+                case 6: SWEEPQ(512, 6, 3); break;
+                case 7: SWEEPQ(512, 7, 2); break;
+                default: SWEEPQ(512, 8, 2); break;
+            }
+        } else {
+            for (int64_t p = p0; p < p1; p++) {
+                switch (rows) {
+                    case 1: tileq256_1x1(C, S, O, block, x + r * k, y + r * n, n, k, p); break;
+                    case 2: tileq256_2x1(C, S, O, block, x + r * k, y + r * n, n, k, p); break;
+                    default: tileq256_3x1(C, S, O, block, x + r * k, y + r * n, n, k, p); break;
+                }
+            }
+        }
+        r += rows;
+    }
+}
+
+/* y (m, n) = x (m, k) @ W.T for W (n, k) given as block codes laid out by cpu_gemm.pack_codes:
+ * W[i][j] = fma(scale, code, offset) of row i's block j / block; k a multiple of block. */
+void specinfer_gemm_codes(const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y,
+                          int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
+    const int64_t num_panels = (n + PANEL - 1) / PANEL;
+    if (m <= 0 || n <= 0) return;
+    const int64_t chunk = 12; /* whole tiles of 4, 3 or 2 panels */
+    const int64_t threads = num_threads > 1 ? num_threads : 1;
+    const int64_t share = (num_panels + threads - 1) / threads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t end = (t + 1) * share < num_panels ? (t + 1) * share : num_panels;
+        for (int64_t p0 = t * share; p0 < end; p0 += chunk)
+            panels_codes(C, S, O, block, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
     }
 }
 

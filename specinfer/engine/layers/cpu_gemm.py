@@ -3,6 +3,9 @@
 A float32 weight whose elements are all exactly bfloat16 (or float16) values, as a checkpoint
 stored in that type gives, is packed in it: the kernel widens each element back to the same
 float32 in registers, so the products are bitwise the float32 panels' from half the memory.
+A weight dequantized from integer block codes (`BlockCodes`: a GGUF's quantized tensors) is packed
+as its codes, one byte an element, with its scales and offsets; the kernel rebuilds every element
+with the fused multiply-add that defines it, so again the products are the float32 panels'.
 
 The library is built with the package (setup.py) where a C compiler is found; without it, or on
 a CPU with neither AVX-512 nor AVX2 and FMA, `available()` is False and the decoder keeps torch's
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 PANEL = 16  # output features a panel holds
 REVISION = 4  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
-# 4 keeps exactly-16-bit weights in 16 bits
+# 4 keeps exactly-16-bit weights in 16 bits and block codes as codes
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a panel's dtype -> cpu_gemm.c's FMT_*
 
 
@@ -38,7 +42,94 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
     lib.specinfer_gemm.restype = None
     lib.specinfer_gemm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.specinfer_gemm_codes.restype = None
+    lib.specinfer_gemm_codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return lib, isa
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """A weight (n, k) given by integer codes: element [i, j] is the float32 fused multiply-add
+    fma(scales[i, j // block], codes[i, j], offsets[i, j // block]), rounded once; codes int8,
+    scales and offsets float32 of shape (n, k // block)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    block: int
+
+    def values(self) -> torch.Tensor | None:
+        """The float32 weight the codes define, or None where float64 arithmetic cannot compute
+        it with one rounding (a sum it holds inexactly); then nothing may rely on the codes."""
+        expand = lambda t: t.double().repeat_interleave(self.block, dim=1)  # noqa: E731
+        product, offset = self.codes.double() * expand(self.scales), expand(self.offsets)  # products exact
+        total = product + offset
+        back = total - product  # TwoSum: the float64 sum is exact where its rounding error is zero
+        error = (product - (total - back)) + (offset - back)
+        return total.float() if bool((error == 0).all()) else None
+
+    def rows(self, index) -> "BlockCodes":
+        """The codes of rows `index` (a permutation or selection of rows)."""
+        return BlockCodes(self.codes[index], self.scales[index], self.offsets[index], self.block)
+
+    def reblocked(self, block: int) -> "BlockCodes":
+        """The same codes with a scale and an offset every `block` inputs (`block` divides this one's)."""
+        repeat = self.block // block
+        return BlockCodes(self.codes, self.scales.repeat_interleave(repeat, dim=1),
+                          self.offsets.repeat_interleave(repeat, dim=1), block)
+
+    @staticmethod
+    def cat(parts: list["BlockCodes | None"]) -> "BlockCodes | None":
+        """Codes stacked by rows (as q, k and v fuse), in the smallest of their blocks where it
+        divides the others (Q4_K's 32 and Q6_K's 16); None where a part has none."""
+        if not parts or any(p is None for p in parts):
+            return None
+        block = min(p.block for p in parts)
+        if any(p.block % block for p in parts):
+            return None
+        parts = [p.reblocked(block) for p in parts]
+        return BlockCodes(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.offsets for p in parts]), block)
+
+
+@dataclass(frozen=True)
+class CodePanels:
+    """`BlockCodes` laid out for `gemm_codes`: codes (ceil(n / 16), k, 16) int8, scales and offsets
+    (ceil(n / 16), k // block, 16) float32, zero past n."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    block: int
+
+    def numel(self) -> int:
+        return self.codes.numel() + self.scales.numel() + self.offsets.numel()
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+def pack_codes(codes: BlockCodes) -> CodePanels:
+    """`codes` laid out in panels of 16 output features, as `pack` lays out a float32 weight."""
+    def panels(t: torch.Tensor) -> torch.Tensor:
+        n, k = t.shape
+        return F.pad(t, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).transpose(1, 2).contiguous()
+
+    return CodePanels(panels(codes.codes.to(torch.int8)), panels(codes.scales.float()), panels(codes.offsets.float()),
+                      codes.block)
+
+
+def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
+    """x (..., k) @ W.T for W (n, k) packed by `pack_codes`; x float32 on the CPU."""
+    lib, isa = _library()
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.float32)
+    lib.specinfer_gemm_codes(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(),
+                             panels.block, rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1], isa,
+                             torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)
 
 
 @functools.cache

@@ -13,7 +13,10 @@ Float32 weights go to the project's own kernel where it is built (`layers/cpu_ge
 row and match it to a few dozen rows. Its sums do not depend on the number of rows, so a tree
 pass's rows are bitwise what one-token passes give. A weight that a bfloat16 (or float16)
 checkpoint gave, every element exactly a 16-bit value, stays in 16 bits there and is widened in
-registers: the same float32 products from half the bytes a pass streams.
+registers: the same float32 products from half the bytes a pass streams. A weight dequantized
+from a GGUF's integer block codes (it carries them as `block_codes`, `cpu_gemm.BlockCodes`) stays
+as those codes, rebuilt in registers by the fused multiply-add that defines each element: the same
+float32 products again, from about a third of float32's bytes.
 """
 
 from __future__ import annotations
@@ -41,16 +44,18 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 @dataclass(frozen=True)
 class Panels:
     """A float32 weight (num_out, in) laid out for `cpu_gemm` (`cpu_gemm.pack`), stored in float32
-    or, where it holds every element exactly, in bfloat16 or float16."""
+    or, where it holds every element exactly, in bfloat16 or float16; or as the block codes it was
+    dequantized from (`cpu_gemm.pack_codes`)."""
 
-    data: torch.Tensor
+    data: torch.Tensor | cpu_gemm.CodePanels
     num_out: int
 
     def numel(self) -> int:
-        return self.data.numel()
+        """Elements, or for block codes bytes (`element_size` 1): numel() * element_size() is the memory."""
+        return self.data.nbytes() if isinstance(self.data, cpu_gemm.CodePanels) else self.data.numel()
 
     def element_size(self) -> int:
-        return self.data.element_size()
+        return 1 if isinstance(self.data, cpu_gemm.CodePanels) else self.data.element_size()
 
     def to(self, device) -> "Panels":
         """The panels themselves on the CPU; they go nowhere else (build such a model unpacked)."""
@@ -62,14 +67,26 @@ class Panels:
 def pack(weight: torch.Tensor) -> torch.Tensor | Panels:
     """`weight` (out, in) laid out once for the CPU's kernels; `linear` takes it as it takes `weight`."""
     if weight.dtype == torch.float32 and cpu_gemm.available():
+        codes = getattr(weight, "block_codes", None)
+        if codes is not None and codes.codes.shape == weight.shape and _defines(codes, weight):
+            return Panels(cpu_gemm.pack_codes(codes), weight.shape[0])
         return Panels(cpu_gemm.pack(weight, cpu_gemm.exact_storage(weight)), weight.shape[0])
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+
+
+def _defines(codes: cpu_gemm.BlockCodes, weight: torch.Tensor) -> bool:
+    """Whether `codes` give every element of `weight`, bit for bit (checked, never assumed)."""
+    values = codes.values()
+    return values is not None and torch.equal(values, weight)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, for a plain or a `pack`ed weight."""
     if isinstance(weight, Panels):
-        out = cpu_gemm.gemm(x, weight.data, weight.num_out)
+        if isinstance(weight.data, cpu_gemm.CodePanels):
+            out = cpu_gemm.gemm_codes(x, weight.data, weight.num_out)
+        else:
+            out = cpu_gemm.gemm(x, weight.data, weight.num_out)
         return out if bias is None else out.add_(bias)
     if weight.layout == torch._mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

@@ -13,7 +13,10 @@ model computes in, one tensor at a time. The fixes undo what llama.cpp's convert
 
 The result is an ordinary state dict, so a GGUF model runs the same forward as a checkpoint
 directory and speculative decoding (SpecInfer, arXiv 2305.09781) keeps its exactness guarantee
-with respect to the dequantized model.
+with respect to the dequantized model. A float32 tensor dequantized from the block types whose
+every element is one fused multiply-add of an integer code (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+also carries those codes as `block_codes` (`layers.cpu_gemm.BlockCodes`): the CPU kernel multiplies
+by them directly, and gets the very same float32 elements from a third of the bytes.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ import sys
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as dequantize_blocks, quant_shape_to_byte_shape
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize as dequantize_blocks, quant_shape_to_byte_shape
 
+from specinfer.engine.layers.cpu_gemm import BlockCodes
 from specinfer.errors import UserError
 from specinfer.gguf_metadata import FLOAT_TYPES, TensorEntry, read_tensor_index
 from specinfer.model_source import ModelSource
@@ -68,7 +72,7 @@ class GGUFTensors:
                             "file")
         tensor = fix_tensor(self.arch, name, dequantize(raw, entry), self.config)
         self.bar.update(1)
-        return tensor if self.dtype is None else tensor.to(self.dtype)
+        return tensor if self.dtype is None else tensor.to(self.dtype)  # the same tensor, codes kept, in float32
 
     def get_slice(self, name: str) -> "_Slice":
         return _Slice(self, name)
@@ -95,18 +99,108 @@ def dequantize(raw: np.ndarray, entry: TensorEntry) -> torch.Tensor:
         return tensor.view(torch.bfloat16) if entry.ggml_type == "BF16" else tensor
     qtype = GGMLQuantizationType[entry.ggml_type]
     blocks = np.asarray(raw).reshape(quant_shape_to_byte_shape(shape, qtype))
-    return torch.from_numpy(np.ascontiguousarray(dequantize_blocks(blocks, qtype)).reshape(shape))
+    tensor = torch.from_numpy(np.ascontiguousarray(dequantize_blocks(blocks, qtype)).reshape(shape))
+    if len(shape) == 2 and entry.ggml_type in CODED_TYPES:
+        codes, scales, offsets, block = CODED_TYPES[entry.ggml_type](blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
+        tensor.block_codes = BlockCodes(torch.from_numpy(codes.reshape(shape)),
+                                        torch.from_numpy(scales.reshape(shape[0], -1)),
+                                        torch.from_numpy(offsets.reshape(shape[0], -1)), block)
+    return tensor
+
+
+# ---- block codes: for each type, (codes int8, scales, offsets, block) such that gguf-py's dequantized
+# element is float32 fma(scale, code, offset): its products scale * code are exact in float32, and
+# it rounds once, adding the offset (`BlockCodes.values` checks this before the codes are used).
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """Each row of packed 4-bit values: the low nibbles of `width` bytes, then their high ones."""
+    n = qs.shape[0]
+    q = qs.reshape((n, -1, 1, width)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
+    return (q & np.uint8(0x0F)).reshape((n, -1))
+
+
+def _half(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _codes_q4_0(blocks):  # d * (q - 8)
+    d, qs = _half(blocks[:, :2]), _nibbles(blocks[:, 2:], 16)
+    return qs.astype(np.int8) - np.int8(8), d, np.zeros_like(d), 32
+
+
+def _codes_q4_1(blocks):  # d * q + m
+    d, m, qs = _half(blocks[:, :2]), _half(blocks[:, 2:4]), _nibbles(blocks[:, 4:], 16)
+    return qs.astype(np.int8), d, m, 32
+
+
+def _codes_q8_0(blocks):  # d * q
+    d = _half(blocks[:, :2])
+    return np.ascontiguousarray(blocks[:, 2:]).view(np.int8), d, np.zeros_like(d), 32
+
+
+def _k_scales(blocks, scales_at: int):  # per 32-element sub-block: d * sc, dmin * m (Q4_K and Q5_K)
+    d, dmin = _half(blocks[:, :2]), _half(blocks[:, 2:4])
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, scales_at:scales_at + Q4_K.K_SCALE_SIZE]))
+    n = blocks.shape[0]
+    return (d * sc.astype(np.float32)).reshape(n, -1), -(dmin * m.astype(np.float32)).reshape(n, -1)
+
+
+def _codes_q4_k(blocks):  # d * sc * q - dmin * m, by sub-blocks of 32
+    scales, offsets = _k_scales(blocks, 4)
+    qs = blocks[:, 4 + Q4_K.K_SCALE_SIZE:]
+    n = blocks.shape[0]
+    q = qs.reshape((n, -1, 1, 32)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
+    return (q & np.uint8(0x0F)).reshape((n, -1)).astype(np.int8), scales, offsets, 32
+
+
+def _codes_q5_k(blocks):  # d * sc * q - dmin * m, q of 5 bits, by sub-blocks of 32
+    scales, offsets = _k_scales(blocks, 4)
+    rest = blocks[:, 4 + Q4_K.K_SCALE_SIZE:]
+    qh, qs = rest[:, :32], rest[:, 32:]
+    n = blocks.shape[0]
+    ql = qs.reshape((n, -1, 1, 32)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
+    qh = qh.reshape((n, -1, 1, 32)) >> np.arange(8, dtype=np.uint8).reshape((1, 1, 8, 1))
+    q = (ql & np.uint8(0x0F)).reshape((n, -1, 32)) | ((qh & np.uint8(0x01)).reshape((n, -1, 32)) << np.uint8(4))
+    return q.reshape((n, -1)).astype(np.int8), scales, offsets, 32
+
+
+def _codes_q6_k(blocks):  # d * sc * (q - 32), by sub-blocks of 16
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _half(blocks[:, 208:210])
+    ql = ql.reshape((n, -1, 1, 64)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
+    ql = (ql & np.uint8(0x0F)).reshape((n, -1, 32))
+    qh = qh.reshape((n, -1, 1, 32)) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape((1, 1, 4, 1))
+    qh = (qh & np.uint8(0x03)).reshape((n, -1, 32))
+    q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)
+    scales = d * sc
+    return q.reshape((n, -1)), scales, np.zeros_like(scales), 16
+
+
+CODED_TYPES = {"Q4_0": _codes_q4_0, "Q4_1": _codes_q4_1, "Q8_0": _codes_q8_0, "Q4_K": _codes_q4_k,
+               "Q5_K": _codes_q5_k, "Q6_K": _codes_q6_k}
 
 
 def fix_tensor(arch: str, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
     """Undoes llama.cpp's conversion of one tensor (see the module docstring)."""
     if arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
-        return unpermute_rope(tensor, config["num_attention_heads"])
+        return _with_rows(unpermute_rope(tensor, config["num_attention_heads"]), tensor,
+                          config["num_attention_heads"])
     if arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
-        return unpermute_rope(tensor, config["num_key_value_heads"])
+        return _with_rows(unpermute_rope(tensor, config["num_key_value_heads"]), tensor,
+                          config["num_key_value_heads"])
     if arch == "gemma3" and name.endswith("norm.weight"):
         return tensor.float() - 1
     return tensor
+
+
+def _with_rows(fixed: torch.Tensor, tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """`fixed` (`tensor`'s rows unpermuted) with `tensor`'s block codes, their rows moved alike."""
+    codes = getattr(tensor, "block_codes", None)
+    if codes is not None:
+        fixed.block_codes = codes.rows(unpermute_rope(torch.arange(tensor.shape[0]), num_heads))
+    return fixed
 
 
 def unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:

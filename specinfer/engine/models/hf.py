@@ -223,7 +223,13 @@ def decoder_weights(cfg, state: dict[str, torch.Tensor], names: LayerTensors) ->
 
     def fused(prefix: str, parts: tuple[str, ...], suffix: str) -> torch.Tensor:
         tensors = [take(f"{prefix}{part}.{suffix}") for part in parts]
-        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        if len(tensors) == 1:
+            return tensors[0]
+        out = torch.cat(tensors)
+        codes = [getattr(t, "block_codes", None) for t in tensors]  # a GGUF's codes (`engine/models/gguf.py`)
+        if all(c is not None for c in codes):
+            out.block_codes = type(codes[0]).cat(codes)
+        return out
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     out["lm_head"] = out["embed"] if cfg.tie_word_embeddings or "lm_head.weight" not in state else state["lm_head.weight"]
