@@ -85,7 +85,8 @@ def main() -> None:
     runner = engine.verifier.runner
     model = runner.model
     weights = getattr(model, "w", None) or getattr(getattr(model, "model", None), "w", {})
-    read_per_pass = sum(t.numel() * 4 for name, t in weights.items()
+    # the bytes each matrix is stored in (float32, 16-bit panels or a GGUF's block codes)
+    read_per_pass = sum(t.numel() * t.element_size() for name, t in weights.items()
                         if name.endswith((".qkv", ".o", ".gate_up", ".down", "lm_head", "norm")))
     bandwidth = read_bandwidth_gbs()
     floor_ms = read_per_pass / bandwidth / 1e6

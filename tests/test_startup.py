@@ -63,6 +63,19 @@ def test_the_key_holds_what_decides_the_costs(llm_runner, tiny_pair):
     assert calibration.calibration_key(tight)["sizes"] != key["sizes"]
 
 
+def test_the_key_tells_weights_the_kernel_reads_in_16_bits_from_float32_ones(tiny_pair, monkeypatch):
+    """The same architecture costs less a pass where its matrices are stored narrower (a bfloat16
+    checkpoint, a GGUF's codes): another calibration."""
+    from specinfer.engine.layers import cpu_gemm
+
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernel is not built here")
+    as_stored = calibration.calibration_key(ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=1024))
+    monkeypatch.setattr(cpu_gemm, "exact_storage", lambda w: torch.bfloat16)  # as if a bfloat16 checkpoint's
+    narrow = calibration.calibration_key(ModelRunner.from_dir(tiny_pair.llm, max_kv_tokens=1024))
+    assert narrow["weight_storage"] == ["torch.bfloat16"] and as_stored["weight_storage"] != narrow["weight_storage"]
+
+
 def test_repeats_that_spread_are_measured_again_and_a_busy_result_is_not_cached(llm_runner, tmp_path):
     seen: dict = {}
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from specinfer.engine.layers.linear import Panels
 from specinfer.engine.runtime.dtype_choice import ARCHITECTURE_FIELDS, dtype_name
 from specinfer.engine.runtime import machine_cache
 from specinfer.engine.runtime.machine_cache import MAX_ATTEMPTS, machine_key, read_entry, write_entry
@@ -45,9 +46,18 @@ def calibration_key(runner, cpuinfo: str | None = None) -> dict:
         "cuda_graphs": runner.graphs is not None,
         "num_ranks": getattr(group, "num_ranks", 1),
         "model": {name: getattr(runner.cfg, name) for name in ARCHITECTURE_FIELDS},
+        "weight_storage": weight_storage(model),
         "sizes": sizes,
         "context": context,
     }
+
+
+def weight_storage(model) -> list[str]:
+    """How the model's matrices are stored for the CPU kernel (float32, 16-bit panels, a GGUF's
+    block codes), which sets what a pass costs as much as the architecture does: sorted kinds."""
+    weights = getattr(model, "w", None) or {}
+    return sorted({str(getattr(w.data, "dtype", type(w.data).__name__)) for w in weights.values()
+                   if isinstance(w, Panels)})
 
 
 def describe(model: CostModel) -> str:
