@@ -217,12 +217,17 @@ def test_codes_values_round_once_as_float32_fma_does():
     assert torch.equal(codes.values(), torch.from_numpy(reference))
 
 
-def test_codes_that_float64_cannot_sum_exactly_are_not_trusted():
-    """An offset far below the products' last bit makes the float64 sum inexact: `values` refuses
-    it rather than risk a double rounding the kernel's single fma would not make."""
+def test_codes_whose_products_float32_cannot_hold_are_not_trusted():
+    """A scale of 24 significant bits times a 4-bit code needs more bits than float32 has: the
+    product would round before the offset is added, which the kernel's single fma does not do, so
+    `values` refuses the codes. A float16 scale (11 bits) with the same codes is trusted."""
     codes = random_codes(16, 32, 32, seed=2)
-    tiny = torch.full_like(codes.offsets, 2.0 ** -80)
-    assert cpu_gemm.BlockCodes(codes.codes, codes.scales, tiny, 32).values() is None
+    full = torch.full_like(codes.scales, 1 + 2.0 ** -23)  # 24 significant bits
+    assert cpu_gemm.BlockCodes(codes.codes, full, codes.offsets, 32).values() is None
+    assert codes.values() is not None
+    tiny = torch.full_like(codes.offsets, 2.0 ** -80)  # exact products: any offset rounds once
+    assert torch.equal(cpu_gemm.BlockCodes(codes.codes, codes.scales, tiny, 32).values(),
+                       (codes.codes.double() * codes.scales.double().repeat_interleave(32, dim=1) + 2.0 ** -80).float())
 
 
 @needs_kernel

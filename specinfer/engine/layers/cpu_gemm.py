@@ -49,6 +49,15 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
     return lib, isa
 
 
+def _significant_bits(x: torch.Tensor) -> torch.Tensor:
+    """For each float32 element, how many significant bits its value needs (0 for zero)."""
+    mantissa, _ = torch.frexp(x.float())
+    whole = (mantissa.abs().double() * 2.0 ** 24).long()  # the 24-bit significand, an integer
+    lowest = whole & -whole  # its lowest set bit
+    bits = 24 - torch.log2(lowest.clamp(min=1).double()).round().long()
+    return torch.where(whole == 0, torch.zeros_like(bits), bits)
+
+
 @dataclass(frozen=True)
 class BlockCodes:
     """A weight (n, k) given by integer codes: element [i, j] is the float32 fused multiply-add
@@ -61,14 +70,20 @@ class BlockCodes:
     block: int
 
     def values(self) -> torch.Tensor | None:
-        """The float32 weight the codes define, or None where float64 arithmetic cannot compute
-        it with one rounding (a sum it holds inexactly); then nothing may rely on the codes."""
-        expand = lambda t: t.double().repeat_interleave(self.block, dim=1)  # noqa: E731
-        product, offset = self.codes.double() * expand(self.scales), expand(self.offsets)  # products exact
-        total = product + offset
-        back = total - product  # TwoSum: the float64 sum is exact where its rounding error is zero
-        error = (product - (total - back)) + (offset - back)
-        return total.float() if bool((error == 0).all()) else None
+        """The float32 weight the codes define, or None where float32 arithmetic cannot compute it
+        with one rounding; then nothing may rely on the codes. Where every product scale * code
+        holds in float32's 24 significant bits (a float16 scale times a 4-8-bit code does; a
+        K-quant's scale, a float16 times 6 bits, times 4-6 bits too), the product is exact and
+        adding the offset rounds once: the fma's result."""
+        n, k = self.codes.shape
+        if k % self.block:
+            return None
+        codes = self.codes.view(n, -1, self.block)
+        code_bits = _significant_bits(codes.to(torch.int16).abs().amax(dim=-1).float())
+        if bool((code_bits + _significant_bits(self.scales) > 24).any()):
+            return None
+        products = codes.float() * self.scales.float().unsqueeze(-1)  # exact
+        return (products + self.offsets.float().unsqueeze(-1)).view(n, k)  # one rounding
 
     def rows(self, index) -> "BlockCodes":
         """The codes of rows `index` (a permutation or selection of rows)."""
