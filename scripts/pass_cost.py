@@ -1,10 +1,16 @@
-"""One LLM pass's cost with the CPU weights packed for oneDNN against plain `F.linear`, by rows.
+"""One LLM pass's cost in two arms over the same model, by rows.
 
-    python scripts/pass_cost.py [--model PATH] [--rows 1,2,8,16] [--repeats 20] [--cache-dir DIR]
+    python scripts/pass_cost.py [--model PATH] [--compare layout|storage] [--rows 1,2,8,16] [--repeats 20]
+        [--cache-dir DIR]
+
+`--compare layout` (the default): the CPU weights packed for the GEMM kernels against plain
+`F.linear`. `--compare storage`: the matrices as the kernel stores them (a bfloat16 or float16
+checkpoint's in 16 bits, a GGUF's quantized ones as their block codes) against the same model
+with every matrix in float32 panels; it also says whether the two arms' logits are bitwise equal.
 
 Both arms hold the same model (a checkpoint directory or a GGUF file) over the same 300-token
 context; passes of each row count alternate between the arms, and the median of each (the first
-two left out) is printed with the ratio packed / plain.
+two left out) is printed with the ratio.
 """
 
 from __future__ import annotations
@@ -17,41 +23,68 @@ from pathlib import Path
 from specinfer.engine.runtime.cpu import configure_cpu_runtime
 
 
+def load_arms(path: Path, compare: str) -> dict:
+    """The two arms' runners: {name: ModelRunner}, the baseline first."""
+    import torch
+
+    import specinfer.engine.models.transformer as transformer
+    from specinfer.engine.layers import cpu_gemm, linear
+    from specinfer.engine.runtime.runner import ModelRunner
+
+    runners = {}
+    if compare == "layout":
+        can_pack = transformer.can_pack
+        for arm in ("plain", "packed"):
+            transformer.can_pack = can_pack if arm == "packed" else (lambda *_: False)
+            runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
+        transformer.can_pack = can_pack
+        return runners
+    exact_storage, defines = cpu_gemm.exact_storage, linear._defines
+    for arm in ("float32", "as stored"):
+        if arm == "float32":
+            cpu_gemm.exact_storage, linear._defines = (lambda w: torch.float32), (lambda codes, w: False)
+        runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
+        cpu_gemm.exact_storage, linear._defines = exact_storage, defines
+    return runners
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=Path("../shared/models/reference-llm"))
+    ap.add_argument("--compare", choices=("layout", "storage"), default="layout")
     ap.add_argument("--rows", default="1,2,8,16")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cache-dir", type=Path)
     args = ap.parse_args()
     configure_cpu_runtime()
-    import specinfer.engine.models.transformer as transformer
-    from specinfer.engine.runtime.runner import ModelRunner, chain_work
+    import torch
+
+    from specinfer.engine.runtime.calibration import weight_storage
+    from specinfer.engine.runtime.runner import chain_work
     from specinfer.model_source import resolve
 
-    source = resolve(args.model, args.cache_dir)
-    can_pack = transformer.can_pack
-    runners = {}
-    for arm in ("plain", "packed"):
-        transformer.can_pack = can_pack if arm == "packed" else (lambda *_: False)
-        runners[arm] = ModelRunner.from_dir(source.path, "float32", "cpu", 4096)
-    transformer.can_pack = can_pack
+    runners = load_arms(resolve(args.model, args.cache_dir).path, args.compare)
+    (base, base_runner), (other, other_runner) = runners.items()
+    print(f"{args.model}: matrices {base}: {weight_storage(base_runner.model)}, "
+          f"{other}: {weight_storage(other_runner.model)}")
     rows = [int(r) for r in args.rows.split(",")]
     seqs = {}
     for arm, runner in runners.items():
         seqs[arm] = runner.new_sequence()
         runner.prefill(seqs[arm], list(range(100, 400)))
     times = {(arm, n): [] for arm in runners for n in rows}
+    logits = {}
     for _ in range(args.repeats):
         for n in rows:
             for arm, runner in runners.items():
                 work = chain_work(seqs[arm], list(range(500, 500 + n)), logits="all")
                 start = time.perf_counter()
-                runner.run([work])
+                logits[arm, n] = runner.run([work])[0]
                 times[(arm, n)].append(time.perf_counter() - start)
     for n in rows:
-        plain, packed = (statistics.median(times[(arm, n)][2:]) for arm in ("plain", "packed"))
-        print(f"rows {n:3d}: plain {plain * 1e3:7.1f} ms  packed {packed * 1e3:7.1f} ms  packed/plain {packed / plain:.2f}")
+        a, b = (statistics.median(times[(arm, n)][2:]) for arm in (base, other))
+        same = f"  same logits {torch.equal(logits[base, n], logits[other, n])}" if args.compare == "storage" else ""
+        print(f"rows {n:3d}: {base} {a * 1e3:7.2f} ms  {other} {b * 1e3:7.2f} ms  {base}/{other} {a / b:.2f}{same}")
 
 
 if __name__ == "__main__":

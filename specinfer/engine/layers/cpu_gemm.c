@@ -231,23 +231,81 @@ int specinfer_gemm_isa(void) {
     return 0;
 }
 
-/* Rows [0, m) of x against panels [p0, p1), in groups of rows of near-equal size (at most 8 with
- * AVX-512, 3 with AVX2), each group one pass over the panels. */
+/* A weight as the kernel reads it: dense panels of fmt FMT_F32, FMT_BF16 or FMT_F16 at w, or
+ * (FMT_CODES) int8 code panels with a line of scales and one of offsets per block of inputs. */
+#define FMT_CODES 3
+typedef struct {
+    const void *w;
+    int fmt;
+    const int8_t *codes;
+    const float *scales, *offsets;
+    int64_t block;
+} Weights;
+
+/* One group of `rows` rows (starting at row r) against panels [p0, p1): tiles of P panels, then
+ * single panels. */
 #define SWEEP_F(ISA, F, R, P)                                                                      \
     do {                                                                                           \
         int64_t p = p0;                                                                            \
-        for (; p + P <= p1; p += P) tile##ISA##_##F##_##R##x##P(Wp, x + r * k, y + r * n, n, k, p); \
-        for (; p < p1; p++) tile##ISA##_##F##_##R##x1(Wp, x + r * k, y + r * n, n, k, p);           \
+        for (; p + P <= p1; p += P) tile##ISA##_##F##_##R##x##P(W->w, x + r * k, y + r * n, n, k, p); \
+        for (; p < p1; p++) tile##ISA##_##F##_##R##x1(W->w, x + r * k, y + r * n, n, k, p);        \
     } while (0)
 #define SWEEP(ISA, R, P)                                        \
     do {                                                        \
-        if (fmt == FMT_BF16)                                    \
+        if (W->fmt == FMT_BF16)                                 \
             SWEEP_F(ISA, BF16, R, P);                           \
-        else if (fmt == FMT_F16)                                \
+        else if (W->fmt == FMT_F16)                             \
             SWEEP_F(ISA, F16, R, P);                            \
         else                                                    \
             SWEEP_F(ISA, F32, R, P);                            \
     } while (0)
+#define SWEEPQ(ISA, R, P)                                                                                         \
+    do {                                                                                                          \
+        int64_t p = p0;                                                                                           \
+        for (; p + P <= p1; p += P)                                                                               \
+            tileq##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);     \
+        for (; p < p1; p++)                                                                                       \
+            tileq##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);       \
+    } while (0)
+
+static void sweep(const Weights *W, const float *x, float *y, int64_t r, int64_t rows, int64_t n, int64_t k,
+                  int64_t p0, int64_t p1, int isa) {
+    if (W->fmt == FMT_CODES && isa == 2) { /* a code tile also holds its panels' scales and offsets */
+        switch (rows) {
+            case 1: SWEEPQ(512, 1, 4); break;
+            case 2: SWEEPQ(512, 2, 4); break;
+            case 3: SWEEPQ(512, 3, 4); break;
+            case 4: SWEEPQ(512, 4, 3); break;
+            case 5: SWEEPQ(512, 5, 3); break;
+            case 6: SWEEPQ(512, 6, 3); break;
+            case 7: SWEEPQ(512, 7, 2); break;
+            default: SWEEPQ(512, 8, 2); break;
+        }
+    } else if (W->fmt == FMT_CODES) {
+        switch (rows) {
+            case 1: SWEEPQ(256, 1, 1); break;
+            case 2: SWEEPQ(256, 2, 1); break;
+            default: SWEEPQ(256, 3, 1); break;
+        }
+    } else if (isa == 2) {
+        switch (rows) {
+            case 1: SWEEP(512, 1, 8); break;
+            case 2: SWEEP(512, 2, 4); break;
+            case 3: SWEEP(512, 3, 4); break;
+            case 4: SWEEP(512, 4, 4); break;
+            case 5: SWEEP(512, 5, 4); break;
+            case 6: SWEEP(512, 6, 4); break;
+            case 7: SWEEP(512, 7, 3); break;
+            default: SWEEP(512, 8, 3); break;
+        }
+    } else {
+        switch (rows) {
+            case 1: SWEEP(256, 1, 4); break;
+            case 2: SWEEP(256, 2, 2); break;
+            default: SWEEP(256, 3, 2); break;
+        }
+    }
+}
 
 /* How many groups m rows split into: at most 8 rows a group with AVX-512, 3 with AVX2. */
 static int64_t row_groups(int64_t m, int isa) {
@@ -255,106 +313,53 @@ static int64_t row_groups(int64_t m, int isa) {
     return (m + most - 1) / most;
 }
 
-static void panels(const void *Wp, int fmt, const float *x, float *y, int64_t m, int64_t n, int64_t k,
-                   int64_t p0, int64_t p1, int isa) {
+/* Rows [0, m) of x against panels [p0, p1), in groups of rows of near-equal size (at most 8 with
+ * AVX-512, 3 with AVX2), each group one pass over the panels. */
+static void panels(const Weights *W, const float *x, float *y, int64_t m, int64_t n, int64_t k, int64_t p0,
+                   int64_t p1, int isa) {
     const int64_t groups = row_groups(m, isa);
     for (int64_t g = 0, r = 0; g < groups; g++) {
         const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
-        if (isa == 2) {
-            switch (rows) {
-                case 1: SWEEP(512, 1, 8); break;
-                case 2: SWEEP(512, 2, 4); break;
-                case 3: SWEEP(512, 3, 4); break;
-                case 4: SWEEP(512, 4, 4); break;
-                case 5: SWEEP(512, 5, 4); break;
-                case 6: SWEEP(512, 6, 4); break;
-                case 7: SWEEP(512, 7, 3); break;
-                default: SWEEP(512, 8, 3); break;
-            }
-        } else {
-            switch (rows) {
-                case 1: SWEEP(256, 1, 4); break;
-                case 2: SWEEP(256, 2, 2); break;
-                default: SWEEP(256, 3, 2); break;
-            }
-        }
+        sweep(W, x, y, r, rows, n, k, p0, p1, isa);
         r += rows;
     }
 }
 
-/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by cpu_gemm.pack in format fmt (FMT_*); isa
- * from specinfer_gemm_isa(). Threads take whole chunks of panels, so the split changes which
+/* y (m, n) = x (m, k) @ W.T. Threads take whole chunks of panels, so the split changes which
  * thread computes an element, never how. */
-void specinfer_gemm(const void *Wp, int fmt, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
-                    int num_threads) {
+static void gemm(const Weights *W, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
+                 int num_threads) {
     const int64_t num_panels = (n + PANEL - 1) / PANEL;
     if (m <= 0 || n <= 0) return; /* no rows (an empty pass) or no outputs: nothing to compute */
     /* Each thread takes an equal share of the panels (a few panels more or less would leave one
-     * thread streaming alone at the end), in chunks of whole tiles but for a share's last: 6
-     * panels where every group has 7-8 rows (tiles of 3 panels), else 8, so that every group of
-     * rows reads a chunk's panels while they are in the cache. */
-    const int64_t chunk = isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
+     * thread streaming alone at the end), in chunks of whole tiles but for a share's last, so that
+     * every group of rows reads a chunk's panels while they are in the cache: for dense panels 6
+     * where every group has 7-8 rows (tiles of 3 panels), else 8; for codes 12 (tiles of 4, 3, 2). */
+    const int64_t chunk = W->fmt == FMT_CODES ? 12 : isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
     const int64_t threads = num_threads > 1 ? num_threads : 1;
     const int64_t share = (num_panels + threads - 1) / threads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
     for (int64_t t = 0; t < threads; t++) {
         const int64_t end = (t + 1) * share < num_panels ? (t + 1) * share : num_panels;
         for (int64_t p0 = t * share; p0 < end; p0 += chunk)
-            panels(Wp, fmt, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
+            panels(W, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
     }
 }
 
-#define SWEEPQ(ISA, R, P)                                                                               \
-    do {                                                                                                \
-        int64_t p = p0;                                                                                 \
-        for (; p + P <= p1; p += P) tileq##ISA##_##R##x##P(C, S, O, block, x + r * k, y + r * n, n, k, p); \
-        for (; p < p1; p++) tileq##ISA##_##R##x1(C, S, O, block, x + r * k, y + r * n, n, k, p);         \
-    } while (0)
-
-static void panels_codes(const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y,
-                         int64_t m, int64_t n, int64_t k, int64_t p0, int64_t p1, int isa) {
-    const int64_t groups = row_groups(m, isa);
-    for (int64_t g = 0, r = 0; g < groups; g++) {
-        const int64_t rows = (m - r) / (groups - g) + ((m - r) % (groups - g) ? 1 : 0);
-        if (isa == 2) {
-            switch (rows) {
-                case 1: SWEEPQ(512, 1, 4); break;
-                case 2: SWEEPQ(512, 2, 4); break;
-                case 3: SWEEPQ(512, 3, 4); break;
-                case 4: SWEEPQ(512, 4, 3); break;
-                case 5: SWEEPQ(512, 5, 3); break;
-                case 6: SWEEPQ(512, 6, 3); break;
-                case 7: SWEEPQ(512, 7, 2); break;
-                default: SWEEPQ(512, 8, 2); break;
-            }
-        } else {
-            for (int64_t p = p0; p < p1; p++) {
-                switch (rows) {
-                    case 1: tileq256_1x1(C, S, O, block, x + r * k, y + r * n, n, k, p); break;
-                    case 2: tileq256_2x1(C, S, O, block, x + r * k, y + r * n, n, k, p); break;
-                    default: tileq256_3x1(C, S, O, block, x + r * k, y + r * n, n, k, p); break;
-                }
-            }
-        }
-        r += rows;
-    }
+/* y (m, n) = x (m, k) @ W.T, with W (n, k) laid out by cpu_gemm.pack in format fmt (FMT_F32,
+ * FMT_BF16, FMT_F16); isa from specinfer_gemm_isa(). */
+void specinfer_gemm(const void *Wp, int fmt, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
+                    int num_threads) {
+    const Weights W = {Wp, fmt, NULL, NULL, NULL, 0};
+    gemm(&W, x, y, m, n, k, isa, num_threads);
 }
 
-/* y (m, n) = x (m, k) @ W.T for W (n, k) given as block codes laid out by cpu_gemm.pack_codes:
- * W[i][j] = fma(scale, code, offset) of row i's block j / block; k a multiple of block. */
+/* The same for W given as block codes laid out by cpu_gemm.pack_codes: W[i][j] = fma(scale, code,
+ * offset) of row i's block j / block; k a multiple of block. */
 void specinfer_gemm_codes(const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y,
                           int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
-    const int64_t num_panels = (n + PANEL - 1) / PANEL;
-    if (m <= 0 || n <= 0) return;
-    const int64_t chunk = 12; /* whole tiles of 4, 3 or 2 panels */
-    const int64_t threads = num_threads > 1 ? num_threads : 1;
-    const int64_t share = (num_panels + threads - 1) / threads;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
-    for (int64_t t = 0; t < threads; t++) {
-        const int64_t end = (t + 1) * share < num_panels ? (t + 1) * share : num_panels;
-        for (int64_t p0 = t * share; p0 < end; p0 += chunk)
-            panels_codes(C, S, O, block, x, y, m, n, k, p0, p0 + chunk < end ? p0 + chunk : end, isa);
-    }
+    const Weights W = {NULL, FMT_CODES, C, S, O, block};
+    gemm(&W, x, y, m, n, k, isa, num_threads);
 }
 
 #else /* not x86-64: no kernel, and specinfer_gemm_isa() says so */
