@@ -180,7 +180,8 @@ def random_codes(n: int, k: int, block: int, seed: int, is_signed: bool = False)
     codes = (torch.randint(-128, 128, (n, k), generator=gen) if is_signed
              else torch.randint(0, 16, (n, k), generator=gen)).to(torch.int8)
     scales = (torch.rand(n, k // block, generator=gen) * 0.02).half().float()
-    offsets = torch.zeros_like(scales) if is_signed else (torch.randn(n, k // block, generator=gen) * 0.1).half().float()
+    offsets = (torch.zeros_like(scales) if is_signed
+               else (torch.randn(n, k // block, generator=gen) * 0.1).half().float())
     return cpu_gemm.BlockCodes(codes, scales, offsets, block)
 
 

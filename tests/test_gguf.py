@@ -31,7 +31,7 @@ CORPUS = ["def add(a, b):\n    return a + b\n", "class Foo:\n    pass\n", "for i
 VOCAB = 300
 HEADS, KV_HEADS = 4, 2
 CHAT_TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 # llama.cpp's names for a Llama's tensors (written out here, independently of gguf-py's name map)
 LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -431,9 +431,9 @@ def logits_of(model_dir, is_coded: bool | None = None) -> torch.Tensor:
     return runner.run([chain_work(seq, [3, 11, 19, 27, 35], logits="all")])[0]
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "K"])
 def test_block_coded_weights_give_the_directory_s_logits_bit_for_bit(models, k_quant_model, qtype):
-    """The CPU kernel multiplies a GGUF's Q4_0, Q4_1, Q8_0 and K-quant matrices as their codes,
+    """The CPU kernel multiplies a GGUF's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and K-quant matrices as their codes,
     rebuilding each float32 element in registers: every logit equals the dequantized directory's."""
     from specinfer.engine.layers import cpu_gemm
 
@@ -446,7 +446,7 @@ def test_block_coded_weights_give_the_directory_s_logits_bit_for_bit(models, k_q
 def test_every_coded_tensor_carries_codes_that_define_it(models, k_quant_model):
     from specinfer.engine.models.checkpoint import load_state_dict
 
-    for path in [models[q][0] for q in ("Q8_0", "Q4_0", "Q4_1")] + [k_quant_model[0]]:
+    for path in [models[q][0] for q in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")] + [k_quant_model[0]]:
         matrices = {n: t for n, t in load_state_dict(path).items() if t.ndim == 2}
         for name, t in matrices.items():
             assert torch.equal(t.block_codes.values(), t), (path.name, name)

@@ -11,7 +11,7 @@
  * value is kept in panels of that 16-bit type and widened to float32 in registers: the widening is
  * exact, so its products are bitwise those of its float32 panels, from half the bytes of memory.
  *
- * A weight dequantized from blocks of integer codes (a GGUF's Q4_0, Q4_1, Q8_0, ...: every element
+ * A weight dequantized from blocks of integer codes (a GGUF's Q4_0 ... Q8_0 and K-quants: every element
  * w[i][j] = fma(scale, code, offset) with one scale and offset per row and block of inputs) is
  * kept as those codes, one byte each, and rebuilt in registers by that very fma: the same float32
  * elements, so the same products, from a quarter of the bytes and a few more instructions.

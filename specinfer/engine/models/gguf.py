@@ -14,7 +14,8 @@ model computes in, one tensor at a time. The fixes undo what llama.cpp's convert
 The result is an ordinary state dict, so a GGUF model runs the same forward as a checkpoint
 directory and speculative decoding (SpecInfer, arXiv 2305.09781) keeps its exactness guarantee
 with respect to the dequantized model. A float32 tensor dequantized from the block types whose
-every element is one fused multiply-add of an integer code (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
+every element is one fused multiply-add of an integer code (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K)
 also carries those codes as `block_codes` (`layers.cpu_gemm.BlockCodes`): the CPU kernel multiplies
 by them directly, and gets the very same float32 elements from a third of the bytes.
 """
@@ -138,6 +139,24 @@ def _codes_q8_0(blocks):  # d * q
     return np.ascontiguousarray(blocks[:, 2:]).view(np.int8), d, np.zeros_like(d), 32
 
 
+def _five_bits(blocks, qh_at: int) -> np.ndarray:
+    """Q5_0 / Q5_1 codes: 4 low bits from the nibbles after the 32 high bits at `qh_at`."""
+    n = blocks.shape[0]
+    qh = np.ascontiguousarray(blocks[:, qh_at:qh_at + 4]).view(np.uint32).reshape((n, 1))
+    qh = ((qh >> np.arange(32, dtype=np.uint32).reshape((1, 32))) & np.uint32(0x01)).astype(np.uint8)
+    return _nibbles(blocks[:, qh_at + 4:], 16) | (qh << np.uint8(4))
+
+
+def _codes_q5_0(blocks):  # d * (q - 16)
+    d = _half(blocks[:, :2])
+    return _five_bits(blocks, 2).astype(np.int8) - np.int8(16), d, np.zeros_like(d), 32
+
+
+def _codes_q5_1(blocks):  # d * q + m
+    d, m = _half(blocks[:, :2]), _half(blocks[:, 2:4])
+    return _five_bits(blocks, 4).astype(np.int8), d, m, 32
+
+
 def _k_scales(blocks, scales_at: int):  # per 32-element sub-block: d * sc, dmin * m (Q4_K and Q5_K)
     d, dmin = _half(blocks[:, :2]), _half(blocks[:, 2:4])
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, scales_at:scales_at + Q4_K.K_SCALE_SIZE]))
@@ -178,8 +197,8 @@ def _codes_q6_k(blocks):  # d * sc * (q - 32), by sub-blocks of 16
     return q.reshape((n, -1)), scales, np.zeros_like(scales), 16
 
 
-CODED_TYPES = {"Q4_0": _codes_q4_0, "Q4_1": _codes_q4_1, "Q8_0": _codes_q8_0, "Q4_K": _codes_q4_k,
-               "Q5_K": _codes_q5_k, "Q6_K": _codes_q6_k}
+CODED_TYPES = {"Q4_0": _codes_q4_0, "Q4_1": _codes_q4_1, "Q5_0": _codes_q5_0, "Q5_1": _codes_q5_1,
+               "Q8_0": _codes_q8_0, "Q4_K": _codes_q4_k, "Q5_K": _codes_q5_k, "Q6_K": _codes_q6_k}
 
 
 def fix_tensor(arch: str, name: str, tensor: torch.Tensor, config: dict) -> torch.Tensor:
