@@ -15,9 +15,9 @@ The result is an ordinary state dict, so a GGUF model runs the same forward as a
 directory and speculative decoding (SpecInfer, arXiv 2305.09781) keeps its exactness guarantee
 with respect to the dequantized model. A float32 tensor dequantized from the block types whose
 every element is one fused multiply-add of an integer code (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K)
-also carries those codes as `block_codes` (`layers.cpu_gemm.BlockCodes`): the CPU kernel multiplies
-by them directly, and gets the very same float32 elements from a third of the bytes.
+Q5_K, Q6_K) also carries those codes as `block_codes` (`layers.cpu_gemm.BlockCodes`): the CPU
+kernel multiplies by them directly, and gets the very same float32 elements from a third of the
+bytes.
 """
 
 from __future__ import annotations
