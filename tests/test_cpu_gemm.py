@@ -226,6 +226,13 @@ def test_codes_whose_products_float32_cannot_hold_are_not_trusted():
     full = torch.full_like(codes.scales, 1 + 2.0 ** -23)  # 24 significant bits
     assert cpu_gemm.BlockCodes(codes.codes, full, codes.offsets, 32).values() is None
     assert codes.values() is not None
+    # the bit length of a block's codes counts, not their largest one's significant bits: 16 has one,
+    # yet 15 beside it needs four, and 15 times a 21-bit scale needs 25
+    mixed = torch.tensor([[15, 16] * 16], dtype=torch.int8)
+    scale_21 = torch.tensor([[1 + 2.0 ** -20]])
+    assert cpu_gemm.BlockCodes(mixed, scale_21, torch.tensor([[0.5]]), 32).values() is None
+    no_offset = cpu_gemm.BlockCodes(mixed, scale_21, torch.tensor([[0.0]]), 32)  # the product's rounding alone
+    assert torch.equal(no_offset.values(), (mixed.double() * (1 + 2.0 ** -20)).float())
     tiny = torch.full_like(codes.offsets, 2.0 ** -80)  # exact products: any offset rounds once
     assert torch.equal(cpu_gemm.BlockCodes(codes.codes, codes.scales, tiny, 32).values(),
                        (codes.codes.double() * codes.scales.double().repeat_interleave(32, dim=1) + 2.0 ** -80).float())

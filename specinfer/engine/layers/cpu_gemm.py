@@ -74,13 +74,16 @@ class BlockCodes:
         with one rounding; then nothing may rely on the codes. Where every product scale * code
         holds in float32's 24 significant bits (a float16 scale times a 4-8-bit code does; a
         K-quant's scale, a float16 times 6 bits, times 4-6 bits too), the product is exact and
-        adding the offset rounds once: the fma's result."""
+        adding the offset rounds once: the fma's result. Where a block has no offset, the
+        product's own rounding is the only one, as in the fma."""
         n, k = self.codes.shape
         if k % self.block:
             return None
         codes = self.codes.view(n, -1, self.block)
-        code_bits = _significant_bits(codes.to(torch.int16).abs().amax(dim=-1).float())
-        if bool((code_bits + _significant_bits(self.scales) > 24).any()):
+        largest = codes.to(torch.int16).abs().amax(dim=-1).float()  # no code of a block is longer in bits
+        code_bits = torch.frexp(largest)[1]  # its bit length (0 for 0)
+        is_inexact = code_bits + _significant_bits(self.scales) > 24
+        if bool((is_inexact & (self.offsets != 0)).any()):  # with no offset, the product's rounding is the fma's
             return None
         products = codes.float() * self.scales.float().unsqueeze(-1)  # exact
         return (products + self.offsets.float().unsqueeze(-1)).view(n, k)  # one rounding
