@@ -38,6 +38,7 @@
 #define FMT_F32 0
 #define FMT_BF16 1
 #define FMT_F16 2
+#define FMT_CODES 3 /* int8 codes with per-block scales and offsets (specinfer_gemm_codes) */
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -233,7 +234,6 @@ int specinfer_gemm_isa(void) {
 
 /* A weight as the kernel reads it: dense panels of fmt FMT_F32, FMT_BF16 or FMT_F16 at w, or
  * (FMT_CODES) int8 code panels with a line of scales and one of offsets per block of inputs. */
-#define FMT_CODES 3
 typedef struct {
     const void *w;
     int fmt;

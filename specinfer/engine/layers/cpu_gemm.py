@@ -131,12 +131,8 @@ class CodePanels:
 
 def pack_codes(codes: BlockCodes) -> CodePanels:
     """`codes` laid out in panels of 16 output features, as `pack` lays out a float32 weight."""
-    def panels(t: torch.Tensor) -> torch.Tensor:
-        n, k = t.shape
-        return F.pad(t, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).transpose(1, 2).contiguous()
-
-    return CodePanels(panels(codes.codes.to(torch.int8)), panels(codes.scales.float()), panels(codes.offsets.float()),
-                      codes.block)
+    return CodePanels(*(_panels(t).contiguous() for t in (codes.codes.to(torch.int8), codes.scales.float(),
+                                                           codes.offsets.float())), codes.block)
 
 
 def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
@@ -176,12 +172,16 @@ def exact_storage(weight: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
+def _panels(t: torch.Tensor) -> torch.Tensor:
+    """t (n, k) as panels of 16 rows: (ceil(n / 16), k, 16), zero past n (a view; not contiguous)."""
+    n, k = t.shape
+    return F.pad(t, (0, 0, 0, -n % PANEL)).view(-1, PANEL, k).transpose(1, 2)
+
+
 def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Tensor:
     """weight (n, k), float32 on the CPU, as the kernel's panels: (ceil(n / 16), k, 16), zero past n,
     stored as `storage` (which must hold every element exactly: `exact_storage`)."""
-    n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL))  # (16 * num_panels, k)
-    return padded.view(-1, PANEL, k).transpose(1, 2).to(storage).contiguous()
+    return _panels(weight).to(storage).contiguous()
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:

@@ -157,30 +157,25 @@ def _codes_q5_1(blocks):  # d * q + m
     return _five_bits(blocks, 4).astype(np.int8), d, m, 32
 
 
-def _k_scales(blocks, scales_at: int):  # per 32-element sub-block: d * sc, dmin * m (Q4_K and Q5_K)
+def _k_scales(blocks):  # per 32-element sub-block: d * sc, dmin * m (Q4_K and Q5_K)
     d, dmin = _half(blocks[:, :2]), _half(blocks[:, 2:4])
-    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, scales_at:scales_at + Q4_K.K_SCALE_SIZE]))
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:4 + Q4_K.K_SCALE_SIZE]))
     n = blocks.shape[0]
     return (d * sc.astype(np.float32)).reshape(n, -1), -(dmin * m.astype(np.float32)).reshape(n, -1)
 
 
 def _codes_q4_k(blocks):  # d * sc * q - dmin * m, by sub-blocks of 32
-    scales, offsets = _k_scales(blocks, 4)
-    qs = blocks[:, 4 + Q4_K.K_SCALE_SIZE:]
-    n = blocks.shape[0]
-    q = qs.reshape((n, -1, 1, 32)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
-    return (q & np.uint8(0x0F)).reshape((n, -1)).astype(np.int8), scales, offsets, 32
+    scales, offsets = _k_scales(blocks)
+    return _nibbles(blocks[:, 4 + Q4_K.K_SCALE_SIZE:], 32).astype(np.int8), scales, offsets, 32
 
 
 def _codes_q5_k(blocks):  # d * sc * q - dmin * m, q of 5 bits, by sub-blocks of 32
-    scales, offsets = _k_scales(blocks, 4)
+    scales, offsets = _k_scales(blocks)
     rest = blocks[:, 4 + Q4_K.K_SCALE_SIZE:]
     qh, qs = rest[:, :32], rest[:, 32:]
     n = blocks.shape[0]
-    ql = qs.reshape((n, -1, 1, 32)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
-    qh = qh.reshape((n, -1, 1, 32)) >> np.arange(8, dtype=np.uint8).reshape((1, 1, 8, 1))
-    q = (ql & np.uint8(0x0F)).reshape((n, -1, 32)) | ((qh & np.uint8(0x01)).reshape((n, -1, 32)) << np.uint8(4))
-    return q.reshape((n, -1)).astype(np.int8), scales, offsets, 32
+    qh = (qh.reshape((n, 1, 32)) >> np.arange(8, dtype=np.uint8).reshape((1, 8, 1))) & np.uint8(0x01)
+    return (_nibbles(qs, 32) | (qh.reshape((n, -1)) << np.uint8(4))).astype(np.int8), scales, offsets, 32
 
 
 def _codes_q6_k(blocks):  # d * sc * (q - 32), by sub-blocks of 16
@@ -188,8 +183,7 @@ def _codes_q6_k(blocks):  # d * sc * (q - 32), by sub-blocks of 16
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     sc = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
     d = _half(blocks[:, 208:210])
-    ql = ql.reshape((n, -1, 1, 64)) >> np.array([0, 4], dtype=np.uint8).reshape((1, 1, 2, 1))
-    ql = (ql & np.uint8(0x0F)).reshape((n, -1, 32))
+    ql = _nibbles(ql, 64).reshape((n, -1, 32))
     qh = qh.reshape((n, -1, 1, 32)) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape((1, 1, 4, 1))
     qh = (qh & np.uint8(0x03)).reshape((n, -1, 32))
     q = (ql | (qh << np.uint8(4))).astype(np.int8) - np.int8(32)

@@ -227,7 +227,7 @@ def decoder_weights(cfg, state: dict[str, torch.Tensor], names: LayerTensors) ->
             return tensors[0]
         out = torch.cat(tensors)
         codes = [getattr(t, "block_codes", None) for t in tensors]  # a GGUF's codes (`engine/models/gguf.py`)
-        if all(c is not None for c in codes):
+        if codes[0] is not None:  # `cat` gives None unless every part has codes
             out.block_codes = type(codes[0]).cat(codes)
         return out
 

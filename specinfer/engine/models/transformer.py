@@ -134,6 +134,9 @@ class DecoderModel:
             self.w["lm_head"] = self.w["lm_head"].index_select(0, self.head_ids).contiguous()
         if is_packed and can_pack(self.device, dtype):  # a tied LM head gets a packed copy; lookups read `embed`
             self.w.update({name: pack(t) for name, t in self.w.items() if name.endswith(MATRICES)})
+        for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` alone: not kept with `embed`
+            if isinstance(t, torch.Tensor) and hasattr(t, "block_codes"):
+                del t.block_codes
         self.norm = offset_rms_norm if is_offset else rms_norm
         self.act = ACTIVATIONS[cfg.hidden_act]
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
