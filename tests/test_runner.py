@@ -194,3 +194,26 @@ def test_checkpoint_reads_equal_safetensors_own_and_refuse_a_truncated_file(tmp_
     (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
     with pytest.raises(UserError, match="not a readable safetensors"), SafetensorsFile(tmp_path / "bad.safetensors"):
         pass
+
+
+@pytest.mark.parametrize("rotary", [16, 8])  # the whole head, and Phi-3's partial rotary
+def test_rope_is_bitwise_the_families_rotation(rotary):
+    """`apply_rope` over its signed-sin table gives transformers' x * cos + rotate_half(x) * sin
+    bit for bit, queries and keys rotated together or apart (the decoder rotates them together)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from specinfer.engine.layers.rope import apply_rope, rope_tables
+    from specinfer.engine.models.hf import RopeConfig
+
+    cos, signed_sin = rope_tables(RopeConfig(theta=10000.0), rotary, 64, 64, torch.float32, "cpu")
+    sin = torch.cat((-signed_sin[:, : rotary // 2], signed_sin[:, rotary // 2 :]), dim=-1)
+    positions = torch.tensor([0, 3, 17, 63])
+    x = torch.randn(4, 6, 16) * 3
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    expected = torch.cat((x[..., :rotary] * c + rotate_half(x[..., :rotary]) * s, x[..., rotary:]), dim=-1)
+    together = apply_rope(x, c, signed_sin[positions].unsqueeze(1))
+    assert torch.equal(together, expected)
+    assert torch.equal(torch.cat((apply_rope(x[:, :4], c, signed_sin[positions].unsqueeze(1)),
+                                  apply_rope(x[:, 4:], c, signed_sin[positions].unsqueeze(1))), dim=1), expected)
+    # The plain sin in place of the signed one rotates the other way: the test tells them apart.
+    assert not torch.equal(apply_rope(x, c, s), expected)

@@ -138,12 +138,17 @@ def pack_codes(codes: BlockCodes) -> CodePanels:
 def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
     """x (..., k) @ W.T for W (n, k) packed by `pack_codes`; x float32 on the CPU."""
     lib, isa = _library()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     lib.specinfer_gemm_codes(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(),
                              panels.block, rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1], isa,
                              torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous rows (n, k): itself where it already is (a pass's activations mostly are)."""
+    return x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, x.shape[-1]).contiguous()
 
 
 @functools.cache
@@ -187,8 +192,8 @@ def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Te
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """x (..., k) @ W.T for W (n, k) laid out by `pack`; x float32 on the CPU."""
     lib, isa = _library()
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    rows = _rows(x)
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     lib.specinfer_gemm(panels.data_ptr(), _FORMATS[panels.dtype], rows.data_ptr(), out.data_ptr(), rows.shape[0],
                        n, rows.shape[1], isa, torch.get_num_threads())
-    return out.view(*x.shape[:-1], n)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)

@@ -186,13 +186,16 @@ class DecoderModel:
         num_tokens = h.shape[0]
         x = self.norm(h, w[f"{i}.in_norm"], eps)
         qkv = linear(x, w[f"{i}.qkv"], w.get(f"{i}.qkv_bias"))  # (T, (H + 2 Hkv) D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, H, D)
-        k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
-        v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, Hkv, D)
         if cfg.is_qk_norm:
-            q, k = self.norm(q, w[f"{i}.q_norm"], eps), self.norm(k, w[f"{i}.k_norm"], eps)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q = self.norm(qkv[:, :self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim), w[f"{i}.q_norm"], eps)
+            k = self.norm(qkv[:, self.q_size:qk_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
+                          w[f"{i}.k_norm"], eps)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (T, H, D), (T, Hkv, D)
+        else:  # queries and keys rotated together: one set of operators a layer
+            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         k_cache, v_cache = kv.k[i], kv.v[i]  # (S, Hkv, D)
         if isinstance(batch.write, slice):
             k_cache[batch.write] = k
