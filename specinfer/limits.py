@@ -45,7 +45,10 @@ SUFFIX_SEED_TOKENS = 65536  # of a draft's stored answers, the most the suffix m
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_DTYPE = "float32"  # the LLM's (and a runner's) dtype when none is given
 AUTO_DTYPE = "auto"  # the SSMs' dtype: the fastest on this machine, measured once when they load
-SSM_DTYPES = (AUTO_DTYPE, *MODEL_DTYPES)
+# SSMs only, on a CPU with the matrix kernel: float32 arithmetic over the matrices as 8-bit codes with a
+# float32 scale a block of 32 (GGUF's Q8_0 layout), a quarter of float32's bytes a pass.
+Q8_DTYPE = "q8_0"
+SSM_DTYPES = (AUTO_DTYPE, *MODEL_DTYPES, Q8_DTYPE)
 DEFAULT_SSM_DTYPE = AUTO_DTYPE  # SSMs only propose: their dtype never changes the output
 ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # engine.runtime.exec_config.ExecConfig.attention
 DEFAULT_ATTENTION = "auto"  # Triton on CUDA when importable, else SDPA

@@ -22,6 +22,9 @@ from specinfer.engine.runtime.load import ModelPaths
 from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
 from specinfer.engine.runtime.runner import ModelRunner
 from specinfer.params import TreeShape
+from specinfer.engine.layers import cpu_gemm
+from specinfer.errors import UserError
+from specinfer.limits import Q8_DTYPE
 
 NEW_TOKENS = 24
 CPUINFO = "processor\t: 0\nmodel name\t: Some CPU 9000\nflags\t\t: fpu sse avx512f avx512_bf16\n"
@@ -32,14 +35,25 @@ def fake_timer(ms: dict[str, float], calls: list | None = None):
 
     def timer(runner, work) -> float:
         if calls is not None:
-            calls.append(dc.dtype_name(runner.model.dtype))
-        return ms[dc.dtype_name(runner.model.dtype)] / 1000
+            calls.append(dc.runner_dtype(runner))
+        return ms[dc.runner_dtype(runner)] / 1000
 
     return timer
 
 
 def failing_timer(runner, work) -> float:
     raise AssertionError("measured although the choice is cached")
+
+
+ALL_CANDIDATES = dc.candidates
+
+
+@pytest.fixture(autouse=True)
+def dense_candidates(request, monkeypatch):
+    """The tests of the choice itself pick between the dense dtypes; those named for q8_0 see every
+    candidate this machine has."""
+    if "q8_0" not in request.node.name:
+        monkeypatch.setattr(dc, "candidates", lambda device: [d for d in ALL_CANDIDATES(device) if d != Q8_DTYPE])
 
 
 @pytest.fixture(scope="module")
@@ -448,3 +462,56 @@ def test_compose_and_kubernetes_run_the_ssms_on_auto():
     assert configmap["data"]["SPECINFER_SSM_DTYPE"] == "auto"
     assert "# SPECINFER_SSM_DTYPE=auto" in (ROOT / ".env.example").read_text()
 
+
+
+# ---- q8_0: float32 arithmetic over 8-bit block codes ----------------------------------------------
+def test_q8_0_rounds_each_block_to_its_own_scale():
+    torch.manual_seed(0)
+    weight = torch.randn(40, 96) * torch.logspace(-3, 1, 96)  # blocks of very different magnitudes
+    codes = cpu_gemm.BlockCodes.q8_0(weight)
+    assert codes.codes.dtype == torch.int8 and codes.scales.shape == (40, 3) and not codes.offsets.any()
+    values = codes.values()
+    step = codes.scales.repeat_interleave(32, dim=1)
+    assert bool(((values - weight).abs() <= step / 2 * (1 + 1e-6)).all())  # within half a step of its block
+    assert torch.equal(codes.codes.abs().view(40, 3, 32).amax(-1), torch.full((40, 3), 127, dtype=torch.int8))
+    assert cpu_gemm.BlockCodes.q8_0(torch.randn(4, 40)) is None  # inputs that do not split into blocks of 32
+    zero = cpu_gemm.BlockCodes.q8_0(torch.zeros(2, 32))
+    assert torch.equal(zero.values(), torch.zeros(2, 32))
+
+
+def test_q8_0_is_a_candidate_where_the_kernel_runs():
+    assert (Q8_DTYPE in dc.candidates("cpu")) == cpu_gemm.available()
+    with pytest.raises(UserError, match="runs on the CPU only"):
+        ModelRunner.from_weights(*_tiny_weights(), dtype=Q8_DTYPE, device="cuda")
+
+
+def _tiny_weights():
+    import tempfile
+
+    from util import save_tiny_llama
+
+    path = Path(tempfile.mkdtemp()) / "m"
+    save_tiny_llama(path, hidden=64, layers=1)
+    cfg = ModelConfig.from_dir(path)
+    return cfg, engine_weights(cfg, load_state_dict(path))
+
+
+@pytest.mark.skipif(not cpu_gemm.available(), reason="the CPU matrix kernel is not built here")
+def test_q8_0_auto_greedy_tree_equals_incremental_when_it_wins(pair_runners, tiny_pair, greedy_prompts, incremental,
+                                                               tmp_path):
+    llm, _ = pair_runners
+    cands = dc.candidates("cpu")
+    ssm = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 4096, cache_dir=tmp_path,
+                      timer=fake_timer({d: 0.5 if d == Q8_DTYPE else 1.0 for d in cands}))
+    assert ssm.dtype_choice.dtype == Q8_DTYPE and dc.runner_dtype(ssm) == Q8_DTYPE
+    assert ssm.model.dtype == ssm.kv.k.dtype == torch.float32
+    matrices = [t for name, t in ssm.model.w.items() if name.endswith((".qkv", ".down", "lm_head"))]
+    assert matrices and all(isinstance(t.data, cpu_gemm.CodePanels) for t in matrices)
+    dense = ModelRunner.from_dir(tiny_pair.ssms[0], "float32", "cpu", 1024)
+    seq, dense_seq = ssm.new_sequence(), dense.new_sequence()
+    coded_logits, dense_logits = ssm.prefill(seq, list(range(3, 40))), dense.prefill(dense_seq, list(range(3, 40)))
+    assert not torch.equal(coded_logits, dense_logits)  # the draft really computes over the rounded weights
+    assert torch.allclose(coded_logits, dense_logits, atol=0.05 * float(dense_logits.abs().max()))
+    engine = Engine.from_runners(llm, [ssm])
+    params = mode_params("tree", NEW_TOKENS, TreeShape((2, 2, 1, 1)))
+    assert [engine.generate(p, params).output_ids for p in greedy_prompts[:8]] == incremental

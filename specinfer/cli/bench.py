@@ -22,9 +22,9 @@ import torch
 from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
 from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
 from specinfer.engine.llm_engine import mode_params
-from specinfer.limits import parse_tree_width
+from specinfer.limits import Q8_DTYPE, parse_tree_width
 from specinfer.params import SamplingParams
-from specinfer.engine.runtime.dtype_choice import dtype_name
+from specinfer.engine.runtime.dtype_choice import runner_dtype
 from specinfer.pool.hf_model import load_hf_model
 
 
@@ -93,7 +93,9 @@ class _TransformersArms:
         self.device = device
         self.llm = load_hf_model(paths.llm, getattr(torch, dtype), device)
         # The assistant runs in the same dtype as our SSMs, so both sides get the same help.
-        self.ssm = load_hf_model(paths.ssms[0], getattr(torch, ssm_dtype), device)
+        # an SSM over 8-bit codes (limits.Q8_DTYPE) assists transformers in float32
+        self.ssm = load_hf_model(paths.ssms[0], getattr(torch, ssm_dtype if ssm_dtype != Q8_DTYPE else "float32"),
+                                 device)
         self.num_calls = 0
         self.llm.register_forward_hook(self._count)
 
@@ -326,7 +328,7 @@ def resolved_ssm_dtypes(engine, paths: ModelPaths) -> tuple[list[str], dict | No
     directory name: the choice and the milliseconds per pass of every candidate."""
     runners = engine.source.speculator.runners if engine.source is not None else []
     choices = {p.name: r.dtype_choice.to_json() for p, r in zip(paths.ssms, runners) if r.dtype_choice is not None}
-    return [dtype_name(r.model.dtype) for r in runners], choices or None
+    return [runner_dtype(r) for r in runners], choices or None
 
 
 def print_report(report: dict, output: str | Path | None) -> None:

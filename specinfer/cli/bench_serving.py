@@ -28,7 +28,7 @@ import json
 import urllib.request
 
 from specinfer.errors import UserError
-from specinfer.engine.runtime.dtype_choice import dtype_name
+from specinfer.engine.runtime.dtype_choice import runner_dtype
 from specinfer.engine.runtime.assemble import load_engine
 from specinfer.engine.runtime.load import check_models, load_tokenizer
 from specinfer.engine.llm_engine import mode_params
@@ -168,7 +168,7 @@ def measure_overhead(client, paths, prompts: list[str], widths: tuple[int, ...],
     ms = {arm: 1000 * t / max(1, n) for arm, (t, n) in totals.items()}
     return {"in_process_ms_per_token": round(ms["in_process"], 3), "service_ms_per_token": round(ms["service"], 3),
             "ratio": round(ms["service"] / ms["in_process"], 3), "greedy_equal": is_equal, "num_prompts": len(prompts),
-            "in_process_ssm_dtype": [dtype_name(r.model.dtype) for r in engine.source.speculator.runners]}
+            "in_process_ssm_dtype": [runner_dtype(r) for r in engine.source.speculator.runners]}
 
 
 def measure_http_overhead(client, http_url: str, model: str, prompts: list[str], widths: tuple[int, ...],

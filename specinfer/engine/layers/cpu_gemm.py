@@ -88,6 +88,20 @@ class BlockCodes:
         products = codes.float() * self.scales.float().unsqueeze(-1)  # exact
         return (products + self.offsets.float().unsqueeze(-1)).view(n, k)  # one rounding
 
+    @classmethod
+    def q8_0(cls, weight: torch.Tensor, block: int = 32) -> "BlockCodes | None":
+        """`weight` (n, k) rounded to 8-bit codes with one float32 scale a row and block of `block`
+        inputs (the largest magnitude over 127) and no offset: what an SSM keeps where it computes
+        over codes (limits.Q8_DTYPE). None where k is not a multiple of `block`."""
+        n, k = weight.shape
+        if k % block:
+            return None
+        blocks = weight.float().reshape(n, k // block, block)
+        scales = blocks.abs().amax(dim=-1) / 127.0
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        codes = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        return cls(codes.view(n, k), scales, torch.zeros_like(scales), block)
+
     def rows(self, index) -> "BlockCodes":
         """The codes of rows `index` (a permutation or selection of rows)."""
         return BlockCodes(self.codes[index], self.scales[index], self.offsets[index], self.block)

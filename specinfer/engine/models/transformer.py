@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.layers.activations import ACTIVATIONS
 from specinfer.engine.layers.linear import can_pack, linear, pack
 from specinfer.engine.layers.norms import offset_rms_norm, offset_weight, rms_norm
@@ -112,13 +113,26 @@ UNSCORED_LOGIT = -1e9
 MATRICES = (".qkv", ".o", ".gate_up", ".down", "lm_head")  # the weights every pass multiplies by
 
 
+def _q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 matrix rounded to 8-bit block codes: the values they define, carrying them as
+    `block_codes` for `pack` (the weight itself where its inputs do not split into blocks)."""
+    codes = cpu_gemm.BlockCodes.q8_0(weight) if weight.dtype == torch.float32 else None
+    if codes is None:
+        return weight
+    values = codes.values()
+    values.block_codes = codes
+    return values
+
+
 class DecoderModel:
     """Inference-only weights and forward pass. Weights are fused: qkv and gate_up (`hf.py`).
     On a CPU the weight matrices are laid out once for the GEMM kernels (`layers/linear.py`) unless
-    `is_packed` is False (a model built on the CPU to be moved elsewhere)."""
+    `is_packed` is False (a model built on the CPU to be moved elsewhere). With `is_q8_0` (an SSM's
+    choice, limits.Q8_DTYPE) the packed matrices are first rounded to 8-bit block codes
+    (`cpu_gemm.BlockCodes.q8_0`), which the kernel reads as they are."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
-                 is_packed: bool = True):
+                 is_packed: bool = True, is_q8_0: bool = False):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
@@ -132,8 +146,10 @@ class DecoderModel:
         if cfg.head_token_ids:
             self.head_ids = torch.tensor(cfg.head_token_ids, dtype=torch.long, device=self.device)
             self.w["lm_head"] = self.w["lm_head"].index_select(0, self.head_ids).contiguous()
+        self.is_q8_0 = is_q8_0 and is_packed and can_pack(self.device, dtype) and cpu_gemm.available()
         if is_packed and can_pack(self.device, dtype):  # a tied LM head gets a packed copy; lookups read `embed`
-            self.w.update({name: pack(t) for name, t in self.w.items() if name.endswith(MATRICES)})
+            self.w.update({name: pack(_q8_0(t) if self.is_q8_0 else t) for name, t in self.w.items()
+                           if name.endswith(MATRICES)})
         for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` alone: not kept with `embed`
             if isinstance(t, torch.Tensor) and hasattr(t, "block_codes"):
                 del t.block_codes

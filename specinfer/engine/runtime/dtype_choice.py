@@ -7,8 +7,10 @@ without them emulates bf16 and is slower; a GPU is fastest in half precision. So
 default of every entry point) measures instead of guessing.
 
 `load_ssm` with `auto` reads the checkpoint once and builds a small runner per candidate dtype
-(on a CPU float32, and bfloat16 where the CPU runs it at all; on CUDA bfloat16, float16 and
-float32), each casting the same weights with a KV cache in its own dtype. It times their
+(on a CPU float32, bfloat16 where the CPU runs it at all, and `q8_0` where the matrix kernel is
+built: float32 arithmetic over the matrices rounded to 8-bit block codes, a quarter of the bytes a
+pass streams; on CUDA bfloat16, float16 and float32), each casting the same weights with a KV cache
+in its own dtype. It times their
 forward passes on the shapes of one token-tree level (1, 4 and 8 new tokens over a ~128-token
 context, within the model's context), candidates and shapes interleaved, the fastest of several
 repeats each (at least `TRIAL_REPEATS` rounds, more until `TRIAL_MIN_S` of passes were timed, so
@@ -48,7 +50,8 @@ from specinfer.engine.runtime.machine_cache import (  # noqa: F401 (device_name,
     MAX_ATTEMPTS, device_name, key_id, machine_key, read_entry, weights_digest, write_entry,
 )
 from specinfer.engine.scheduling.policy import is_busy
-from specinfer.limits import AUTO_DTYPE, MODEL_DTYPES
+from specinfer.limits import AUTO_DTYPE, MODEL_DTYPES, Q8_DTYPE
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.runtime.runner import ModelRunner, Work
 from specinfer.engine.runtime.backend import resolve_exec
 from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
@@ -100,6 +103,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def runner_dtype(runner) -> str:
+    """The dtype name a runner was built with: its model's dtype, or `Q8_DTYPE` over block codes."""
+    return Q8_DTYPE if getattr(runner.model, "is_q8_0", False) else dtype_name(runner.model.dtype)
+
+
 # ---- what the choice depends on ------------------------------------------------------------------
 def runs_bfloat16(device) -> bool:
     """Whether bf16 matrix products work on `device` at all (how fast is what `auto` measures)."""
@@ -111,11 +119,11 @@ def runs_bfloat16(device) -> bool:
 
 
 def candidates(device) -> list[str]:
-    """The dtypes `auto` times on `device`."""
+    """The dtypes `auto` times on `device`: on a CPU with the matrix kernel, 8-bit block codes too."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return (["bfloat16"] if torch.cuda.is_bf16_supported() else []) + ["float16", "float32"]
-    return ["float32"] + (["bfloat16"] if runs_bfloat16(dev) else [])
+    return ["float32"] + (["bfloat16"] if runs_bfloat16(dev) else []) + ([Q8_DTYPE] if cpu_gemm.available() else [])
 
 
 def cache_key(cfg: ModelConfig, device, attention: str, prefer: str, cands: list[str],

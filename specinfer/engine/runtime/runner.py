@@ -21,7 +21,8 @@ from specinfer.engine.scheduling.blocks import BlockAllocator, BlockHash, Sequen
 from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS
+from specinfer.limits import (DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS, MODEL_DTYPES,
+                              Q8_DTYPE)
 from specinfer.engine.models.checkpoint import engine_weights, load_state_dict, parse_dtype
 from specinfer.engine.models.transformer import DecoderModel, ForwardBatch, KVCache, SeqAttention, windowed
 from specinfer.engine.drafting.tree import is_chain, visibility, window_starts
@@ -58,6 +59,17 @@ def chain_work(seq: SequenceKV, token_ids: list[int], logits: str = "last") -> W
     return Work(seq, list(token_ids), list(range(start, start + n)), list(range(-1, n - 1)), logits)
 
 
+def compute_dtype(dtype: str, device) -> tuple[torch.dtype, bool]:
+    """(the dtype a model computes in, whether its matrices are 8-bit block codes) for a dtype name:
+    `limits.Q8_DTYPE` computes in float32 over codes, on the CPU only."""
+    if dtype == Q8_DTYPE:
+        if torch.device(device).type != "cpu":
+            raise UserError(f"dtype {Q8_DTYPE} runs on the CPU only: choose one of {', '.join(MODEL_DTYPES)} "
+                            f"on {device}")
+        return torch.float32, True
+    return parse_dtype(dtype), False
+
+
 class ModelRunner:
     """One model, its preallocated KV cache, and the allocator that shares the cache out."""
 
@@ -88,7 +100,7 @@ class ModelRunner:
         shards it over a tensor-parallel group). `exec_cfg` picks the attention backend, CUDA
         graphs and offloading (resolved for `device` here)."""
         cfg = ModelConfig.from_dir(model_dir)
-        torch_dtype = parse_dtype(dtype)  # an unknown dtype or flag fails before any weights are read
+        torch_dtype, _ = compute_dtype(dtype, device)  # an unknown dtype or flag fails before any weights are read
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
         # a GGUF's tensors are dequantized straight to the compute dtype (a whole float32 copy of
         # a large quantized model would not fit where the model does)
@@ -104,12 +116,12 @@ class ModelRunner:
         """A one-process runner over weights already read (`checkpoint.engine_weights`), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
         build runners in several dtypes."""
-        torch_dtype = parse_dtype(dtype)
+        torch_dtype, is_q8_0 = compute_dtype(dtype, device)
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
         if ex.offload:  # built in host memory; only the resident tensors and one layer at a time reach the GPU
             model = offload_model(DecoderModel(cfg, weights, torch_dtype, "cpu", is_packed=False), device)
         else:
-            model = DecoderModel(cfg, weights, torch_dtype, device)
+            model = DecoderModel(cfg, weights, torch_dtype, device, is_q8_0=is_q8_0)
         runner = cls(model, num_blocks=-(-max_kv_tokens // block_size), block_size=block_size)
         apply_exec(runner, ex)
         return runner
