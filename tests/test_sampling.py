@@ -10,7 +10,7 @@ from transformers.generation.logits_process import (
 )
 
 from specinfer.errors import UserError
-from specinfer.engine.verification.sampling import SamplingNoise, sample, target_probs, warp_logits
+from specinfer.engine.verification.sampling import SamplingNoise, first_max, sample, target_probs, warp_logits
 from specinfer.params import SamplingParams
 from specinfer.engine.drafting.tree import TokenTree
 from specinfer.engine.verification.acceptance import verify_tree
@@ -83,3 +83,14 @@ def test_a_tree_is_verified_against_the_llms_own_tokens():
 def test_target_probs_sum_to_one():
     p = target_probs(torch.randn(3, 20), SamplingParams(0.8, top_p=0.7, top_k=8))
     assert torch.allclose(p.sum(-1), torch.ones(3))
+
+
+def test_first_max_is_argmax_ties_included():
+    """Greedy verification picks each node's token with `first_max`: argmax's first index on ties,
+    which decides the token wherever two logits are equal."""
+    rows = torch.tensor([[1.0, 5.0, 5.0, 2.0], [7.0, 7.0, 7.0, 7.0], [-1.0, -3.0, -1.0, -9.0]])
+    assert first_max(rows) == rows.argmax(dim=-1).tolist() == [1, 0, 0]
+    gen = torch.Generator().manual_seed(0)
+    many_ties = torch.randint(0, 3, (64, 4096), generator=gen).float()
+    assert first_max(many_ties) == many_ties.argmax(dim=-1).tolist()
+    assert first_max(many_ties) != (many_ties.flip(-1).argmax(dim=-1) * -1 + 4095).tolist()  # the last index differs

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from specinfer.engine.runtime.runner import chain_work
 from specinfer.engine.drafting.speculator import Proposal, SSMState, SSMTree, Speculator
+from specinfer.engine.verification.sampling import first_max
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def _grow_ahead(speculator: Speculator, live: list[tuple[Ahead, Proposal, int]])
         for (ahead, s), rows in zip(entries, logits):
             s.seq.num_committed += len(s.pending)
             s.pending = []
-            ahead.bonus = int(rows[-1].argmax())
+            ahead.bonus = first_max(rows[-1:])[0]
     proposals = []
     for ahead, p, depth in live:
         for s in p.states[: len(speculator.runners)]:

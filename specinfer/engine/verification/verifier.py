@@ -16,7 +16,7 @@ import torch
 from specinfer.engine.scheduling.blocks import BlockHash, SequenceKV
 from specinfer.engine.verification.processors import RequestLogits
 from specinfer.engine.runtime.runner import ModelRunner, Work, chain_work
-from specinfer.engine.verification.sampling import SamplingNoise, sample, token_logprobs
+from specinfer.engine.verification.sampling import SamplingNoise, first_max, sample, token_logprobs
 from specinfer.engine.drafting.tree import TokenTree
 from specinfer.engine.verification.acceptance import verify_tree
 from specinfer.params import SamplingParams
@@ -73,7 +73,7 @@ class Verifier:
         if state.processors is not None:  # each node's logits in its own path's context
             logits = state.processors.process(logits, tree)
         if params.is_greedy:
-            llm_tokens = logits.argmax(dim=-1).tolist()
+            llm_tokens = first_max(logits)
         else:  # node n's logits sample the token right after it
             root = state.seq.num_committed + len(state.pending) - 1
             llm_tokens = sample(logits, params, noise, [root + d + 1 for d in tree.depths])
