@@ -58,22 +58,6 @@ def test_full_committed_blocks_are_found_by_their_tokens_and_everything_before()
                                                                                 [4, 5, 6, 7])
 
 
-def test_a_sequence_grows_into_the_block_after_its_last_so_its_slots_stay_one_run():
-    """After a cached prefix, a request's own blocks follow the prefix's last block where it is free,
-    even where that means evicting it: attention then reads the slots in place, not gathered."""
-    allocator = BlockAllocator(12, 4)
-    first = committed(allocator, list(range(12)))  # blocks 0, 1, 2 cached; 3 its empty tail
-    first.free()
-    assert allocator.allocate(1) == [3]  # another request's
-    later = SequenceKV(allocator, ROOT)
-    blocks, digests = allocator.match(ROOT, list(range(8)))
-    later.adopt(blocks, digests, list(range(8)))  # blocks 0, 1
-    later.ensure_capacity(16)  # two more blocks: 2 (cached, nobody holds it), then past the held 3
-    assert later.block_table == [0, 1, 2, 4] and allocator.num_evicted == 1
-    assert later.contiguous_start(12) == 0 and later.contiguous_start(16) is None
-    assert allocator.allocate(1) == [5]  # with no block to follow: never-used ones, lowest first
-
-
 def test_blocks_nobody_holds_stay_cached_until_evicted_least_recently_freed_first():
     allocator = BlockAllocator(6, 4)
     old = committed(allocator, list(range(8)))  # blocks 0, 1 cached

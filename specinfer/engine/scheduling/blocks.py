@@ -44,11 +44,8 @@ def cache_root(namespace: str = "") -> BlockHash:
 
 class BlockAllocator:
     """Hands out block ids, never-used ones lowest first (a lone sequence gets contiguous slots),
-    then evicts cached free blocks, least recently freed first. A sequence growing past its last
-    block gets the block right after it where that one is free (never used, or cached and held by
-    nobody): its slots stay one run, which attention reads in place instead of gathering them
-    (`SequenceKV.contiguous_start`), as after a cached prefix it adopted. A block is free again
-    once every holder has freed it; it stays addressable by its hash until it is evicted."""
+    then evicts cached free blocks, least recently freed first. A block is free again once every
+    holder has freed it; it stays addressable by its hash until it is evicted."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks <= 0 or block_size <= 0:
@@ -76,37 +73,21 @@ class BlockAllocator:
         """Blocks addressable by their hash (held or not)."""
         return len(self._by_hash)
 
-    def allocate(self, num: int, after: int | None = None) -> list[int]:
-        """`num` free blocks; with `after` (a sequence's last block), the blocks right after it
-        where they are free, so that the sequence's slots stay contiguous."""
+    def allocate(self, num: int) -> list[int]:
         if num > self.num_free:
             raise CapacityError(f"KV cache full: need {num} blocks, {self.num_free} free of {self.num_blocks}")
         blocks = []
-        for _ in range(num):  # without `after`, never-used blocks lowest first, then the least recently freed
-            successor = None if after is None else after + 1
-            if successor is not None and successor < self.num_blocks and not self._refs[successor]:
-                block = successor
-                if block in self._cached_free:
-                    self._evict(block)
-                else:
-                    self._free.remove(block)
-                    heapq.heapify(self._free)
-            elif self._free:
+        for _ in range(num):
+            if self._free:
                 block = heapq.heappop(self._free)
             else:  # evict the least recently freed cached block
-                block = next(iter(self._cached_free))
-                self._evict(block)
+                block, _ = self._cached_free.popitem(last=False)
+                del self._by_hash[self._hash[block]]
+                self._hash[block] = None
+                self.num_evicted += 1
             self._refs[block] = 1
             blocks.append(block)
-            after = None if after is None else block
         return blocks
-
-    def _evict(self, block: int) -> None:
-        """Takes a cached block nobody holds out of the cache, for reuse."""
-        del self._cached_free[block]
-        del self._by_hash[self._hash[block]]
-        self._hash[block] = None
-        self.num_evicted += 1
 
     def share(self, blocks: list[int]) -> None:
         """One more holder for each of `blocks` (held, or cached and free)."""
@@ -210,8 +191,7 @@ class SequenceKV:
             raise RuntimeError("sequence KV used after free")
         needed = self.blocks_needed(num_slots)
         if needed:
-            last = self.block_table[-1] if self.block_table else None
-            self.block_table.extend(self.allocator.allocate(needed, after=last))
+            self.block_table.extend(self.allocator.allocate(needed))
 
     def slot(self, index: int) -> int:
         block_size = self.allocator.block_size
