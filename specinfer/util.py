@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 CACHE_DIR_ENV = "SPECINFER_CACHE_DIR"
+# The environment of a child Python started with `-m` (the stack's services, the background draft
+# build): started from a source checkout, it would import the checkout's `specinfer` before the
+# installed one, since the current directory comes first on its path, and a checkout installed with
+# `pip install .` holds no compiled CPU kernel. PYTHONSAFEPATH (Python 3.11 on) keeps the current
+# directory off the path; an editable install and PYTHONPATH still resolve as they do.
+CHILD_PYTHON_ENV = {"PYTHONSAFEPATH": "1"}
 
 
 def default_cache_dir(flag: str | Path | None = None, env: Mapping[str, str] | None = None) -> Path:

@@ -567,3 +567,22 @@ def test_standby_ports_follow_every_other_port_and_the_gateway_watches_them(monk
     spawned.clear()
     Stack(replace(cfg, has_standby_ports=False)).start()
     assert dict((name, env) for name, _, env in spawned)["gateway"]["SPECINFER_VERIFIER_ADDR"].count(",") == 1
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="PYTHONSAFEPATH is Python 3.11's")
+def test_child_pythons_import_the_installed_package_not_the_one_in_their_directory(tmp_path):
+    """The stack's services and the background draft build start with `python -m` in the user's
+    directory; from a source checkout installed with `pip install .`, that directory's `specinfer`
+    (without the compiled CPU kernel) must not shadow the installed one."""
+    from specinfer.util import CHILD_PYTHON_ENV
+
+    decoy = tmp_path / "specinfer"
+    decoy.mkdir()
+    (decoy / "__init__.py").write_text("raise ImportError('the directory copy was imported')\n")
+    cmd = [sys.executable, "-c", "import specinfer"]
+    shadowed = subprocess.run(cmd, cwd=tmp_path, env={**os.environ}, capture_output=True, text=True)
+    assert shadowed.returncode != 0 and "the directory copy" in shadowed.stderr  # what happens without it
+    safe = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, **CHILD_PYTHON_ENV}, capture_output=True, text=True)
+    assert safe.returncode == 0, safe.stderr
+    stack = Stack(StackConfig(llm=tmp_path, ssms=()))
+    assert all(stack._common_env().get(k) == v for k, v in CHILD_PYTHON_ENV.items())

