@@ -479,18 +479,15 @@ def test_q8_0_rounds_each_block_to_its_own_scale():
     assert torch.equal(zero.values(), torch.zeros(2, 32))
 
 
-def test_q8_0_is_a_candidate_where_the_kernel_runs():
+def test_q8_0_is_a_candidate_where_the_kernel_runs(tmp_path):
     assert (Q8_DTYPE in dc.candidates("cpu")) == cpu_gemm.available()
     with pytest.raises(UserError, match="runs on the CPU only"):
-        ModelRunner.from_weights(*_tiny_weights(), dtype=Q8_DTYPE, device="cuda")
+        ModelRunner.from_weights(*_tiny_weights(tmp_path / "m"), dtype=Q8_DTYPE, device="cuda")
 
 
-def _tiny_weights():
-    import tempfile
-
+def _tiny_weights(path: Path):
     from util import save_tiny_llama
 
-    path = Path(tempfile.mkdtemp()) / "m"
     save_tiny_llama(path, hidden=64, layers=1)
     cfg = ModelConfig.from_dir(path)
     return cfg, engine_weights(cfg, load_state_dict(path))

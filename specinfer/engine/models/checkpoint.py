@@ -20,6 +20,7 @@ from specinfer.engine.models.config import ModelConfig, family_of
 from specinfer.engine.models.gguf import GGUFTensors
 from specinfer.engine.models.hf import decoder_weights
 from specinfer.errors import UserError
+from specinfer.limits import MODEL_DTYPES, Q8_DTYPE
 from specinfer.model_source import ModelSource, resolve
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,6 +34,17 @@ def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unsupported dtype {name!r}: choose one of {', '.join(DTYPES)}")
     return DTYPES[name]
+
+
+def compute_dtype(dtype: str, device) -> tuple[torch.dtype, bool]:
+    """(the dtype a model computes in, whether its matrices are 8-bit block codes) for a dtype name:
+    `limits.Q8_DTYPE` computes in float32 over codes, on the CPU only."""
+    if dtype == Q8_DTYPE:
+        if torch.device(device).type != "cpu":
+            raise UserError(f"dtype {Q8_DTYPE} runs on the CPU only: choose one of {', '.join(MODEL_DTYPES)} "
+                            f"on {device}")
+        return torch.float32, True
+    return parse_dtype(dtype), False
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

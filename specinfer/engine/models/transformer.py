@@ -146,8 +146,9 @@ class DecoderModel:
         if cfg.head_token_ids:
             self.head_ids = torch.tensor(cfg.head_token_ids, dtype=torch.long, device=self.device)
             self.w["lm_head"] = self.w["lm_head"].index_select(0, self.head_ids).contiguous()
-        self.is_q8_0 = is_q8_0 and is_packed and can_pack(self.device, dtype) and cpu_gemm.available()
-        if is_packed and can_pack(self.device, dtype):  # a tied LM head gets a packed copy; lookups read `embed`
+        is_packing = is_packed and can_pack(self.device, dtype)
+        self.is_q8_0 = is_q8_0 and is_packing and cpu_gemm.available()
+        if is_packing:  # a tied LM head gets a packed copy; lookups read `embed`
             self.w.update({name: pack(_q8_0(t) if self.is_q8_0 else t) for name, t in self.w.items()
                            if name.endswith(MATRICES)})
         for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` alone: not kept with `embed`

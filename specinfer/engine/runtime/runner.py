@@ -21,9 +21,8 @@ from specinfer.engine.scheduling.blocks import BlockAllocator, BlockHash, Sequen
 from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
-from specinfer.limits import (DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS, MODEL_DTYPES,
-                              Q8_DTYPE)
-from specinfer.engine.models.checkpoint import engine_weights, load_state_dict, parse_dtype
+from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS
+from specinfer.engine.models.checkpoint import compute_dtype, engine_weights, load_state_dict
 from specinfer.engine.models.transformer import DecoderModel, ForwardBatch, KVCache, SeqAttention, windowed
 from specinfer.engine.drafting.tree import is_chain, visibility, window_starts
 from specinfer.engine.runtime.backend import apply_exec, resolve_exec
@@ -57,17 +56,6 @@ def chain_work(seq: SequenceKV, token_ids: list[int], logits: str = "last") -> W
     start = seq.num_committed
     n = len(token_ids)
     return Work(seq, list(token_ids), list(range(start, start + n)), list(range(-1, n - 1)), logits)
-
-
-def compute_dtype(dtype: str, device) -> tuple[torch.dtype, bool]:
-    """(the dtype a model computes in, whether its matrices are 8-bit block codes) for a dtype name:
-    `limits.Q8_DTYPE` computes in float32 over codes, on the CPU only."""
-    if dtype == Q8_DTYPE:
-        if torch.device(device).type != "cpu":
-            raise UserError(f"dtype {Q8_DTYPE} runs on the CPU only: choose one of {', '.join(MODEL_DTYPES)} "
-                            f"on {device}")
-        return torch.float32, True
-    return parse_dtype(dtype), False
 
 
 class ModelRunner:
