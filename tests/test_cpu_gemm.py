@@ -185,28 +185,77 @@ def random_codes(n: int, k: int, block: int, seed: int, is_signed: bool = False)
     return cpu_gemm.BlockCodes(codes, scales, offsets, block)
 
 
+def raw_gemm_codes(coded: cpu_gemm.CodePanels, x: torch.Tensor, n: int, isa: int, threads: int) -> torch.Tensor:
+    lib, _ = cpu_gemm._library()
+    out = torch.full((x.shape[0], n), float("nan"))
+    gemm = lib.specinfer_gemm_nibbles if coded.is_nibbles else lib.specinfer_gemm_codes
+    gemm(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(), coded.block, x.data_ptr(),
+         out.data_ptr(), x.shape[0], n, x.shape[1], isa, threads)
+    return out
+
+
 @needs_kernel
 @pytest.mark.parametrize("block,is_signed", [(32, False), (32, True), (16, True)])
 @pytest.mark.parametrize("n,k", [(64, 64), (40, 96), (257, 32), (3, 96)])
-def test_code_panels_multiply_bitwise_as_the_float32_weight_they_define(n, k, block, is_signed):
+@pytest.mark.parametrize("is_nibbles", [True, False])
+def test_code_panels_multiply_bitwise_as_the_float32_weight_they_define(n, k, block, is_signed, is_nibbles):
     """The kernel rebuilds each element with the fma that defines it: for every batch size, thread
-    split and instruction set, bit for bit the float32 panels of the codes' values."""
+    split and instruction set, bit for bit the float32 panels of the codes' values, whether 4-bit
+    codes are kept two to a byte or one."""
     if k % block:
         pytest.skip("k is not a whole number of blocks")
     codes = random_codes(n, k, block, seed=n + k + block, is_signed=is_signed)
     w = codes.values()
     assert w is not None
-    coded, wide = cpu_gemm.pack_codes(codes), cpu_gemm.pack(w)
-    lib, best = cpu_gemm._library()
+    coded, wide = cpu_gemm.pack_codes(codes, is_nibbles=is_nibbles), cpu_gemm.pack(w)
+    assert coded.is_nibbles == (is_nibbles and not is_signed)  # 256 signed values do not fit in 4 bits
+    _, best = cpu_gemm._library()
     x = torch.randn(17, k)
     for isa in sorted({1, best}):
         for m in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
             for threads in (1, 2):
                 rows = x[:m].contiguous()
-                got = torch.full((m, n), float("nan"))
-                lib.specinfer_gemm_codes(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
-                                         block, rows.data_ptr(), got.data_ptr(), m, n, k, isa, threads)
-                assert torch.equal(got, raw_gemm(wide, rows, n, isa, threads)), (isa, m, threads)
+                assert torch.equal(raw_gemm_codes(coded, rows, n, isa, threads),
+                                   raw_gemm(wide, rows, n, isa, threads)), (isa, m, threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("low,has_offsets", [(-8, False), (0, True), (5, True), (-128, False), (112, False)])
+def test_codes_spanning_16_values_are_kept_in_4_bits_wherever_they_start(low, has_offsets):
+    """Q4_0's codes run -8 .. 7 (no offsets), Q4_1's and the 4-bit K-quants' 0 .. 15: any 16
+    consecutive int8 values pack into half the bytes, their lowest folded into the offsets, and
+    multiply bitwise as the float32 weight they define."""
+    n, k, block = 40, 96, 32
+    gen = torch.Generator().manual_seed(low + 200)
+    scales = (torch.rand(n, k // block, generator=gen) * 0.02).half().float()
+    offsets = (torch.randn(n, k // block, generator=gen) * 0.1).half().float() if has_offsets else torch.zeros_like(scales)
+    codes = cpu_gemm.BlockCodes(torch.randint(low, low + 16, (n, k), generator=gen).to(torch.int8), scales, offsets,
+                                block)
+    nibbles, whole = cpu_gemm.pack_codes(codes), cpu_gemm.pack_codes(codes, is_nibbles=False)
+    assert nibbles.is_nibbles and not whole.is_nibbles
+    assert nibbles.codes.numel() * nibbles.codes.element_size() * 2 == whole.codes.numel()
+    x = torch.randn(9, k)
+    assert torch.equal(cpu_gemm.gemm_codes(x, nibbles, n), cpu_gemm.gemm_codes(x, whole, n))
+    assert torch.equal(cpu_gemm.gemm_codes(x, nibbles, n), cpu_gemm.gemm(x, cpu_gemm.pack(codes.values()), n))
+    wider = codes.codes.clone()
+    wider[3, 5] = low + 16 if low < 112 else low - 1  # 17 values: one byte a code again
+    assert not cpu_gemm.pack_codes(cpu_gemm.BlockCodes(wider, scales, offsets, block)).is_nibbles
+
+
+@needs_kernel
+def test_4_bit_codes_stay_bytes_where_their_lowest_would_not_fold_exactly():
+    """Folding the lowest code into an offset, scale * lowest + offset, must be exact for the 4-bit
+    layout to rebuild the same elements: with offsets of float32's full precision that sum rounds
+    (and folding it anyway changes the products), so the codes stay one a byte."""
+    gen = torch.Generator().manual_seed(4)
+    codes = cpu_gemm.BlockCodes(torch.randint(5, 21, (16, 32), generator=gen).to(torch.int8),
+                                (torch.rand(16, 1, generator=gen) * 0.02).half().float(),
+                                torch.randn(16, 1, generator=gen) * 0.1, 32)
+    assert codes.values() is not None  # the elements themselves are well defined
+    assert not cpu_gemm.pack_codes(codes).is_nibbles
+    x = torch.randn(3, 32)
+    assert torch.equal(cpu_gemm.gemm_codes(x, cpu_gemm.pack_codes(codes), 16),
+                       cpu_gemm.gemm(x, cpu_gemm.pack(codes.values()), 16))
 
 
 def test_codes_values_round_once_as_float32_fma_does():
@@ -248,7 +297,7 @@ def test_a_weight_is_packed_as_its_codes_only_where_they_define_it_exactly():
     x = torch.randn(3, 64)
     assert torch.equal(linear(x, packed), linear(x, Panels(cpu_gemm.pack(w), 40)))
     wide = Panels(cpu_gemm.pack(w), 40)
-    assert packed.numel() * packed.element_size() < wide.numel() * wide.element_size() / 3  # a third of the bytes
+    assert packed.numel() * packed.element_size() < wide.numel() * wide.element_size() / 5  # 4-bit codes two a byte
     changed = w.clone()
     changed[7, 9] += 1e-3  # one element no longer what the codes say: the codes are not used
     changed.block_codes = codes

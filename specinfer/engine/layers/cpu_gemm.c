@@ -13,8 +13,9 @@
  *
  * A weight dequantized from blocks of integer codes (a GGUF's Q4_0 ... Q8_0 and K-quants: every element
  * w[i][j] = fma(scale, code, offset) with one scale and offset per row and block of inputs) is
- * kept as those codes, one byte each, and rebuilt in registers by that very fma: the same float32
- * elements, so the same products, from a quarter of the bytes and a few more instructions.
+ * kept as those codes, one byte each (two to a byte where they span 16 values at most, as 4-bit
+ * formats' do), and rebuilt in registers by that very fma: the same float32 elements, so the same products,
+ * from a quarter (an eighth) of the bytes and a few more instructions.
  *
  * Every output element is one chain of fused multiply-adds over j = 0 .. k - 1 in order, whatever
  * the number of rows, the tile it falls in, the thread that computes it, or the instruction set
@@ -39,6 +40,7 @@
 #define FMT_BF16 1
 #define FMT_F16 2
 #define FMT_CODES 3 /* int8 codes with per-block scales and offsets (specinfer_gemm_codes) */
+#define FMT_NIBBLES 4 /* 4-bit codes, eight to a 32-bit lane (specinfer_gemm_nibbles) */
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -186,6 +188,111 @@ TILEQ512(1, 4) TILEQ512(1, 1) TILEQ512(2, 4) TILEQ512(2, 1) TILEQ512(3, 4) TILEQ
 TILEQ512(4, 1) TILEQ512(5, 3) TILEQ512(5, 1) TILEQ512(6, 3) TILEQ512(6, 1) TILEQ512(7, 2) TILEQ512(7, 1)
 TILEQ512(8, 2) TILEQ512(8, 1)
 
+/* ---- 4-bit codes: a weight whose codes all lie in [bias, bias + 15] is kept as code - bias, eight
+ * inputs of an output feature in one 32-bit lane: a panel's line of 16 lanes holds inputs j .. j + 7
+ * (j a multiple of 8), input j + t in bits 4t .. 4t + 3. The bias goes into the offsets
+ * (pack_codes checks that scale * bias + offset is exact, so fma(scale, code - bias, offset')
+ * rounds the very value fma(scale, code, offset) does): the same elements, so the same products,
+ * from half the codes' bytes, unpacked by a shift and a mask in each lane ---- */
+
+/* Lines of 64 bytes, 16 KB ahead: a line serves eight inputs, so its arithmetic takes long enough
+ * that nearer requests (2 KB, as for the byte codes) left a core waiting on memory, 15-20% of a
+ * one-row pass. */
+#define AHEAD_NIBBLES (8 * AHEAD)
+
+/* Input j0 + t's 16 weights from a line of lanes: its four bits, then the fma that defines them. */
+#define NIBBLE512(v, t, sv, ov)                                                                                \
+    _mm512_fmadd_ps(sv, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4 * (t)), _mm512_set1_epi32(15))), ov)
+
+#define TILEN512(R, P)                                                                                       \
+    __attribute__((target("avx512f"))) static void tilen512_##R##x##P(                                      \
+        const uint32_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n, \
+        int64_t k, int64_t p0) {                                                                             \
+        const int64_t nb = k / block, eighth = k / 8;                                                        \
+        __m512 acc[R][P];                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
+        const uint32_t *c = C + p0 * eighth * PANEL;                                                         \
+        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                                   \
+            __m512 sv[P], ov[P];                                                                             \
+            for (int q = 0; q < P; q++) {                                                                    \
+                sv[q] = _mm512_loadu_ps(s + (q * nb + b) * PANEL);                                           \
+                ov[q] = _mm512_loadu_ps(o + (q * nb + b) * PANEL);                                           \
+            }                                                                                                \
+            for (int64_t j = b * block; j < (b + 1) * block; j += 8) {                                       \
+                __m512i v[P];                                                                                \
+                for (int q = 0; q < P; q++) {                                                                \
+                    const uint32_t *line = c + (q * eighth + j / 8) * PANEL;                                 \
+                    v[q] = _mm512_loadu_si512((const void *)line);                                           \
+                    _mm_prefetch((const char *)(line + AHEAD_NIBBLES * PANEL), _MM_HINT_T0);                 \
+                }                                                                                            \
+                for (int t = 0; t < 8; t++) {                                                                \
+                    __m512 wv[P];                                                                            \
+                    for (int q = 0; q < P; q++) wv[q] = NIBBLE512(v[q], t, sv[q], ov[q]);                    \
+                    for (int r = 0; r < R; r++) {                                                            \
+                        const __m512 xv = _mm512_set1_ps(x[r * k + j + t]);                                  \
+                        for (int q = 0; q < P; q++) acc[r][q] = _mm512_fmadd_ps(wv[q], xv, acc[r][q]);       \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++)                                                                          \
+            for (int q = 0; q < P; q++) {                                                                    \
+                const int64_t out = (p0 + q) * PANEL;                                                        \
+                if (out + PANEL <= n)                                                                        \
+                    _mm512_storeu_ps(y + r * n + out, acc[r][q]);                                            \
+                else                                                                                         \
+                    _mm512_mask_storeu_ps(y + r * n + out, (__mmask16)((1u << (n - out)) - 1u), acc[r][q]);   \
+            }                                                                                                \
+    }
+
+TILEN512(1, 4) TILEN512(1, 1) TILEN512(2, 4) TILEN512(2, 1) TILEN512(3, 4) TILEN512(3, 1) TILEN512(4, 3)
+TILEN512(4, 1) TILEN512(5, 3) TILEN512(5, 1) TILEN512(6, 3) TILEN512(6, 1) TILEN512(7, 2) TILEN512(7, 1)
+TILEN512(8, 2) TILEN512(8, 1)
+
+/* AVX2: a line's 16 lanes in two halves of 8. */
+#define NIBBLE256(v, t, sv, ov)                                                                                \
+    _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * (t)), _mm256_set1_epi32(15))), ov)
+
+#define TILEN256(R)                                                                                          \
+    __attribute__((target("avx2,fma"))) static void tilen256_##R##x1(                                       \
+        const uint32_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n, \
+        int64_t k, int64_t p0) {                                                                             \
+        const int64_t nb = k / block, eighth = k / 8;                                                        \
+        __m256 acc[R][2];                                                                                    \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
+        const uint32_t *c = C + p0 * eighth * PANEL;                                                         \
+        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        for (int64_t b = 0; b < nb; b++) {                                                                   \
+            const __m256 s0 = _mm256_loadu_ps(s + b * PANEL), s1 = _mm256_loadu_ps(s + b * PANEL + 8);       \
+            const __m256 o0 = _mm256_loadu_ps(o + b * PANEL), o1 = _mm256_loadu_ps(o + b * PANEL + 8);       \
+            for (int64_t j = b * block; j < (b + 1) * block; j += 8) {                                       \
+                const uint32_t *line = c + (j / 8) * PANEL;                                                  \
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)line);                                \
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(line + 8));                          \
+                _mm_prefetch((const char *)(line + AHEAD_NIBBLES * PANEL), _MM_HINT_T0);                     \
+                for (int t = 0; t < 8; t++) {                                                                \
+                    const __m256 w0 = NIBBLE256(v0, t, s0, o0), w1 = NIBBLE256(v1, t, s1, o1);               \
+                    for (int r = 0; r < R; r++) {                                                            \
+                        const __m256 xv = _mm256_set1_ps(x[r * k + j + t]);                                  \
+                        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);                                      \
+                        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);                                      \
+                    }                                                                                        \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) {                                                                        \
+            const int64_t out = p0 * PANEL;                                                                  \
+            float buf[PANEL];                                                                                \
+            _mm256_storeu_ps(buf, acc[r][0]);                                                                \
+            _mm256_storeu_ps(buf + 8, acc[r][1]);                                                            \
+            memcpy(y + r * n + out, buf, sizeof(float) * (size_t)(out + PANEL <= n ? PANEL : n - out));       \
+        }                                                                                                    \
+    }
+
+TILEN256(1) TILEN256(2) TILEN256(3)
+
 /* AVX2: a panel's line of 16 codes in two halves of 8. */
 #define TILEQ256(R)                                                                                          \
     __attribute__((target("avx2,fma"))) static void tileq256_##R##x1(                                       \
@@ -233,11 +340,12 @@ int specinfer_gemm_isa(void) {
 }
 
 /* A weight as the kernel reads it: dense panels of fmt FMT_F32, FMT_BF16 or FMT_F16 at w, or
- * (FMT_CODES) int8 code panels with a line of scales and one of offsets per block of inputs. */
+ * (FMT_CODES) int8 code panels with a line of scales and one of offsets per block of inputs, or
+ * (FMT_NIBBLES) 4-bit codes, eight to a lane, with their bias in the offsets. */
 typedef struct {
     const void *w;
     int fmt;
-    const int8_t *codes;
+    const void *codes;
     const float *scales, *offsets;
     int64_t block;
 } Weights;
@@ -268,9 +376,35 @@ typedef struct {
             tileq##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);       \
     } while (0)
 
+#define SWEEPN(ISA, R, P)                                                                                              \
+    do {                                                                                                               \
+        int64_t p = p0;                                                                                                \
+        for (; p + P <= p1; p += P)                                                                                    \
+            tilen##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p); \
+        for (; p < p1; p++)                                                                                            \
+            tilen##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);   \
+    } while (0)
+
 static void sweep(const Weights *W, const float *x, float *y, int64_t r, int64_t rows, int64_t n, int64_t k,
                   int64_t p0, int64_t p1, int isa) {
-    if (W->fmt == FMT_CODES && isa == 2) { /* a code tile also holds its panels' scales and offsets */
+    if (W->fmt == FMT_NIBBLES && isa == 2) { /* as the byte codes' tiles, with a second line of weights */
+        switch (rows) {
+            case 1: SWEEPN(512, 1, 4); break;
+            case 2: SWEEPN(512, 2, 4); break;
+            case 3: SWEEPN(512, 3, 4); break;
+            case 4: SWEEPN(512, 4, 3); break;
+            case 5: SWEEPN(512, 5, 3); break;
+            case 6: SWEEPN(512, 6, 3); break;
+            case 7: SWEEPN(512, 7, 2); break;
+            default: SWEEPN(512, 8, 2); break;
+        }
+    } else if (W->fmt == FMT_NIBBLES) {
+        switch (rows) {
+            case 1: SWEEPN(256, 1, 1); break;
+            case 2: SWEEPN(256, 2, 1); break;
+            default: SWEEPN(256, 3, 1); break;
+        }
+    } else if (W->fmt == FMT_CODES && isa == 2) { /* a code tile also holds its panels' scales and offsets */
         switch (rows) {
             case 1: SWEEPQ(512, 1, 4); break;
             case 2: SWEEPQ(512, 2, 4); break;
@@ -334,8 +468,9 @@ static void gemm(const Weights *W, const float *x, float *y, int64_t m, int64_t 
     /* Each thread takes an equal share of the panels (a few panels more or less would leave one
      * thread streaming alone at the end), in chunks of whole tiles but for a share's last, so that
      * every group of rows reads a chunk's panels while they are in the cache: for dense panels 6
-     * where every group has 7-8 rows (tiles of 3 panels), else 8; for codes 12 (tiles of 4, 3, 2). */
-    const int64_t chunk = W->fmt == FMT_CODES ? 12 : isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
+     * where every group has 7-8 rows (tiles of 3 panels), else 8; for codes of either width 12
+     * (tiles of 4, 3, 2). */
+    const int64_t chunk = W->fmt == FMT_CODES || W->fmt == FMT_NIBBLES ? 12 : isa == 2 && m / row_groups(m, isa) >= 7 ? 6 : 8;
     const int64_t threads = num_threads > 1 ? num_threads : 1;
     const int64_t share = (num_panels + threads - 1) / threads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_threads > 1)
@@ -359,6 +494,15 @@ void specinfer_gemm(const void *Wp, int fmt, const float *x, float *y, int64_t m
 void specinfer_gemm_codes(const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y,
                           int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
     const Weights W = {NULL, FMT_CODES, C, S, O, block};
+    gemm(&W, x, y, m, n, k, isa, num_threads);
+}
+
+/* The same for 4-bit codes laid out by cpu_gemm.pack_codes: lane i of line j / 8 of panel p holds
+ * the codes (less their bias, which the offsets hold) of output 16p + i at inputs j .. j + 7, input
+ * j + t in bits 4t .. 4t + 3; k and block multiples of 8. */
+void specinfer_gemm_nibbles(const uint32_t *C, const float *S, const float *O, int64_t block, const float *x,
+                            float *y, int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
+    const Weights W = {NULL, FMT_NIBBLES, C, S, O, block};
     gemm(&W, x, y, m, n, k, isa, num_threads);
 }
 

@@ -4,8 +4,9 @@ A float32 weight whose elements are all exactly bfloat16 (or float16) values, as
 stored in that type gives, is packed in it: the kernel widens each element back to the same
 float32 in registers, so the products are bitwise the float32 panels' from half the memory.
 A weight dequantized from integer block codes (`BlockCodes`: a GGUF's quantized tensors) is packed
-as its codes, one byte an element, with its scales and offsets; the kernel rebuilds every element
-with the fused multiply-add that defines it, so again the products are the float32 panels'.
+as its codes, one byte an element (four bits where they span 16 values, as 4-bit formats' do),
+with its scales and offsets; the kernel rebuilds every element with the fused multiply-add that
+defines it, so again the products are the float32 panels'.
 
 The library is built with the package (setup.py) where a C compiler is found; without it, or on
 a CPU with neither AVX-512 nor AVX2 and FMA, `available()` is False and the decoder keeps torch's
@@ -23,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output features a panel holds
-REVISION = 4  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
-# 4 keeps exactly-16-bit weights in 16 bits and block codes as codes
+REVISION = 5  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
+# 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a panel's dtype -> cpu_gemm.c's FMT_*
 
 
@@ -46,6 +47,8 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
     lib.specinfer_gemm_codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                          ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                          ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.specinfer_gemm_nibbles.restype = None
+    lib.specinfer_gemm_nibbles.argtypes = lib.specinfer_gemm_codes.argtypes
     return lib, isa
 
 
@@ -129,12 +132,16 @@ class BlockCodes:
 @dataclass(frozen=True)
 class CodePanels:
     """`BlockCodes` laid out for `gemm_codes`: codes (ceil(n / 16), k, 16) int8, scales and offsets
-    (ceil(n / 16), k // block, 16) float32, zero past n."""
+    (ceil(n / 16), k // block, 16) float32, zero past n. With `is_nibbles`, 4-bit codes eight to a
+    32-bit lane: codes (ceil(n / 16), k // 8, 16) int32, lane i of line l holding the codes of
+    output feature i at inputs 8l .. 8l + 7 less their lowest, input 8l + t in bits 4t .. 4t + 3;
+    the offsets then hold scale * lowest + offset (which `pack_codes` makes sure is exact)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     block: int
+    is_nibbles: bool = False
 
     def numel(self) -> int:
         return self.codes.numel() + self.scales.numel() + self.offsets.numel()
@@ -143,10 +150,25 @@ class CodePanels:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
 
 
-def pack_codes(codes: BlockCodes) -> CodePanels:
-    """`codes` laid out in panels of 16 output features, as `pack` lays out a float32 weight."""
-    return CodePanels(*(_panels(t).contiguous() for t in (codes.codes.to(torch.int8), codes.scales.float(),
-                                                           codes.offsets.float())), codes.block)
+def pack_codes(codes: BlockCodes, is_nibbles: bool = True) -> CodePanels:
+    """`codes` laid out in panels of 16 output features, as `pack` lays out a float32 weight; as
+    4-bit codes where they span 16 values at most (`is_nibbles`; a 4-bit format's always do), the
+    inputs and blocks come in eights and the lowest code folds exactly into the offsets."""
+    scales, values = codes.scales.float(), codes.codes.to(torch.int8)
+    low, high = (int(v) for v in values.aminmax()) if values.numel() else (0, 0)
+    offsets = codes.offsets.float()
+    folded = (scales.double() * low + offsets.double()).float()  # fma(s, c - low, s * low + o) = fma(s, c, o)
+    if (is_nibbles and high - low <= 15 and values.shape[1] % 8 == 0 and codes.block % 8 == 0
+            and torch.equal(folded.double(), scales.double() * low + offsets.double())):
+        nibbles = _panels((values.to(torch.int16) - low).to(torch.int64))  # (P, k, 16), each below 16
+        num_panels, k = nibbles.shape[:2]
+        eights = nibbles.reshape(num_panels, k // 8, 8, PANEL)
+        lanes = sum(eights[:, :, t] << (4 * t) for t in range(8))  # (P, k // 8, 16), below 2 ** 32
+        lanes = torch.where(lanes >= 2 ** 31, lanes - 2 ** 32, lanes).to(torch.int32)  # the same 32 bits
+        return CodePanels(lanes.contiguous(), _panels(scales).contiguous(), _panels(folded).contiguous(),
+                          codes.block, is_nibbles=True)
+    return CodePanels(_panels(values).contiguous(), _panels(scales).contiguous(), _panels(offsets).contiguous(),
+                      codes.block)
 
 
 def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
@@ -154,9 +176,9 @@ def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
     lib, isa = _library()
     rows = _rows(x)
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
-    lib.specinfer_gemm_codes(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(),
-                             panels.block, rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1], isa,
-                             torch.get_num_threads())
+    gemm_fn = lib.specinfer_gemm_nibbles if panels.is_nibbles else lib.specinfer_gemm_codes
+    gemm_fn(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(), panels.block,
+            rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1], isa, torch.get_num_threads())
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 

@@ -16,7 +16,7 @@ checkpoint gave, every element exactly a 16-bit value, stays in 16 bits there an
 registers: the same float32 products from half the bytes a pass streams. A weight dequantized
 from a GGUF's integer block codes (it carries them as `block_codes`, `cpu_gemm.BlockCodes`) stays
 as those codes, rebuilt in registers by the fused multiply-add that defines each element: the same
-float32 products again, from about a third of float32's bytes.
+float32 products again, from a fifth (4-bit codes, two to a byte) to a third of float32's bytes.
 """
 
 from __future__ import annotations
