@@ -189,8 +189,9 @@ def raw_gemm_codes(coded: cpu_gemm.CodePanels, x: torch.Tensor, n: int, isa: int
     lib, _ = cpu_gemm._library()
     out = torch.full((x.shape[0], n), float("nan"))
     gemm = lib.specinfer_gemm_nibbles if coded.is_nibbles else lib.specinfer_gemm_codes
-    gemm(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(), coded.block, x.data_ptr(),
-         out.data_ptr(), x.shape[0], n, x.shape[1], isa, threads)
+    gemm(coded.codes.data_ptr(), coded.scales.data_ptr(), None if coded.offsets is None else coded.offsets.data_ptr(),
+         coded.block, int(coded.scales.dtype == torch.float16), x.data_ptr(), out.data_ptr(), x.shape[0], n,
+         x.shape[1], isa, threads)
     return out
 
 
@@ -256,6 +257,46 @@ def test_4_bit_codes_stay_bytes_where_their_lowest_would_not_fold_exactly():
     x = torch.randn(3, 32)
     assert torch.equal(cpu_gemm.gemm_codes(x, cpu_gemm.pack_codes(codes), 16),
                        cpu_gemm.gemm(x, cpu_gemm.pack(codes.values()), 16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("scales_kind", ["float16", "float32", "no offsets"])
+@pytest.mark.parametrize("is_nibbles", [True, False])
+def test_scales_are_kept_in_float16_and_zero_offsets_left_out_only_where_exact(scales_kind, is_nibbles):
+    """Scales and offsets that are float16 values (a GGUF's Q4_0, Q4_1 and Q8_0 give such) are kept
+    in float16, widened exactly in registers; finer ones stay float32; offsets that are all +0 are
+    not stored. Each way, for either code width and instruction set, the products are bitwise the
+    float32 weight's."""
+    n, k, block = 40, 64, 32
+    gen = torch.Generator().manual_seed(11)
+    codes = torch.randint(0, 16, (n, k), generator=gen).to(torch.int8)
+    scales = (torch.rand(n, k // block, generator=gen) * 0.02).half().float()
+    offsets = (torch.randn(n, k // block, generator=gen) * 0.1).half().float()
+    if scales_kind == "float32":  # 18 significant bits: products of 4-bit codes still exact
+        scales = torch.randint(2 ** 17, 2 ** 18, scales.shape, generator=gen).float() * 2.0 ** -25
+    elif scales_kind == "no offsets":
+        offsets = torch.zeros_like(offsets)
+    block_codes = cpu_gemm.BlockCodes(codes, scales, offsets, block)
+    packed = cpu_gemm.pack_codes(block_codes, is_nibbles=is_nibbles)
+    assert packed.is_nibbles == is_nibbles
+    assert packed.scales.dtype == (torch.float32 if scales_kind == "float32" else torch.float16)
+    assert (packed.offsets is None) == (scales_kind == "no offsets")
+    wide = cpu_gemm.pack(block_codes.values())
+    _, best = cpu_gemm._library()
+    x = torch.randn(9, k)
+    for isa in sorted({1, best}):
+        for m in (1, 2, 3, 8, 9):
+            rows = x[:m].contiguous()
+            assert torch.equal(raw_gemm_codes(packed, rows, n, isa, 2), raw_gemm(wide, rows, n, isa, 2)), (isa, m)
+
+
+def test_negative_zero_offsets_are_kept():
+    """fma(s, c, -0) and fma(s, c, +0) differ in the sign of a zero product: offsets of -0 stay."""
+    offsets = torch.zeros(16, 1)
+    offsets[3, 0] = -0.0
+    packed = cpu_gemm.pack_codes(cpu_gemm.BlockCodes(torch.ones(16, 32, dtype=torch.int8), torch.ones(16, 1), offsets,
+                                                     32))
+    assert packed.offsets is not None
 
 
 def test_codes_values_round_once_as_float32_fma_does():

@@ -145,21 +145,34 @@ TILES256(F16)
 
 #define AHEAD_CODES (4 * AHEAD) /* lines of 16 bytes: a quarter of a cache line */
 
+/* A line of 16 (8) scales or offsets from element i: float32, or (half) float16 widened exactly;
+ * a weight without offsets (NULL) has zeros. */
+__attribute__((target("avx512f"))) static inline __m512 load_so512(const void *p, int half, int64_t i) {
+    if (!p) return _mm512_setzero_ps();
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load_so256(const void *p, int half, int64_t i) {
+    if (!p) return _mm256_setzero_ps();
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
 #define TILEQ512(R, P)                                                                                       \
     __attribute__((target("avx512f"))) static void tileq512_##R##x##P(                                      \
-        const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n,  \
+        const int8_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y, int64_t n,  \
         int64_t k, int64_t p0) {                                                                             \
         const int64_t nb = k / block;                                                                        \
         __m512 acc[R][P];                                                                                    \
         for (int r = 0; r < R; r++)                                                                          \
             for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
         const int8_t *c = C + p0 * k * PANEL;                                                                \
-        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
             __m512 sv[P], ov[P];                                                                             \
             for (int q = 0; q < P; q++) {                                                                    \
-                sv[q] = _mm512_loadu_ps(s + (q * nb + b) * PANEL);                                           \
-                ov[q] = _mm512_loadu_ps(o + (q * nb + b) * PANEL);                                           \
+                sv[q] = load_so512(S, half, so + (q * nb + b) * PANEL);                                       \
+                ov[q] = load_so512(O, half, so + (q * nb + b) * PANEL);                                       \
             }                                                                                                \
             for (int64_t j = b * block; j < (b + 1) * block; j++) {                                          \
                 __m512 wv[P];                                                                                \
@@ -206,19 +219,19 @@ TILEQ512(8, 2) TILEQ512(8, 1)
 
 #define TILEN512(R, P)                                                                                       \
     __attribute__((target("avx512f"))) static void tilen512_##R##x##P(                                      \
-        const uint32_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n, \
+        const uint32_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y, int64_t n, \
         int64_t k, int64_t p0) {                                                                             \
         const int64_t nb = k / block, eighth = k / 8;                                                        \
         __m512 acc[R][P];                                                                                    \
         for (int r = 0; r < R; r++)                                                                          \
             for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
         const uint32_t *c = C + p0 * eighth * PANEL;                                                         \
-        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
             __m512 sv[P], ov[P];                                                                             \
             for (int q = 0; q < P; q++) {                                                                    \
-                sv[q] = _mm512_loadu_ps(s + (q * nb + b) * PANEL);                                           \
-                ov[q] = _mm512_loadu_ps(o + (q * nb + b) * PANEL);                                           \
+                sv[q] = load_so512(S, half, so + (q * nb + b) * PANEL);                                       \
+                ov[q] = load_so512(O, half, so + (q * nb + b) * PANEL);                                       \
             }                                                                                                \
             for (int64_t j = b * block; j < (b + 1) * block; j += 8) {                                       \
                 __m512i v[P];                                                                                \
@@ -256,17 +269,17 @@ TILEN512(8, 2) TILEN512(8, 1)
     _mm256_fmadd_ps(sv, _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * (t)), _mm256_set1_epi32(15))), ov)
 
 #define TILEN256(R)                                                                                          \
-    __attribute__((target("avx2,fma"))) static void tilen256_##R##x1(                                       \
-        const uint32_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n, \
+    __attribute__((target("avx2,fma,f16c"))) static void tilen256_##R##x1(                                       \
+        const uint32_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y, int64_t n, \
         int64_t k, int64_t p0) {                                                                             \
         const int64_t nb = k / block, eighth = k / 8;                                                        \
         __m256 acc[R][2];                                                                                    \
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
         const uint32_t *c = C + p0 * eighth * PANEL;                                                         \
-        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
-            const __m256 s0 = _mm256_loadu_ps(s + b * PANEL), s1 = _mm256_loadu_ps(s + b * PANEL + 8);       \
-            const __m256 o0 = _mm256_loadu_ps(o + b * PANEL), o1 = _mm256_loadu_ps(o + b * PANEL + 8);       \
+            const __m256 s0 = load_so256(S, half, so + b * PANEL), s1 = load_so256(S, half, so + b * PANEL + 8); \
+            const __m256 o0 = load_so256(O, half, so + b * PANEL), o1 = load_so256(O, half, so + b * PANEL + 8); \
             for (int64_t j = b * block; j < (b + 1) * block; j += 8) {                                       \
                 const uint32_t *line = c + (j / 8) * PANEL;                                                  \
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)line);                                \
@@ -295,17 +308,17 @@ TILEN256(1) TILEN256(2) TILEN256(3)
 
 /* AVX2: a panel's line of 16 codes in two halves of 8. */
 #define TILEQ256(R)                                                                                          \
-    __attribute__((target("avx2,fma"))) static void tileq256_##R##x1(                                       \
-        const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y, int64_t n,  \
+    __attribute__((target("avx2,fma,f16c"))) static void tileq256_##R##x1(                                       \
+        const int8_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y, int64_t n,  \
         int64_t k, int64_t p0) {                                                                             \
         const int64_t nb = k / block;                                                                        \
         __m256 acc[R][2];                                                                                    \
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
         const int8_t *c = C + p0 * k * PANEL;                                                                \
-        const float *s = S + p0 * nb * PANEL, *o = O + p0 * nb * PANEL;                                      \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
-            const __m256 s0 = _mm256_loadu_ps(s + b * PANEL), s1 = _mm256_loadu_ps(s + b * PANEL + 8);       \
-            const __m256 o0 = _mm256_loadu_ps(o + b * PANEL), o1 = _mm256_loadu_ps(o + b * PANEL + 8);       \
+            const __m256 s0 = load_so256(S, half, so + b * PANEL), s1 = load_so256(S, half, so + b * PANEL + 8); \
+            const __m256 o0 = load_so256(O, half, so + b * PANEL), o1 = load_so256(O, half, so + b * PANEL + 8); \
             for (int64_t j = b * block; j < (b + 1) * block; j++) {                                          \
                 const int8_t *line = c + j * PANEL;                                                          \
                 const __m256 w0 = _mm256_fmadd_ps(                                                           \
@@ -346,8 +359,9 @@ typedef struct {
     const void *w;
     int fmt;
     const void *codes;
-    const float *scales, *offsets;
+    const void *scales, *offsets; /* offsets NULL: all zero */
     int64_t block;
+    int half; /* scales and offsets in float16 */
 } Weights;
 
 /* One group of `rows` rows (starting at row r) against panels [p0, p1): tiles of P panels, then
@@ -371,18 +385,18 @@ typedef struct {
     do {                                                                                                          \
         int64_t p = p0;                                                                                           \
         for (; p + P <= p1; p += P)                                                                               \
-            tileq##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);     \
+            tileq##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p);     \
         for (; p < p1; p++)                                                                                       \
-            tileq##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);       \
+            tileq##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p);       \
     } while (0)
 
 #define SWEEPN(ISA, R, P)                                                                                              \
     do {                                                                                                               \
         int64_t p = p0;                                                                                                \
         for (; p + P <= p1; p += P)                                                                                    \
-            tilen##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p); \
+            tilen##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p); \
         for (; p < p1; p++)                                                                                            \
-            tilen##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, x + r * k, y + r * n, n, k, p);   \
+            tilen##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p);   \
     } while (0)
 
 static void sweep(const Weights *W, const float *x, float *y, int64_t r, int64_t rows, int64_t n, int64_t k,
@@ -485,24 +499,25 @@ static void gemm(const Weights *W, const float *x, float *y, int64_t m, int64_t 
  * FMT_BF16, FMT_F16); isa from specinfer_gemm_isa(). */
 void specinfer_gemm(const void *Wp, int fmt, const float *x, float *y, int64_t m, int64_t n, int64_t k, int isa,
                     int num_threads) {
-    const Weights W = {Wp, fmt, NULL, NULL, NULL, 0};
+    const Weights W = {Wp, fmt, NULL, NULL, NULL, 0, 0};
     gemm(&W, x, y, m, n, k, isa, num_threads);
 }
 
 /* The same for W given as block codes laid out by cpu_gemm.pack_codes: W[i][j] = fma(scale, code,
- * offset) of row i's block j / block; k a multiple of block. */
-void specinfer_gemm_codes(const int8_t *C, const float *S, const float *O, int64_t block, const float *x, float *y,
+ * offset) of row i's block j / block; k a multiple of block. Scales and offsets are float32, or
+ * float16 with `half` (where each is one exactly); O is NULL where every offset is zero. */
+void specinfer_gemm_codes(const int8_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y,
                           int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
-    const Weights W = {NULL, FMT_CODES, C, S, O, block};
+    const Weights W = {NULL, FMT_CODES, C, S, O, block, half};
     gemm(&W, x, y, m, n, k, isa, num_threads);
 }
 
 /* The same for 4-bit codes laid out by cpu_gemm.pack_codes: lane i of line j / 8 of panel p holds
  * the codes (less their bias, which the offsets hold) of output 16p + i at inputs j .. j + 7, input
  * j + t in bits 4t .. 4t + 3; k and block multiples of 8. */
-void specinfer_gemm_nibbles(const uint32_t *C, const float *S, const float *O, int64_t block, const float *x,
+void specinfer_gemm_nibbles(const uint32_t *C, const void *S, const void *O, int64_t block, int half, const float *x,
                             float *y, int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
-    const Weights W = {NULL, FMT_NIBBLES, C, S, O, block};
+    const Weights W = {NULL, FMT_NIBBLES, C, S, O, block, half};
     gemm(&W, x, y, m, n, k, isa, num_threads);
 }
 

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 PANEL = 16  # output features a panel holds
 REVISION = 5  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
-# 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits
+# 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
+# float16 scales in float16
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a panel's dtype -> cpu_gemm.c's FMT_*
 
 
@@ -45,8 +46,8 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
                                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.specinfer_gemm_codes.restype = None
     lib.specinfer_gemm_codes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                         ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+                                         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.specinfer_gemm_nibbles.restype = None
     lib.specinfer_gemm_nibbles.argtypes = lib.specinfer_gemm_codes.argtypes
     return lib, isa
@@ -132,22 +133,37 @@ class BlockCodes:
 @dataclass(frozen=True)
 class CodePanels:
     """`BlockCodes` laid out for `gemm_codes`: codes (ceil(n / 16), k, 16) int8, scales and offsets
-    (ceil(n / 16), k // block, 16) float32, zero past n. With `is_nibbles`, 4-bit codes eight to a
-    32-bit lane: codes (ceil(n / 16), k // 8, 16) int32, lane i of line l holding the codes of
-    output feature i at inputs 8l .. 8l + 7 less their lowest, input 8l + t in bits 4t .. 4t + 3;
-    the offsets then hold scale * lowest + offset (which `pack_codes` makes sure is exact)."""
+    (ceil(n / 16), k // block, 16), zero past n: float16 where every one is a float16 value (a
+    GGUF's Q4_0, Q4_1 and Q8_0 store them so), else float32; no offsets (None) where all are +0.
+    With `is_nibbles`, 4-bit codes eight to a 32-bit lane: codes (ceil(n / 16), k // 8, 16) int32,
+    lane i of line l holding the codes of output feature i at inputs 8l .. 8l + 7 less their
+    lowest, input 8l + t in bits 4t .. 4t + 3; the offsets then hold scale * lowest + offset (which
+    `pack_codes` makes sure is exact)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None
     block: int
     is_nibbles: bool = False
 
+    def _parts(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scales, self.offsets) if t is not None]
+
     def numel(self) -> int:
-        return self.codes.numel() + self.scales.numel() + self.offsets.numel()
+        return sum(t.numel() for t in self._parts())
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+        return sum(t.numel() * t.element_size() for t in self._parts())
+
+
+def _scale_panels(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales and offsets (float32) as `CodePanels` keeps them: in float16 where both hold only
+    float16 values (widened back exactly in registers), and the offsets left out where all are +0
+    (the kernel adds +0 in their place, the same fma)."""
+    kept = None if bool((offsets == 0).all()) and not bool(torch.signbit(offsets).any()) else offsets
+    is_half = all(torch.equal(t.half().float(), t) for t in (scales, kept) if t is not None)
+    dtype = torch.float16 if is_half else torch.float32
+    return _panels(scales).to(dtype).contiguous(), None if kept is None else _panels(kept).to(dtype).contiguous()
 
 
 def pack_codes(codes: BlockCodes, is_nibbles: bool = True) -> CodePanels:
@@ -165,10 +181,8 @@ def pack_codes(codes: BlockCodes, is_nibbles: bool = True) -> CodePanels:
         eights = nibbles.reshape(num_panels, k // 8, 8, PANEL)
         lanes = sum(eights[:, :, t] << (4 * t) for t in range(8))  # (P, k // 8, 16), below 2 ** 32
         lanes = torch.where(lanes >= 2 ** 31, lanes - 2 ** 32, lanes).to(torch.int32)  # the same 32 bits
-        return CodePanels(lanes.contiguous(), _panels(scales).contiguous(), _panels(folded).contiguous(),
-                          codes.block, is_nibbles=True)
-    return CodePanels(_panels(values).contiguous(), _panels(scales).contiguous(), _panels(offsets).contiguous(),
-                      codes.block)
+        return CodePanels(lanes.contiguous(), *_scale_panels(scales, folded), codes.block, is_nibbles=True)
+    return CodePanels(_panels(values).contiguous(), *_scale_panels(scales, offsets), codes.block)
 
 
 def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
@@ -177,8 +191,10 @@ def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
     rows = _rows(x)
     out = torch.empty(rows.shape[0], n, dtype=torch.float32)
     gemm_fn = lib.specinfer_gemm_nibbles if panels.is_nibbles else lib.specinfer_gemm_codes
-    gemm_fn(panels.codes.data_ptr(), panels.scales.data_ptr(), panels.offsets.data_ptr(), panels.block,
-            rows.data_ptr(), out.data_ptr(), rows.shape[0], n, rows.shape[1], isa, torch.get_num_threads())
+    gemm_fn(panels.codes.data_ptr(), panels.scales.data_ptr(),
+            None if panels.offsets is None else panels.offsets.data_ptr(), panels.block,
+            int(panels.scales.dtype == torch.float16), rows.data_ptr(), out.data_ptr(), rows.shape[0], n,
+            rows.shape[1], isa, torch.get_num_threads())
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 
