@@ -441,6 +441,13 @@ def test_block_coded_weights_give_the_directory_s_logits_bit_for_bit(models, k_q
         pytest.skip("the CPU kernel is not built here")
     path, ref_dir = k_quant_model if qtype == "K" else models[qtype]
     assert torch.equal(logits_of(path, is_coded=True), logits_of(ref_dir, is_coded=False))
+    if qtype != "K":  # the kernel's narrowest layouts are the ones this checked: 4-bit codes in 4 bits, float16 scales
+        from specinfer.engine.runtime.runner import ModelRunner
+
+        runner = ModelRunner.from_dir(path, "float32", "cpu", 512)
+        panels = [w.data for name, w in runner.model.w.items() if name.endswith((".qkv", ".o", ".gate_up", ".down"))]
+        assert all(p.is_nibbles == (qtype in ("Q4_0", "Q4_1")) for p in panels)
+        assert all(p.scales.dtype == torch.float16 for p in panels)
 
 
 def test_every_coded_tensor_carries_codes_that_define_it(models, k_quant_model):
