@@ -290,6 +290,15 @@ def test_scales_are_kept_in_float16_and_zero_offsets_left_out_only_where_exact(s
             assert torch.equal(raw_gemm_codes(packed, rows, n, isa, 2), raw_gemm(wide, rows, n, isa, 2)), (isa, m)
 
 
+def test_a_fold_is_exact_only_when_float64_held_the_sum_exactly():
+    """The fold's float64 sum can itself round (a tiny offset beside a large product) and still look
+    like a float32 value: the two-sum error catches it."""
+    ones, five = torch.ones(1, 1), 5
+    assert cpu_gemm._exact_fold(ones, torch.full((1, 1), 2.0 ** -60), five) is None  # 5 + 2^-60 rounds in float64
+    assert cpu_gemm._exact_fold(ones, torch.full((1, 1), 2.0 ** -25), five) is None  # exact in float64, not in float32
+    assert torch.equal(cpu_gemm._exact_fold(ones, torch.full((1, 1), 0.25), five), torch.full((1, 1), 5.25))
+
+
 def test_negative_zero_offsets_are_kept():
     """fma(s, c, -0) and fma(s, c, +0) differ in the sign of a zero product: offsets of -0 stay."""
     offsets = torch.zeros(16, 1)

@@ -166,23 +166,37 @@ def _scale_panels(scales: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Te
     return _panels(scales).to(dtype).contiguous(), None if kept is None else _panels(kept).to(dtype).contiguous()
 
 
+def _exact_fold(scales: torch.Tensor, offsets: torch.Tensor, low: int) -> torch.Tensor | None:
+    """scales * low + offsets in float32 where every sum is exact (then fma(s, c - low, that) rounds
+    the very value fma(s, c, o) does), else None. The product is exact in float64 (24 + 8 bits);
+    the sum's float64 rounding error, found by the classic two-sum, must be zero, and the sum a
+    float32 value."""
+    a, b = scales.double() * low, offsets.double()
+    total = a + b
+    b_part = total - a
+    error = (a - (total - b_part)) + (b - b_part)
+    folded = total.float()
+    return folded if bool((error == 0).all()) and torch.equal(folded.double(), total) else None
+
+
 def pack_codes(codes: BlockCodes, is_nibbles: bool = True) -> CodePanels:
     """`codes` laid out in panels of 16 output features, as `pack` lays out a float32 weight; as
     4-bit codes where they span 16 values at most (`is_nibbles`; a 4-bit format's always do), the
     inputs and blocks come in eights and the lowest code folds exactly into the offsets."""
-    scales, values = codes.scales.float(), codes.codes.to(torch.int8)
+    scales, offsets, values = codes.scales.float(), codes.offsets.float(), codes.codes.to(torch.int8)
     low, high = (int(v) for v in values.aminmax()) if values.numel() else (0, 0)
-    offsets = codes.offsets.float()
-    folded = (scales.double() * low + offsets.double()).float()  # fma(s, c - low, s * low + o) = fma(s, c, o)
-    if (is_nibbles and high - low <= 15 and values.shape[1] % 8 == 0 and codes.block % 8 == 0
-            and torch.equal(folded.double(), scales.double() * low + offsets.double())):
-        nibbles = _panels((values.to(torch.int16) - low).to(torch.int64))  # (P, k, 16), each below 16
-        num_panels, k = nibbles.shape[:2]
-        eights = nibbles.reshape(num_panels, k // 8, 8, PANEL)
-        lanes = sum(eights[:, :, t] << (4 * t) for t in range(8))  # (P, k // 8, 16), below 2 ** 32
-        lanes = torch.where(lanes >= 2 ** 31, lanes - 2 ** 32, lanes).to(torch.int32)  # the same 32 bits
-        return CodePanels(lanes.contiguous(), *_scale_panels(scales, folded), codes.block, is_nibbles=True)
-    return CodePanels(_panels(values).contiguous(), *_scale_panels(scales, offsets), codes.block)
+    is_4_bit = is_nibbles and high - low <= 15 and values.shape[1] % 8 == 0 and codes.block % 8 == 0
+    folded = _exact_fold(scales, offsets, low) if is_4_bit else None
+    if folded is None:
+        return CodePanels(_panels(values).contiguous(), *_scale_panels(scales, offsets), codes.block)
+    nibbles = _panels((values.to(torch.int16) - low).to(torch.uint8))  # (P, k, 16), each below 16
+    num_panels, k = nibbles.shape[:2]
+    eights = nibbles.reshape(num_panels, k // 8, 8, PANEL)
+    lanes = eights[:, :, 0].to(torch.int64)
+    for t in range(1, 8):  # one input at a time: a few copies of the codes at most, whatever the model's size
+        lanes |= eights[:, :, t].to(torch.int64) << (4 * t)  # (P, k // 8, 16), below 2 ** 32
+    lanes = torch.where(lanes >= 2 ** 31, lanes - 2 ** 32, lanes).to(torch.int32)  # the same 32 bits
+    return CodePanels(lanes.contiguous(), *_scale_panels(scales, folded), codes.block, is_nibbles=True)
 
 
 def gemm_codes(x: torch.Tensor, panels: CodePanels, n: int) -> torch.Tensor:
