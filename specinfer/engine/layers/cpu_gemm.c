@@ -60,13 +60,43 @@
 #define ELEM_BF16 uint16_t
 #define ELEM_F16 uint16_t
 
+/* A 512-bit tile's R x P accumulators, zeroed; and stored to rows 0 .. R - 1 of y at panels p0 .. p0 + P - 1,
+ * the last panel cut at n. */
+#define ZERO512(R, P)            \
+    __m512 acc[R][P];            \
+    for (int r = 0; r < R; r++)  \
+        for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps()
+#define STORE512(R, P)                                                                                      \
+    for (int r = 0; r < R; r++)                                                                             \
+        for (int q = 0; q < P; q++) {                                                                       \
+            const int64_t out = (p0 + q) * PANEL;                                                           \
+            if (out + PANEL <= n)                                                                           \
+                _mm512_storeu_ps(y + r * n + out, acc[r][q]);                                               \
+            else                                                                                            \
+                _mm512_mask_storeu_ps(y + r * n + out, (__mmask16)((1u << (n - out)) - 1u), acc[r][q]);      \
+        }
+/* Block b's scales and offsets for a code tile's P panels (its first at index `so`). */
+#define SCALES512(P)                                                   \
+    __m512 sv[P], ov[P];                                               \
+    for (int q = 0; q < P; q++) {                                      \
+        sv[q] = load_so512(S, half, so + (q * nb + b) * PANEL);        \
+        ov[q] = load_so512(O, half, so + (q * nb + b) * PANEL);        \
+    }
+/* An AVX2 tile of one panel: its R rows' two halves stored at panel p0, cut at n. */
+#define STORE256_PANEL(R)                                                                                   \
+    for (int r = 0; r < R; r++) {                                                                           \
+        const int64_t out = p0 * PANEL;                                                                     \
+        float buf[PANEL];                                                                                   \
+        _mm256_storeu_ps(buf, acc[r][0]);                                                                   \
+        _mm256_storeu_ps(buf + 8, acc[r][1]);                                                               \
+        memcpy(y + r * n + out, buf, sizeof(float) * (size_t)(out + PANEL <= n ? PANEL : n - out));          \
+    }
+
 #define TILE512(R, P, F)                                                                                     \
     __attribute__((target("avx512f"))) static void tile512_##F##_##R##x##P(const void *Wv, const float *x,  \
                                                                          float *y, int64_t n, int64_t k,      \
                                                                          int64_t p0) {                        \
-        __m512 acc[R][P];                                                                                    \
-        for (int r = 0; r < R; r++)                                                                          \
-            for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
+        ZERO512(R, P);                                                                                   \
         const ELEM_##F *w = (const ELEM_##F *)Wv + p0 * k * PANEL;                                           \
         for (int64_t j = 0; j < k; j++) {                                                                    \
             __m512 wv[P];                                                                                    \
@@ -77,14 +107,7 @@
                 for (int q = 0; q < P; q++) acc[r][q] = _mm512_fmadd_ps(wv[q], xv, acc[r][q]);               \
             }                                                                                                \
         }                                                                                                    \
-        for (int r = 0; r < R; r++)                                                                          \
-            for (int q = 0; q < P; q++) {                                                                    \
-                const int64_t o = (p0 + q) * PANEL;                                                          \
-                if (o + PANEL <= n)                                                                          \
-                    _mm512_storeu_ps(y + r * n + o, acc[r][q]);                                              \
-                else                                                                                         \
-                    _mm512_mask_storeu_ps(y + r * n + o, (__mmask16)((1u << (n - o)) - 1u), acc[r][q]);       \
-            }                                                                                                \
+        STORE512(R, P)                                                                                   \
     }
 
 #define TILES512(F)                                                                                          \
@@ -163,17 +186,11 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 load_so256(const v
         const int8_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y, int64_t n,  \
         int64_t k, int64_t p0) {                                                                             \
         const int64_t nb = k / block;                                                                        \
-        __m512 acc[R][P];                                                                                    \
-        for (int r = 0; r < R; r++)                                                                          \
-            for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
+        ZERO512(R, P);                                                                                   \
         const int8_t *c = C + p0 * k * PANEL;                                                                \
-        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                     \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
-            __m512 sv[P], ov[P];                                                                             \
-            for (int q = 0; q < P; q++) {                                                                    \
-                sv[q] = load_so512(S, half, so + (q * nb + b) * PANEL);                                       \
-                ov[q] = load_so512(O, half, so + (q * nb + b) * PANEL);                                       \
-            }                                                                                                \
+            SCALES512(P);                                                                                \
             for (int64_t j = b * block; j < (b + 1) * block; j++) {                                          \
                 __m512 wv[P];                                                                                \
                 for (int q = 0; q < P; q++) {                                                                \
@@ -187,14 +204,7 @@ __attribute__((target("avx2,fma,f16c"))) static inline __m256 load_so256(const v
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        for (int r = 0; r < R; r++)                                                                          \
-            for (int q = 0; q < P; q++) {                                                                    \
-                const int64_t out = (p0 + q) * PANEL;                                                        \
-                if (out + PANEL <= n)                                                                        \
-                    _mm512_storeu_ps(y + r * n + out, acc[r][q]);                                            \
-                else                                                                                         \
-                    _mm512_mask_storeu_ps(y + r * n + out, (__mmask16)((1u << (n - out)) - 1u), acc[r][q]);   \
-            }                                                                                                \
+        STORE512(R, P)                                                                                   \
     }
 
 TILEQ512(1, 4) TILEQ512(1, 1) TILEQ512(2, 4) TILEQ512(2, 1) TILEQ512(3, 4) TILEQ512(3, 1) TILEQ512(4, 3)
@@ -222,17 +232,11 @@ TILEQ512(8, 2) TILEQ512(8, 1)
         const uint32_t *C, const void *S, const void *O, int64_t block, int half, const float *x, float *y, int64_t n, \
         int64_t k, int64_t p0) {                                                                             \
         const int64_t nb = k / block, eighth = k / 8;                                                        \
-        __m512 acc[R][P];                                                                                    \
-        for (int r = 0; r < R; r++)                                                                          \
-            for (int q = 0; q < P; q++) acc[r][q] = _mm512_setzero_ps();                                     \
+        ZERO512(R, P);                                                                                   \
         const uint32_t *c = C + p0 * eighth * PANEL;                                                         \
-        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                     \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
-            __m512 sv[P], ov[P];                                                                             \
-            for (int q = 0; q < P; q++) {                                                                    \
-                sv[q] = load_so512(S, half, so + (q * nb + b) * PANEL);                                       \
-                ov[q] = load_so512(O, half, so + (q * nb + b) * PANEL);                                       \
-            }                                                                                                \
+            SCALES512(P);                                                                                \
             for (int64_t j = b * block; j < (b + 1) * block; j += 8) {                                       \
                 __m512i v[P];                                                                                \
                 for (int q = 0; q < P; q++) {                                                                \
@@ -250,14 +254,7 @@ TILEQ512(8, 2) TILEQ512(8, 1)
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        for (int r = 0; r < R; r++)                                                                          \
-            for (int q = 0; q < P; q++) {                                                                    \
-                const int64_t out = (p0 + q) * PANEL;                                                        \
-                if (out + PANEL <= n)                                                                        \
-                    _mm512_storeu_ps(y + r * n + out, acc[r][q]);                                            \
-                else                                                                                         \
-                    _mm512_mask_storeu_ps(y + r * n + out, (__mmask16)((1u << (n - out)) - 1u), acc[r][q]);   \
-            }                                                                                                \
+        STORE512(R, P)                                                                                   \
     }
 
 TILEN512(1, 4) TILEN512(1, 1) TILEN512(2, 4) TILEN512(2, 1) TILEN512(3, 4) TILEN512(3, 1) TILEN512(4, 3)
@@ -276,7 +273,7 @@ TILEN512(8, 2) TILEN512(8, 1)
         __m256 acc[R][2];                                                                                    \
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
         const uint32_t *c = C + p0 * eighth * PANEL;                                                         \
-        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                     \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
             const __m256 s0 = load_so256(S, half, so + b * PANEL), s1 = load_so256(S, half, so + b * PANEL + 8); \
             const __m256 o0 = load_so256(O, half, so + b * PANEL), o1 = load_so256(O, half, so + b * PANEL + 8); \
@@ -295,13 +292,7 @@ TILEN512(8, 2) TILEN512(8, 1)
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        for (int r = 0; r < R; r++) {                                                                        \
-            const int64_t out = p0 * PANEL;                                                                  \
-            float buf[PANEL];                                                                                \
-            _mm256_storeu_ps(buf, acc[r][0]);                                                                \
-            _mm256_storeu_ps(buf + 8, acc[r][1]);                                                            \
-            memcpy(y + r * n + out, buf, sizeof(float) * (size_t)(out + PANEL <= n ? PANEL : n - out));       \
-        }                                                                                                    \
+        STORE256_PANEL(R)                                                                                \
     }
 
 TILEN256(1) TILEN256(2) TILEN256(3)
@@ -315,7 +306,7 @@ TILEN256(1) TILEN256(2) TILEN256(3)
         __m256 acc[R][2];                                                                                    \
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                             \
         const int8_t *c = C + p0 * k * PANEL;                                                                \
-        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                                  \
+        const int64_t so = p0 * nb * PANEL; /* this tile's first scale and offset */                     \
         for (int64_t b = 0; b < nb; b++) {                                                                   \
             const __m256 s0 = load_so256(S, half, so + b * PANEL), s1 = load_so256(S, half, so + b * PANEL + 8); \
             const __m256 o0 = load_so256(O, half, so + b * PANEL), o1 = load_so256(O, half, so + b * PANEL + 8); \
@@ -333,13 +324,7 @@ TILEN256(1) TILEN256(2) TILEN256(3)
                 }                                                                                            \
             }                                                                                                \
         }                                                                                                    \
-        for (int r = 0; r < R; r++) {                                                                        \
-            const int64_t out = p0 * PANEL;                                                                  \
-            float buf[PANEL];                                                                                \
-            _mm256_storeu_ps(buf, acc[r][0]);                                                                \
-            _mm256_storeu_ps(buf + 8, acc[r][1]);                                                            \
-            memcpy(y + r * n + out, buf, sizeof(float) * (size_t)(out + PANEL <= n ? PANEL : n - out));       \
-        }                                                                                                    \
+        STORE256_PANEL(R)                                                                                \
     }
 
 TILEQ256(1) TILEQ256(2) TILEQ256(3)
@@ -381,60 +366,46 @@ typedef struct {
         else                                                    \
             SWEEP_F(ISA, F32, R, P);                            \
     } while (0)
-#define SWEEPQ(ISA, R, P)                                                                                         \
-    do {                                                                                                          \
-        int64_t p = p0;                                                                                           \
-        for (; p + P <= p1; p += P)                                                                               \
-            tileq##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p);     \
-        for (; p < p1; p++)                                                                                       \
-            tileq##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p);       \
-    } while (0)
-
-#define SWEEPN(ISA, R, P)                                                                                              \
+/* The same for block codes, KIND q (bytes) or n (4 bits). */
+#define SWEEPC(KIND, ISA, R, P)                                                                                        \
     do {                                                                                                               \
         int64_t p = p0;                                                                                                \
         for (; p + P <= p1; p += P)                                                                                    \
-            tilen##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p); \
+            tile##KIND##ISA##_##R##x##P(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n,   \
+                                        k, p);                                                                         \
         for (; p < p1; p++)                                                                                            \
-            tilen##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k, p);   \
+            tile##KIND##ISA##_##R##x1(W->codes, W->scales, W->offsets, W->block, W->half, x + r * k, y + r * n, n, k,  \
+                                      p);                                                                              \
+    } while (0)
+/* A code tile also holds its panels' scales and offsets: fewer panels a tile than a dense one's. */
+#define SWEEP_CODES(KIND)                                       \
+    do {                                                        \
+        if (isa == 2) {                                         \
+            switch (rows) {                                     \
+                case 1: SWEEPC(KIND, 512, 1, 4); break;         \
+                case 2: SWEEPC(KIND, 512, 2, 4); break;         \
+                case 3: SWEEPC(KIND, 512, 3, 4); break;         \
+                case 4: SWEEPC(KIND, 512, 4, 3); break;         \
+                case 5: SWEEPC(KIND, 512, 5, 3); break;         \
+                case 6: SWEEPC(KIND, 512, 6, 3); break;         \
+                case 7: SWEEPC(KIND, 512, 7, 2); break;         \
+                default: SWEEPC(KIND, 512, 8, 2); break;        \
+            }                                                   \
+        } else {                                                \
+            switch (rows) {                                     \
+                case 1: SWEEPC(KIND, 256, 1, 1); break;         \
+                case 2: SWEEPC(KIND, 256, 2, 1); break;         \
+                default: SWEEPC(KIND, 256, 3, 1); break;        \
+            }                                                   \
+        }                                                       \
     } while (0)
 
 static void sweep(const Weights *W, const float *x, float *y, int64_t r, int64_t rows, int64_t n, int64_t k,
                   int64_t p0, int64_t p1, int isa) {
-    if (W->fmt == FMT_NIBBLES && isa == 2) { /* as the byte codes' tiles, with a second line of weights */
-        switch (rows) {
-            case 1: SWEEPN(512, 1, 4); break;
-            case 2: SWEEPN(512, 2, 4); break;
-            case 3: SWEEPN(512, 3, 4); break;
-            case 4: SWEEPN(512, 4, 3); break;
-            case 5: SWEEPN(512, 5, 3); break;
-            case 6: SWEEPN(512, 6, 3); break;
-            case 7: SWEEPN(512, 7, 2); break;
-            default: SWEEPN(512, 8, 2); break;
-        }
-    } else if (W->fmt == FMT_NIBBLES) {
-        switch (rows) {
-            case 1: SWEEPN(256, 1, 1); break;
-            case 2: SWEEPN(256, 2, 1); break;
-            default: SWEEPN(256, 3, 1); break;
-        }
-    } else if (W->fmt == FMT_CODES && isa == 2) { /* a code tile also holds its panels' scales and offsets */
-        switch (rows) {
-            case 1: SWEEPQ(512, 1, 4); break;
-            case 2: SWEEPQ(512, 2, 4); break;
-            case 3: SWEEPQ(512, 3, 4); break;
-            case 4: SWEEPQ(512, 4, 3); break;
-            case 5: SWEEPQ(512, 5, 3); break;
-            case 6: SWEEPQ(512, 6, 3); break;
-            case 7: SWEEPQ(512, 7, 2); break;
-            default: SWEEPQ(512, 8, 2); break;
-        }
+    if (W->fmt == FMT_NIBBLES) {
+        SWEEP_CODES(n);
     } else if (W->fmt == FMT_CODES) {
-        switch (rows) {
-            case 1: SWEEPQ(256, 1, 1); break;
-            case 2: SWEEPQ(256, 2, 1); break;
-            default: SWEEPQ(256, 3, 1); break;
-        }
+        SWEEP_CODES(q);
     } else if (isa == 2) {
         switch (rows) {
             case 1: SWEEP(512, 1, 8); break;
