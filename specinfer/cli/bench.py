@@ -22,9 +22,10 @@ import torch
 from specinfer.cli.commands import bench_prompts, load_for_prompts, resolve_paths, tree_shape
 from specinfer.cli.request_flags import constraint_from_flags, sampling_from_flags
 from specinfer.engine.llm_engine import mode_params
-from specinfer.limits import Q8_DTYPE, parse_tree_width
+from specinfer.limits import parse_tree_width
 from specinfer.params import SamplingParams
 from specinfer.engine.runtime.dtype_choice import runner_dtype
+from specinfer.engine.models.checkpoint import compute_dtype
 from specinfer.pool.hf_model import load_hf_model
 
 
@@ -93,9 +94,8 @@ class _TransformersArms:
         self.device = device
         self.llm = load_hf_model(paths.llm, getattr(torch, dtype), device)
         # The assistant runs in the same dtype as our SSMs, so both sides get the same help.
-        # an SSM over 8-bit codes (limits.Q8_DTYPE) assists transformers in float32
-        self.ssm = load_hf_model(paths.ssms[0], getattr(torch, ssm_dtype if ssm_dtype != Q8_DTYPE else "float32"),
-                                 device)
+        # in the dtype it computes in (float32 for an SSM over 8-bit codes, limits.Q8_DTYPE)
+        self.ssm = load_hf_model(paths.ssms[0], compute_dtype(ssm_dtype, device)[0], device)
         self.num_calls = 0
         self.llm.register_forward_hook(self._count)
 
