@@ -418,14 +418,17 @@ def test_k_quant_model_decodes_what_its_reference_does(k_quant_model, capsys):
 
 def logits_of(model_dir, is_coded: bool | None = None) -> torch.Tensor:
     """A pass's float32 logits over a short prompt and a 5-node chain; with `is_coded` set, first
-    checks whether the CPU kernel multiplies the model's matrices as block codes."""
+    checks whether the CPU kernel multiplies the model's matrices as block codes, and whether its
+    token embedding is looked up from them."""
     from specinfer.engine.layers import cpu_gemm
+    from specinfer.engine.layers.embedding import CodedTable
     from specinfer.engine.runtime.runner import ModelRunner, chain_work
 
     runner = ModelRunner.from_dir(model_dir, "float32", "cpu", 512)
     if is_coded is not None:
         matrices = [w for name, w in runner.model.w.items() if name.endswith((".qkv", ".o", ".gate_up", ".down"))]
         assert all(isinstance(w.data, cpu_gemm.CodePanels) == is_coded for w in matrices)
+        assert isinstance(runner.model.w["embed"], CodedTable) == is_coded  # the embedding too: looked up from codes
     seq = runner.new_sequence()
     runner.prefill(seq, [5, 9, 13, 21, 34, 2, 7, 40])
     return runner.run([chain_work(seq, [3, 11, 19, 27, 35], logits="all")])[0]

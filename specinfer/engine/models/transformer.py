@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.layers.activations import ACTIVATIONS
+from specinfer.engine.layers.embedding import coded_table, embedding
 from specinfer.engine.layers.linear import can_pack, linear, pack
 from specinfer.engine.layers.norms import offset_rms_norm, offset_weight, rms_norm
 from specinfer.engine.layers.rope import apply_rope, rope_tables
@@ -129,7 +130,9 @@ class DecoderModel:
     On a CPU the weight matrices are laid out once for the GEMM kernels (`layers/linear.py`) unless
     `is_packed` is False (a model built on the CPU to be moved elsewhere). With `is_q8_0` (an SSM's
     choice, limits.Q8_DTYPE) the packed matrices are first rounded to 8-bit block codes
-    (`cpu_gemm.BlockCodes.q8_0`), which the kernel reads as they are."""
+    (`cpu_gemm.BlockCodes.q8_0`), which the kernel reads as they are. A packed model's token
+    embedding, where block codes give it (a GGUF's, or a q8_0 SSM's), is looked up from them
+    (`layers.embedding.CodedTable`), a byte a weight instead of four."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
                  is_packed: bool = True, is_q8_0: bool = False):
@@ -151,7 +154,11 @@ class DecoderModel:
         if is_packing:  # a tied LM head gets a packed copy; lookups read `embed`
             self.w.update({name: pack(_q8_0(t) if self.is_q8_0 else t) for name, t in self.w.items()
                            if name.endswith(MATRICES)})
-        for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` alone: not kept with `embed`
+        if is_packing:  # a token embedding given by block codes (a GGUF's; a q8_0 SSM's): looked up from them
+            table = coded_table(_q8_0(self.w["embed"]) if self.is_q8_0 else self.w["embed"])
+            if table is not None:
+                self.w["embed"] = table
+        for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` and `coded_table` alone
             if isinstance(t, torch.Tensor) and hasattr(t, "block_codes"):
                 del t.block_codes
         self.norm = offset_rms_norm if is_offset else rms_norm
@@ -176,7 +183,7 @@ class DecoderModel:
         """fp32 logits of shape (R, vocab) for the requested rows; with `return_hidden`, also
         the final hidden states of those rows (after the final norm, before the LM head)."""
         cfg, w = self.cfg, self.w
-        h = F.embedding(batch.token_ids, w["embed"])  # (T, hidden)
+        h = embedding(batch.token_ids, w["embed"])  # (T, hidden)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         rope = [(cos[batch.positions].unsqueeze(1), sin[batch.positions].unsqueeze(1)) for cos, sin in self.rope]

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from specinfer.engine.layers.linear import Panels
 from specinfer.engine.models.transformer import DecoderModel
 
 RESIDENT = ("embed", "norm", "lm_head")
@@ -150,7 +149,7 @@ def offload_model(model: DecoderModel, device, pin: bool = True) -> DecoderModel
     if model.device.type != "cpu":
         raise ValueError("build the model on the CPU before offloading it")
     dev = torch.device(device)
-    if dev.type != "cpu" and any(isinstance(t, Panels) or t.layout != torch.strided for t in model.w.values()):
+    if dev.type != "cpu" and any(not isinstance(t, torch.Tensor) or t.layout != torch.strided for t in model.w.values()):
         raise ValueError("the model's weights are laid out for the CPU's kernels: build it with is_packed=False "
                          "before offloading it")
     w = model.w
