@@ -644,3 +644,26 @@ def test_family_config_and_weights_are_transformers_own(arch, tmp_path):
         assert torch.allclose(weights[name], value, atol=1e-7, rtol=0), name
     if arch == "gemma3":
         assert ours["layer_types"].count("full_attention") == 1 and ours["layer_types"][5] == "full_attention"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "F16", "K"])
+def test_the_memory_plan_counts_a_gguf_s_weights_as_they_load(models, k_quant_model, qtype):
+    """The KV cache's budget counts a GGUF's weights as the loaded model holds them: block codes
+    stay codes on a CPU (a fraction of float32's bytes), so the estimate is what the model holds
+    (within the panels' padding) or a little above; 16-bit matrices at 16 bits."""
+    from specinfer.engine.layers import cpu_gemm
+    from specinfer.engine.layers.embedding import CodedTable
+    from specinfer.engine.runtime.memory import num_parameters, weight_bytes
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.runtime.runner import ModelRunner
+
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernel is not built here")
+    path = k_quant_model[0] if qtype == "K" else models[qtype][0]
+    held = 0
+    for t in {id(t): t for t in ModelRunner.from_dir(path, "float32", "cpu", 64).model.w.values()}.values():
+        held += t.nbytes() if isinstance(t, CodedTable) else t.numel() * t.element_size()  # a tensor or panels
+    estimate = weight_bytes(path, "float32")
+    float32 = num_parameters(ModelConfig.from_dir(path)) * 4
+    assert 0.99 * held <= estimate <= 1.25 * held
+    assert estimate < (0.7 if qtype == "F16" else 0.45) * float32

@@ -26,7 +26,7 @@ from specinfer.engine.llm_engine import Engine, EngineConfig
 from specinfer.engine.loop import DraftTree, Generation
 from specinfer.engine.scheduling.scheduler import Scheduler, SchedulerConfig
 from specinfer.engine.drafting.tree import TokenTree
-from specinfer.limits import MODEL_DTYPES, check_verifier_request
+from specinfer.limits import MODEL_DTYPES, Q8_DTYPE, check_verifier_request
 from specinfer.params import TreeShape
 from specinfer.errors import UnavailableError, UserError
 from specinfer.logprobs import space_for
@@ -46,7 +46,7 @@ from specinfer.engine.runtime.assemble import load_grammars, load_runner
 from specinfer.engine.runtime.load import resolve_device, split_pool
 from specinfer.engine.runtime.parallel import ParallelConfig, ShardSpec, serve_rank, shard_config
 from specinfer.engine.models.config import ModelConfig
-from specinfer.engine.runtime.memory import Memory, device_memory, plan_kv
+from specinfer.engine.runtime.memory import Memory, device_memory, plan_kv, weight_bytes
 from specinfer.engine.verification.verifier import Verifier
 from specinfer.engine.runtime.runner import DEFAULT_BLOCK_SIZE
 from specinfer.engine.runtime.cpu import configure_cpu_runtime
@@ -300,8 +300,8 @@ def kv_plan(cfg: VerifierConfig, num_ranks: int = 1):
     llm_cfg = ModelConfig.from_dir(cfg.model_dir)
     device = resolve_device(cfg.device)
     ssm_dtype = cfg.ssm_dtype if cfg.ssm_dtype in MODEL_DTYPES else cfg.dtype  # auto: at most the LLM's size
-    models = [(shard_config(llm_cfg, num_ranks), cfg.dtype)]
-    models += [(ModelConfig.from_dir(d), ssm_dtype) for d in split_pool(cfg.co_located, is_model_free=False)[0]]
+    ssm_dirs = split_pool(cfg.co_located, is_model_free=False)[0]
+    models = [(shard_config(llm_cfg, num_ranks), cfg.dtype)] + [(ModelConfig.from_dir(d), ssm_dtype) for d in ssm_dirs]
     context = llm_cfg.max_context
     request_tokens = min(context, cfg.limits.max_prompt_tokens + cfg.limits.max_new_tokens) + cfg.max_tree_nodes
     memory = None
@@ -310,7 +310,15 @@ def kv_plan(cfg: VerifierConfig, num_ranks: int = 1):
         if num_ranks > 1:
             share = memory.total_bytes // (1 if device.startswith("cuda") else num_ranks)
             memory = Memory(share, share, f"{memory.where} (one rank's share of the total)")
-    return plan_kv(models, device, cfg.kv_budget, cfg.kv_memory_fraction, request_tokens, cfg.max_batch, memory)
+    # What the weights take once loaded (a GGUF's block codes stay codes on a CPU); a rank's shard
+    # of a tensor-parallel model is counted from its config.
+    weights = None
+    if num_ranks == 1:
+        ssm_weights = cfg.ssm_dtype if cfg.ssm_dtype == Q8_DTYPE else ssm_dtype
+        weights = weight_bytes(cfg.model_dir, cfg.dtype, device) + sum(
+            weight_bytes(d, ssm_weights, device) for d in ssm_dirs)
+    return plan_kv(models, device, cfg.kv_budget, cfg.kv_memory_fraction, request_tokens, cfg.max_batch, memory,
+                   weights)
 
 
 def _take_down(server: RunningServer, reason: str) -> None:

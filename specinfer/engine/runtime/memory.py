@@ -17,14 +17,19 @@ many requests run at once.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
-from specinfer.limits import DEFAULT_KV_MEMORY_FRACTION_CPU, DEFAULT_KV_MEMORY_FRACTION_CUDA
+from specinfer.gguf_metadata import read_tensor_index
+from specinfer.limits import DEFAULT_KV_MEMORY_FRACTION_CPU, DEFAULT_KV_MEMORY_FRACTION_CUDA, Q8_DTYPE
+from specinfer.model_source import resolve
 
 ELEMENT_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _UNLIMITED = 1 << 60  # a cgroup limit at least this large means none
@@ -72,6 +77,70 @@ def num_parameters(cfg: ModelConfig) -> int:
     mlp = 3 * cfg.hidden_size * cfg.intermediate_size
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     return cfg.num_layers * (attention + mlp + 2 * cfg.hidden_size) + embeddings + cfg.hidden_size
+
+
+# Bytes a weight at most, block codes as the CPU kernel keeps them (`layers.cpu_gemm.pack_codes`,
+# `layers.embedding.CodedTable`): a code (4 bits where the type's span 16 values, else a byte) and
+# a float32 scale and offset per block.
+CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8, "Q8_0": 8}
+CODE_BLOCKS = {"Q6_K": 16}  # else 32
+
+
+def coded_bytes(ggml_type: str, is_embedding: bool = False) -> float:
+    """At most what one weight of a block-coded matrix takes loaded (an embedding's codes take a byte)."""
+    bits = 8 if is_embedding else CODE_BITS[ggml_type]
+    return bits / 8 + 8 / CODE_BLOCKS.get(ggml_type, 32)
+
+
+def weight_bytes(model, dtype: str, device: str = "cpu") -> int:
+    """What a model's weights take once loaded on `device` (one process, no tensor parallelism):
+    its parameters at `dtype`'s element size, except where they stay block codes on a CPU with the
+    kernel: a GGUF's coded matrices and token embedding in float32 (`coded_bytes`; its float16
+    and bfloat16 matrices stay 16-bit, which holds them exactly), and a q8_0 SSM's matrices and
+    embedding (8-bit codes). A tied LM head counts twice: it is packed apart
+    from the embedding the lookups read."""
+    source = resolve(model)
+    cfg = ModelConfig.from_dir(source)
+    is_cpu_codes = str(device) == "cpu" and cpu_gemm.available()
+    if dtype == Q8_DTYPE:
+        if not is_cpu_codes:
+            return num_parameters(cfg) * element_size("float32")
+        matrices = num_parameters(cfg) - cfg.hidden_size * (2 * cfg.num_layers + 1)
+        head = cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0
+        return int((matrices + head) * coded_bytes("Q8_0") + (num_parameters(cfg) - matrices) * 4)
+    size = element_size(dtype)
+    if not (source.is_gguf and is_cpu_codes and dtype == "float32"):
+        return num_parameters(cfg) * size
+    # Matrices fused for the kernel (q, k, v; gate, up) share one layout: the widest codes and the
+    # smallest block of their parts.
+    groups: dict[str, list] = {}
+    total = 0.0
+    for entry in read_tensor_index(source.meta_dir)[1]:
+        numel = math.prod(entry.shape)
+        if len(entry.shape) != 2:
+            total += numel * size
+        elif entry.name == "model.embed_tokens.weight":
+            is_coded = entry.ggml_type in CODE_BITS
+            total += numel * (coded_bytes(entry.ggml_type, is_embedding=True) if is_coded else size)
+            if cfg.tie_word_embeddings:  # the LM head's packed copy
+                groups.setdefault("lm_head", []).append((entry.ggml_type, numel))
+        else:
+            fused = _QKV.sub(".qkv", _GATE_UP.sub(".gate_up", entry.name))
+            groups.setdefault(fused, []).append((entry.ggml_type, numel))
+    for parts in groups.values():
+        numel = sum(n for _, n in parts)
+        if all(t in CODE_BITS for t, _ in parts):
+            bits = max(CODE_BITS[t] for t, _ in parts)
+            total += numel * (bits / 8 + 8 / min(CODE_BLOCKS.get(t, 32) for t, _ in parts))
+        elif all(t in ("F16", "BF16") for t, _ in parts):
+            total += numel * 2  # packed as stored: 16 bits hold them exactly
+        else:
+            total += numel * size
+    return int(total)
+
+
+_QKV = re.compile(r"\.(?:q_proj|k_proj|v_proj)\.weight$")
+_GATE_UP = re.compile(r"\.(?:gate_proj|up_proj)\.weight$")
 
 
 def element_size(dtype: str) -> int:
@@ -139,12 +208,13 @@ def device_memory(device) -> Memory:
 # ---- the plan -------------------------------------------------------------------------------
 def plan_kv(models: Sequence[tuple[ModelConfig, str]], device: str = "cpu", budget: tuple[int, int] = (0, 0),
             fraction: float | None = None, request_tokens: int = 0, max_batch: int = 1,
-            memory: Memory | None = None) -> KvPlan:
+            memory: Memory | None = None, weights: int | None = None) -> KvPlan:
     """The KV cache of `models` ((config, dtype) pairs: the LLM's, then every co-located SSM's;
     each holds a cache of the same number of slots) on `device`. `budget` is (tokens, bytes) as
     given (`limits.parse_kv_budget`; (0, 0): the default, sized from the memory free on `device`
     now, before the weights load, or `memory`). `request_tokens` is what the longest allowed
-    request reserves, `max_batch` how many run at once."""
+    request reserves, `max_batch` how many run at once; `weights` what the models' weights take once
+    loaded (`weight_bytes`; default: their parameters at their dtypes' element sizes)."""
     is_cuda = str(device).startswith("cuda")
     per_token = sum(cfg.kv_bytes_per_token(element_size(dtype)) for cfg, dtype in models)
     tokens, num_bytes = budget
@@ -156,7 +226,8 @@ def plan_kv(models: Sequence[tuple[ModelConfig, str]], device: str = "cpu", budg
         fraction = DEFAULT_KV_MEMORY_FRACTION_CUDA if is_cuda else DEFAULT_KV_MEMORY_FRACTION_CPU
     if not 0.0 < fraction <= 1.0:
         raise UserError(f"--kv-memory-fraction must be in (0, 1], got {fraction}")
-    weights = sum(num_parameters(cfg) * element_size(dtype) for cfg, dtype in models)
+    if weights is None:
+        weights = sum(num_parameters(cfg) * element_size(dtype) for cfg, dtype in models)
     memory = memory or device_memory(device)
     room = max(0, memory.free_bytes - weights)
     tokens = int(fraction * room) // per_token
