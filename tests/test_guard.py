@@ -11,11 +11,13 @@ TREE = (2, 1, 1)
 choose_tree = lambda: TREE  # noqa: E731 - the policy's choice
 
 
-def simulate(guard: SpeculationGuard, rate_of, num_steps: int, batch_size: int = 4, seed: int = 0):
+def simulate(guard: SpeculationGuard, rate_of, num_steps: int, batch_size: int = 4, seed: int = 0,
+             pool_of=lambda i: ()):
     """Steps of `batch_size` interleaved requests; each step's seconds follow its arm's true rate
-    (tokens per second, with 10% noise). Returns the arms the steps actually used."""
+    (tokens per second, with 10% noise); request i names pool `pool_of(i)`. Returns the arms the
+    steps actually used."""
     rng = random.Random(seed)
-    pending = [guard.plan(batch_size, choose_tree) for _ in range(batch_size)]
+    pending = [guard.plan(batch_size, choose_tree, pool_of(i)) for i in range(batch_size)]
     used = []
     for i in range(num_steps):
         widths, ticket = pending[i % batch_size]
@@ -23,7 +25,7 @@ def simulate(guard: SpeculationGuard, rate_of, num_steps: int, batch_size: int =
         tokens = 3 if widths else 1
         guard.observe(ticket, tokens, tokens / rate_of(arm, i) * rng.uniform(0.9, 1.1))
         used.append(arm)
-        pending[i % batch_size] = guard.plan(batch_size, choose_tree)
+        pending[i % batch_size] = guard.plan(batch_size, choose_tree, pool_of(i % batch_size))
     return used
 
 
@@ -49,6 +51,20 @@ def test_guard_keeps_the_policy_where_it_is_faster():
     late = simulate(guard, rate, 4000)[1000:]
     assert late.count(POLICY) / len(late) > 0.9
     assert throughput(late, rate) > 0.97 * 140.0
+
+
+def test_each_pool_keeps_its_own_verdict():
+    """Requests naming a pool whose drafts lose are kept plain while those of a pool whose drafts
+    win keep speculating, in the same batches."""
+    pools = [("weak",), ("weak",), (), ()]
+    rate = lambda arm, i: 100.0 if arm == PLAIN else (68.0 if i % 4 < 2 else 140.0)  # noqa: E731
+    guard = SpeculationGuard()
+    used = simulate(guard, rate, 8000, pool_of=lambda i: pools[i])[2000:]
+    weak = [a for i, a in enumerate(used) if i % 4 < 2]
+    strong = [a for i, a in enumerate(used) if i % 4 >= 2]
+    assert weak.count(POLICY) / len(weak) < 0.05 and strong.count(POLICY) / len(strong) > 0.9
+    assert guard.rates(4, ("weak",))[PLAIN] > guard.rates(4, ("weak",))[POLICY]
+    assert guard.rates(4)[POLICY] > guard.rates(4)[PLAIN]
 
 
 def test_guard_follows_a_change_of_conditions():

@@ -108,7 +108,7 @@ class WidthChoice:
         choose = lambda: self.policy.choose(batch_size, self.is_greedy, self.pool)  # noqa: E731
         if self.guard is None:  # the policy unchecked
             return choose()
-        plan, self.ticket = self.guard.plan(batch_size, choose)
+        plan, self.ticket = self.guard.plan(batch_size, choose, self.pool)
         return plan
 
 

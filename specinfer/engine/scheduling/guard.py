@@ -2,13 +2,15 @@
 
 SpecInfer's gains shrink as the batch grows (Section 6.2, Figure 10), and past some batch size
 speculation costs more than it wins. `LoadAwarePolicy` predicts that point from a cost model of
-LLM passes and a fitted speculation cost. In a service some costs stay outside any such model:
-per-step Python and RPC work in every request thread, requests falling out of step so that one
-batch of B trees becomes several smaller passes, CPU contention between processes. The guard
-measures what the model cannot see.
+LLM passes and a fitted speculation cost. Some costs stay outside any such model: per-step
+Python and RPC work in every request thread, requests falling out of step so that one batch of B
+trees becomes several smaller passes, CPU contention between processes, and even in one process a
+pass whose time the calibration misjudges, or drafts that accept so little that their margin is
+within the model's error. The guard measures what the model cannot see; the engine has one
+unless its config says otherwise, in the services and in process alike.
 
-For each batch-size bucket it runs the two arms, "as the policy chooses" and "plain decoding", in
-phases, for all requests of that bucket at once (so that a phase measures the arm in its own
+For each batch-size bucket (and each pool that requests name) it runs the two arms, "as the
+policy chooses" and "plain decoding", in phases, for all requests of that bucket at once (so that a phase measures the arm in its own
 conditions, not one request's plain step inside a batch of trees). A phase lasts several steps of
 every request and a fixed amount of wall time, so a retry of the worse arm costs a fixed share of
 time however slow its steps are. A phase's rate is output tokens per second of request time. The
@@ -53,10 +55,11 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class Ticket:
-    """Which bucket, phase and arm one step's widths were planned under."""
+    """Which bucket (of which pool), phase and arm one step's widths were planned under."""
     bucket: int
     phase: int
     arm: str
+    pool: tuple[str, ...] = ()
 
 
 class SpeculationGuard:
@@ -73,7 +76,7 @@ class SpeculationGuard:
         self.num_bootstrap = num_bootstrap  # phases of each arm, alternating, before either is preferred
         self.max_explore_s = max_explore_s  # the losing arm is retried at least this often (bucket time)
         self.max_age_s = max_age_s  # a phase older than this is forgotten (measured under other load)
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[tuple[str, ...], int], _Bucket] = {}  # (pool, bucket) -> its arms
         self._lock = threading.Lock()
 
     @staticmethod
@@ -86,24 +89,26 @@ class SpeculationGuard:
         """The largest batch size in a bucket."""
         return 1 << bucket
 
-    def plan(self, batch_size: int, choose: Callable[[], Any]) -> tuple[Any, Ticket]:
+    def plan(self, batch_size: int, choose: Callable[[], Any], pool: tuple[str, ...] = ()) -> tuple[Any, Ticket]:
         """The tree to use (`choose()`, the policy's: widths or a budget; or () in a plain phase)
-        and the step's ticket."""
+        and the step's ticket. Requests that name a pool of their own (() : the whole pool) are
+        measured apart: their drafts speculate at their own rates."""
         key = self.bucket_of(batch_size)
         with self._lock:
-            bucket = self._buckets.get(key)
+            bucket = self._buckets.get((pool, key))
             if bucket is None:
                 # Speculation pays less as the batch grows: where a smaller batch already measured plain
                 # decoding faster, start plain and only retry the policy (no alternating bootstrap).
-                prior = self._prior_arm(key)
-                bucket = self._buckets[key] = _Bucket(arm=prior, best=prior, is_bootstrapping=prior == POLICY,
-                                                      explore_interval=self.min_explore_interval)
-            ticket = Ticket(key, bucket.phase, bucket.arm)
+                prior = self._prior_arm(pool, key)
+                bucket = self._buckets[(pool, key)] = _Bucket(arm=prior, best=prior,
+                                                              is_bootstrapping=prior == POLICY,
+                                                              explore_interval=self.min_explore_interval)
+            ticket = Ticket(key, bucket.phase, bucket.arm, pool)
         return (choose() if ticket.arm == POLICY else ()), ticket
 
-    def _prior_arm(self, key: int) -> str:
-        smaller = [k for k, b in self._buckets.items() if k < key and not b.is_bootstrapping]
-        return self._buckets[max(smaller)].best if smaller else POLICY
+    def _prior_arm(self, pool: tuple[str, ...], key: int) -> str:
+        smaller = [k for (p, k), b in self._buckets.items() if p == pool and k < key and not b.is_bootstrapping]
+        return self._buckets[(pool, max(smaller))].best if smaller else POLICY
 
     def _is_measured(self, bucket: _Bucket) -> bool:
         return all(len(bucket.recent[arm]) >= self.num_bootstrap for arm in (POLICY, PLAIN))
@@ -120,7 +125,7 @@ class SpeculationGuard:
     def observe(self, ticket: Ticket, num_tokens: int, seconds: float) -> None:
         """One request step planned under `ticket`: tokens it produced and its wall time."""
         with self._lock:
-            bucket = self._buckets.get(ticket.bucket)
+            bucket = self._buckets.get((ticket.pool, ticket.bucket))
             if bucket is None or ticket.phase != bucket.phase or seconds <= 0:
                 return  # planned before the current phase began: it measured the previous arm
             batch = self.batch_of(ticket.bucket)
@@ -131,10 +136,10 @@ class SpeculationGuard:
             if bucket.seconds >= self.phase_seconds * batch and bucket.num_steps >= self.steps_per_request * batch:
                 self._end_phase(ticket.bucket, bucket)
 
-    def rates(self, batch_size: int) -> dict[str, float]:
-        """Measured rates (tokens/s per request) of the arms at this batch size."""
+    def rates(self, batch_size: int, pool: tuple[str, ...] = ()) -> dict[str, float]:
+        """Measured rates (tokens/s per request) of the arms at this batch size for this pool."""
         with self._lock:
-            bucket = self._buckets.get(self.bucket_of(batch_size))
+            bucket = self._buckets.get((pool, self.bucket_of(batch_size)))
             return self._rates(bucket) if bucket else {}
 
     def _end_phase(self, key: int, bucket: _Bucket) -> None:
