@@ -20,6 +20,9 @@ import torch.nn.functional as F
 from specinfer.engine.layers.cpu_gemm import BlockCodes
 
 
+CHECK_ROWS = 2048  # rows rebuilt at a time while checking the codes against the table
+
+
 @dataclass(frozen=True)
 class CodedTable:
     """An embedding table (num_tokens, hidden) as int8 codes and per-block float32 scales and offsets."""
@@ -51,9 +54,11 @@ def coded_table(weight: torch.Tensor) -> CodedTable | None:
     codes: BlockCodes | None = getattr(weight, "block_codes", None)
     if weight.dtype != torch.float32 or codes is None or codes.codes.shape != weight.shape:
         return None
-    values = codes.values()
-    if values is None or not torch.equal(values, weight):
-        return None
+    for start in range(0, weight.shape[0], CHECK_ROWS):  # a few MB at a time, not another table
+        rows = slice(start, start + CHECK_ROWS)
+        values = codes.rows(rows).values()
+        if values is None or not torch.equal(values, weight[rows]):
+            return None
     return CodedTable(codes.codes.to(torch.int8).contiguous(), codes.scales.float().contiguous(),
                       codes.offsets.float().contiguous(), codes.block)
 
