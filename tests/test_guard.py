@@ -113,21 +113,3 @@ def test_one_odd_phase_cannot_flip_the_choice():
     assert guard.rates(1) == {POLICY: 140.0, PLAIN: 100.0}
     assert guard.plan(1, choose_tree)[0] == TREE
 
-
-
-def test_a_predicted_plain_rate_spares_plain_phases_where_the_policy_clearly_wins():
-    """With plain decoding's rate predicted (the policy's cost model), a new bucket starts with the
-    policy alone: where its measured rate is clearly above the prediction no plain phase is run at
-    all, and where it is not, plain decoding is measured at once and kept if faster."""
-    predicted = lambda _batch: 100.0  # noqa: E731 - plain decoding's true rate too
-    winning = lambda arm, _i: 140.0 if arm == POLICY else 100.0  # noqa: E731
-    used = simulate(SpeculationGuard(plain_rate=predicted), winning, 4000)
-    assert used.count(PLAIN) == 0
-    losing = lambda arm, _i: 100.0 if arm == PLAIN else 95.0  # noqa: E731 - within the prediction's margin
-    guard = SpeculationGuard(plain_rate=predicted)
-    used = simulate(guard, losing, 4000)
-    assert PLAIN in used[:200]  # measured after the policy's first phase, not after a bootstrap
-    assert used[1000:].count(POLICY) / 3000 < 0.05
-    assert guard.rates(4)[PLAIN] > guard.rates(4)[POLICY]
-    unknown = lambda _batch: None  # noqa: E731 - no cost model yet: the measured arms alone
-    assert simulate(SpeculationGuard(plain_rate=unknown), winning, 4000)[1000:].count(POLICY) / 3000 > 0.9

@@ -207,7 +207,7 @@ class Engine:
         self.max_context = max_context or llm.max_context
         self.load_policy: LoadAwarePolicy | None = None  # built on first load-aware use
         self.cost_model: CostModel | None = None
-        self.guard = SpeculationGuard(plain_rate=self._plain_rate) if cfg.is_guarded else None
+        self.guard = SpeculationGuard() if cfg.is_guarded else None
         if isinstance(source, LocalSpeculation):  # a co-located pool drafts on the LLM's thread
             source.run_drafting = self.scheduler.run_drafting
 
@@ -369,11 +369,6 @@ class Engine:
             self.load_policy = LoadAwarePolicy(self.calibrate(), self.cfg.max_tree_nodes, self.cfg.max_tree_depth,
                                                free_members=tuple(n for n in names if n in limits.MODEL_FREE_NAMES))
         return self.load_policy
-
-    def _plain_rate(self, batch_size: int) -> float | None:
-        """Plain decoding's rate at this load as the policy's cost model predicts it (the guard's
-        bar for the policy's measured phases); None before the policy exists."""
-        return self.load_policy.plain_rate(batch_size) if self.load_policy is not None else None
 
 
 POLL_S = 0.05

@@ -33,7 +33,6 @@ from typing import Any
 from dataclasses import dataclass, field
 
 POLICY, PLAIN = "policy", "plain"
-CLEAR_MARGIN = 1.15  # the policy measured this much above plain decoding's predicted rate needs no plain phase
 log = logging.getLogger(__name__)
 
 
@@ -68,8 +67,7 @@ class SpeculationGuard:
 
     def __init__(self, phase_seconds: float = 0.2, steps_per_request: int = 4, min_explore_interval: int = 8,
                  max_explore_interval: int = 32, num_recent: int = 5, num_bootstrap: int = 3,
-                 max_explore_s: float = 4.0, max_age_s: float = 8.0,
-                 plain_rate: Callable[[int], float | None] | None = None):
+                 max_explore_s: float = 4.0, max_age_s: float = 8.0):
         self.phase_seconds = phase_seconds  # wall time per phase (request time / batch size)
         self.steps_per_request = steps_per_request  # and at least this many steps per request
         self.min_explore_interval = min_explore_interval  # after a retry that won (and at first)
@@ -78,10 +76,6 @@ class SpeculationGuard:
         self.num_bootstrap = num_bootstrap  # phases of each arm, alternating, before either is preferred
         self.max_explore_s = max_explore_s  # the losing arm is retried at least this often (bucket time)
         self.max_age_s = max_age_s  # a phase older than this is forgotten (measured under other load)
-        # Plain decoding's predicted rate at a batch size (tokens/s per request; None: not known yet),
-        # where a cost model gives it: a new bucket starts with the policy alone, and plain phases
-        # are run only while the policy's measured rate is not clearly above that prediction.
-        self.plain_rate = plain_rate
         self._buckets: dict[tuple[tuple[str, ...], int], _Bucket] = {}  # (pool, bucket) -> its arms
         self._lock = threading.Lock()
 
@@ -107,7 +101,7 @@ class SpeculationGuard:
                 # decoding faster, start plain and only retry the policy (no alternating bootstrap).
                 prior = self._prior_arm(pool, key)
                 bucket = self._buckets[(pool, key)] = _Bucket(arm=prior, best=prior,
-                                                              is_bootstrapping=prior == POLICY and self.plain_rate is None,
+                                                              is_bootstrapping=prior == POLICY,
                                                               explore_interval=self.min_explore_interval)
             ticket = Ticket(key, bucket.phase, bucket.arm, pool)
         return (choose() if ticket.arm == POLICY else ()), ticket
@@ -165,15 +159,8 @@ class SpeculationGuard:
                                            else min(2 * bucket.explore_interval, self.max_explore_interval))
                 bucket.is_exploring = False
             bucket.num_phases_since_explore += 1
-            predicted = self.plain_rate(self.batch_of(key)) if self.plain_rate is not None else None
-            if predicted is not None and best == POLICY and rates[POLICY] > CLEAR_MARGIN * predicted:
-                is_due = False  # the policy clearly beats plain decoding's prediction: no plain phase to pay
-            elif predicted is not None and best == POLICY and PLAIN not in rates:
-                is_due = True  # not clearly: measure plain decoding now
-            else:
-                is_due = (bucket.num_phases_since_explore >= bucket.explore_interval
-                          or (best == PLAIN and bucket.elapsed - bucket.explored_at >= self.max_explore_s))
-            if is_due:
+            if (bucket.num_phases_since_explore >= bucket.explore_interval
+                    or (best == PLAIN and bucket.elapsed - bucket.explored_at >= self.max_explore_s)):
                 next_arm = PLAIN if best == POLICY else POLICY
                 bucket.is_exploring, bucket.num_phases_since_explore = True, 0
                 bucket.explored_at = bucket.elapsed

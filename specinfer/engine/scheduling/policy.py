@@ -361,10 +361,6 @@ class LoadAwarePolicy:
         tangent = self.cost.seconds(tokens + batch) - self.cost.seconds(tokens)
         return max(0.0, secant, tangent)
 
-    def plain_rate(self, batch_size: int) -> float:
-        """Plain decoding's predicted rate at this load: tokens per second per request."""
-        return 1.0 / (self.cost.seconds(max(1, batch_size)) + self.step_overhead_s)
-
     def choose(self, batch_size: int, is_greedy: bool = True, pool: tuple[str, ...] = ()) -> TreeBudget | tuple[()]:
         """This step's budget, or () for plain decoding where speculating does not pay at this load
         for this pool (unless a probe of speculation is due)."""
@@ -374,7 +370,7 @@ class LoadAwarePolicy:
             budget = self._budget(batch, stats)
             if budget.node_cost >= 1.0:  # no node can pay: one brings a token at most, for a step's time
                 return ()
-            plain_rate = self.plain_rate(batch)
+            plain_rate = 1.0 / (self.cost.seconds(batch) + self.step_overhead_s)
             free = self.free_stats(batch, is_greedy, pool)
             now = self.clock()
             if self._rate(batch, stats, free) > plain_rate or self._probe_left:
