@@ -1,16 +1,16 @@
 """How the dynamic trees spend their steps, arm by arm: the demo's bench arms (or the model-free
-members alone, `free`; the defaults without the measured guard, `unguarded`), each run over the
+members alone, `free`; the defaults under the services' measured guard, `guarded`), each run over the
 prompts in turn instead of interleaved prompt by prompt as `specinfer bench` does, with what every
 speculative step drafted.
 
-    python scripts/sampled_policy_probe.py [--temperature 0.7] [--arms incremental,suffix,defaults,free,unguarded]
+    python scripts/sampled_policy_probe.py [--temperature 0.7] [--arms incremental,suffix,defaults,free,guarded]
         [--rounds 2] [--num-prompts 8] [--max-new-tokens 64] [--llm L --ssm S ...]
 
 For each arm and round it prints tokens a step, milliseconds a token, and, of the steps the
 load-aware policy speculated, the tokens accepted and the nodes drafted on average and how many
 ran each number of SSM levels; then the SSMs' calibration cells for the decoding it ran (greedy or
 sampled) with at least three observations. The arms share one engine (and so the calibration and
-the drafting-cost fit), as in `specinfer bench`, but each arm its own guard. It writes nothing.
+the drafting-cost fit), as in `specinfer bench`. It writes nothing.
 """
 
 from __future__ import annotations
@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ssm_names = tuple(n for n in engine.source.names if n not in model_free)
     arms = bench._arms(bench_args, ssm_names, model_free, is_tp1=False)
     arms["free"] = ("auto", model_free)
-    arms["unguarded"] = arms["defaults"]  # the defaults without the engine's measured guard
-    # Every other arm has a guard of its own, as an engine serving that arm alone would.
-    guards = {name: None if name == "unguarded" else SpeculationGuard() for name in arms}
+    arms["guarded"] = arms["defaults"]  # the defaults under a measured guard of their own, as the services run them
+    guards = {name: SpeculationGuard() if name == "guarded" else None for name in arms}
     shape = bench.tree_shape(bench_args)
     for name in args.arms.split(","):
         if name not in arms:

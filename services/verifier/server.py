@@ -336,7 +336,7 @@ def _serve(cfg: VerifierConfig, runner, exporter, is_worker_threaded: bool) -> t
                                                                    prefer=cfg.dtype, cache_dir=cfg.cache_dir,
                                                                    suffix_cache_tokens=cfg.suffix_cache_tokens))
     engine_cfg = EngineConfig(default_shape=TreeShape(cfg.tree_width, cfg.max_tree_nodes),
-                              is_load_aware=cfg.is_load_aware,
+                              is_load_aware=cfg.is_load_aware, is_guarded=True,
                               scheduler=SchedulerConfig(max_batch=cfg.max_batch, token_budget=cfg.token_budget,
                                                         max_waiting=cfg.max_waiting, max_sessions=cfg.max_sessions,
                                                         is_prefix_caching=cfg.is_prefix_caching,

@@ -48,7 +48,10 @@ class EngineConfig:
     is_load_aware: bool = True
     max_tree_nodes: int = limits.DYNAMIC_MAX_NODES
     max_tree_depth: int = limits.DYNAMIC_MAX_DEPTH
-    is_guarded: bool = True  # a measured guard keeps load-aware speculation from running slower than plain
+    # A measured guard keeps load-aware speculation from running slower than plain decoding: the
+    # services have one (a long life amortises its phases of plain decoding); in process it costs
+    # more than it saves (BENCHMARKS.md, "The measured guard in process, tried").
+    is_guarded: bool = False
     # Inline, nothing else can free memory, so a request that does not fit fails at once.
     scheduler: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(admission_timeout_s=0.0))
 

@@ -6,8 +6,8 @@ LLM passes and a fitted speculation cost. Some costs stay outside any such model
 Python and RPC work in every request thread, requests falling out of step so that one batch of B
 trees becomes several smaller passes, CPU contention between processes, and even in one process a
 pass whose time the calibration misjudges, or drafts that accept so little that their margin is
-within the model's error. The guard measures what the model cannot see; the engine has one
-unless its config says otherwise, in the services and in process alike.
+within the model's error. The guard measures what the model cannot see; the verifier's engine
+has one (in process, where runs are short, its phases of plain decoding cost more than they save).
 
 For each batch-size bucket (and each pool that requests name) it runs the two arms, "as the
 policy chooses" and "plain decoding", in phases, for all requests of that bucket at once (so that a phase measures the arm in its own
