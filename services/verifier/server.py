@@ -304,19 +304,17 @@ def kv_plan(cfg: VerifierConfig, num_ranks: int = 1):
     models = [(shard_config(llm_cfg, num_ranks), cfg.dtype)] + [(ModelConfig.from_dir(d), ssm_dtype) for d in ssm_dirs]
     context = llm_cfg.max_context
     request_tokens = min(context, cfg.limits.max_prompt_tokens + cfg.limits.max_new_tokens) + cfg.max_tree_nodes
-    memory = None
+    memory = weights = None
     if cfg.kv_budget == (0, 0):
         memory = device_memory(device)
         if num_ranks > 1:
             share = memory.total_bytes // (1 if device.startswith("cuda") else num_ranks)
             memory = Memory(share, share, f"{memory.where} (one rank's share of the total)")
-    # What the weights take once loaded (a GGUF's block codes stay codes on a CPU); a rank's shard
-    # of a tensor-parallel model is counted from its config.
-    weights = None
-    if num_ranks == 1:
-        ssm_weights = cfg.ssm_dtype if cfg.ssm_dtype == Q8_DTYPE else ssm_dtype
-        weights = weight_bytes(cfg.model_dir, cfg.dtype, device) + sum(
-            weight_bytes(d, ssm_weights, device) for d in ssm_dirs)
+        else:  # the weights as they will be held (a GGUF's block codes stay codes on a CPU); a
+            # tensor-parallel rank's shard is counted from its config
+            ssm_weights = cfg.ssm_dtype if cfg.ssm_dtype == Q8_DTYPE else ssm_dtype
+            weights = weight_bytes(cfg.model_dir, cfg.dtype, device) + sum(
+                weight_bytes(d, ssm_weights, device) for d in ssm_dirs)
     return plan_kv(models, device, cfg.kv_budget, cfg.kv_memory_fraction, request_tokens, cfg.max_batch, memory,
                    weights)
 

@@ -38,10 +38,10 @@ class CodedTable:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 rows of `ids`: codes times scales (exact), plus offsets (one rounding)."""
-        n = ids.numel()
-        codes = self.codes.index_select(0, ids.reshape(-1)).view(n, -1, self.block)
-        products = codes.float() * self.scales.index_select(0, ids.reshape(-1)).unsqueeze(-1)
-        values = products + self.offsets.index_select(0, ids.reshape(-1)).unsqueeze(-1)
+        flat = ids.reshape(-1)
+        codes = self.codes.index_select(0, flat).view(flat.numel(), -1, self.block)
+        products = codes.float() * self.scales.index_select(0, flat).unsqueeze(-1)
+        values = products + self.offsets.index_select(0, flat).unsqueeze(-1)
         return values.view(*ids.shape, self.codes.shape[1])
 
     def nbytes(self) -> int:
