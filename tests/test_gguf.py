@@ -667,3 +667,84 @@ def test_the_memory_plan_counts_a_gguf_s_weights_as_they_load(models, k_quant_mo
     float32 = num_parameters(ModelConfig.from_dir(path)) * 4
     assert 0.99 * held <= estimate <= 1.25 * held
     assert estimate < (0.7 if qtype == "F16" else 0.45) * float32
+
+
+# ---- loading a weight at a time ------------------------------------------------------------------
+
+
+def _reads_alive(monkeypatch, handle_cls) -> tuple[list, list[int]]:
+    """Records every matrix `handle_cls.get_tensor` returns (weakly), and before each read how
+    many of the matrices read so far are still alive in their read form."""
+    import weakref
+
+    reads, counts = [], []
+    original = handle_cls.get_tensor
+
+    def get_tensor(self, name):
+        counts.append(sum(1 for r in reads if r() is not None))
+        t = original(self, name)
+        if t.ndim == 2:
+            reads.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(handle_cls, "get_tensor", get_tensor)
+    return reads, counts
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "K", "tied directory"])
+def test_a_model_loads_holding_one_matrix_at_a_time_in_its_read_form(models, k_quant_model, tmp_path,
+                                                                     monkeypatch, kind):
+    """`ModelRunner.from_dir` lays each weight out before it reads the next: while it loads, at
+    most the embedding and two parts of a fused matrix are alive as read (a GGUF's dequantized
+    float32), and once loaded none is but those the model holds as they are. Reading the whole
+    state dict first (as before) keeps them all, which this measure sees."""
+    from specinfer.engine.models.checkpoint import SafetensorsFile, engine_weights, load_state_dict
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.models.gguf import GGUFTensors
+    from specinfer.engine.runtime.runner import ModelRunner
+
+    if kind == "tied directory":
+        path, handle_cls = save_tiny_llama(tmp_path / "tied", vocab=VOCAB, hidden=64, layers=3, tie=True, seed=5), \
+            SafetensorsFile
+    else:
+        path, handle_cls = (k_quant_model[0] if kind == "K" else models[kind][0]), GGUFTensors
+    reads, counts = _reads_alive(monkeypatch, handle_cls)
+    runner = ModelRunner.from_dir(path, "float32", "cpu", 64)
+    held = {id(t) for t in runner.model.w.values()}
+    assert len(reads) > 6 and max(counts) <= 3, counts
+    assert all(r() is None or id(r()) in held for r in reads)
+
+    reads.clear(), counts.clear()
+    ModelRunner.from_weights(ModelConfig.from_dir(path), engine_weights(ModelConfig.from_dir(path),
+                                                                        load_state_dict(path)), "float32", "cpu", 64)
+    assert max(counts) > 6  # the measure's teeth: a whole state dict read first holds every matrix
+
+
+def test_read_and_checked_in_chunks_the_weights_are_the_same(models, k_quant_model, monkeypatch):
+    """Block types are dequantized, their codes taken, and `pack`'s check of the codes run a few
+    rows at a time; with chunks of one row each the tensors, their codes and the logits are
+    bitwise what whole tensors give, and a code wrong in the last row is still caught."""
+    from specinfer.engine.layers import cpu_gemm, linear
+    from specinfer.engine.models import gguf as gguf_module
+    from specinfer.engine.models.checkpoint import load_state_dict
+
+    paths = [models[q][0] for q in ("Q4_0", "Q4_1", "Q5_1", "Q8_0")] + [k_quant_model[0]]
+    whole = {p: load_state_dict(p) for p in paths}
+    logits = {p: logits_of(p) for p in paths}
+    monkeypatch.setattr(gguf_module, "CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(linear, "CHECK_ELEMENTS", 1)
+    for p in paths:
+        chunked = load_state_dict(p)
+        for name, t in whole[p].items():
+            assert torch.equal(chunked[name], t), (p.name, name)
+            if t.ndim == 2:
+                a, b = chunked[name].block_codes, t.block_codes
+                assert a.block == b.block and all(torch.equal(getattr(a, f), getattr(b, f))
+                                                  for f in ("codes", "scales", "offsets")), (p.name, name)
+        assert torch.equal(logits_of(p), logits[p])
+    weight = whole[paths[0]]["model.layers.0.mlp.down_proj.weight"]
+    codes = weight.block_codes
+    assert linear._defines(codes, weight)
+    wrong = codes.codes.clone()
+    wrong[-1, -1] += 1
+    assert not linear._defines(cpu_gemm.BlockCodes(wrong, codes.scales, codes.offsets, codes.block), weight)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -18,7 +20,7 @@ import torch
 
 from specinfer.engine.models.config import ModelConfig, family_of
 from specinfer.engine.models.gguf import GGUFTensors
-from specinfer.engine.models.hf import decoder_weights
+from specinfer.engine.models.hf import check_layout, decoder_layout, decoder_weights, fuse
 from specinfer.errors import UserError
 from specinfer.limits import MODEL_DTYPES, Q8_DTYPE
 from specinfer.model_source import ModelSource, resolve
@@ -108,6 +110,9 @@ class SafetensorsFile:
     def get_tensor(self, name: str) -> torch.Tensor:
         return self._read(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entries[name]["shape"])
+
     def get_slice(self, name: str) -> "_Slice":
         return _Slice(self, name)
 
@@ -174,10 +179,70 @@ def load_state_dict(model: str | Path | ModelSource, dtype: torch.dtype | None =
     return tensors
 
 
+def _prefixed(keys) -> dict[str, str]:
+    """Each stored tensor name under the name with the `model.` prefix (some exports drop it)."""
+    keys = list(keys)
+    if "model.embed_tokens.weight" not in keys and "embed_tokens.weight" in keys:
+        return {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): k for k in keys}
+    return {k: k for k in keys}
+
+
 def engine_weights(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Renames HF tensors to the runner's fused layout (`hf.py`), by the checkpoint's family,
     and checks that nothing is missing."""
-    # Some exports drop the `model.` prefix.
-    if "model.embed_tokens.weight" not in state and "embed_tokens.weight" in state:
-        state = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in state.items()}
+    state = {name: state[stored] for name, stored in _prefixed(state).items()}
     return decoder_weights(cfg, state, family_of(cfg).tensors)
+
+
+class StreamedWeights(Mapping):
+    """A checkpoint's weights in the runner's fused layout, each read (a GGUF's dequantized) when
+    it is asked for and not kept: a model that lays each weight out as it takes it
+    (`DecoderModel`) holds at most one of them beyond its own at a time, where a state dict holds
+    them all (for a quantized GGUF, all in float32). A tensor that serves two weights (a tied
+    head) is read once and kept until both have taken it."""
+
+    def __init__(self, cfg: ModelConfig, handles: dict[str, object]):
+        self.handles = handles
+        self.stored = _prefixed(handles)
+        self.layout = decoder_layout(cfg, self.stored, family_of(cfg).tensors)
+        check_layout(cfg, self.layout, lambda name: self._handle(name).shape(self.stored[name]))
+        uses: dict[tuple[str, ...], int] = {}
+        for hf_names in self.layout.values():
+            uses[hf_names] = uses.get(hf_names, 0) + 1
+        self._shared = {hf_names: [n, None] for hf_names, n in uses.items() if n > 1}  # [takers left, tensor]
+
+    def _handle(self, name: str):
+        return self.handles[self.stored[name]]
+
+    def __getitem__(self, engine_name: str) -> torch.Tensor:
+        hf_names = self.layout[engine_name]
+        shared = self._shared.get(hf_names)
+        if shared is not None and shared[1] is not None:
+            tensor = shared[1]
+        else:
+            tensor = fuse([self._handle(name).get_tensor(self.stored[name]) for name in hf_names])
+        if shared is not None:
+            shared[0] -= 1
+            shared[1] = tensor if shared[0] > 0 else None
+        return tensor
+
+    def __iter__(self):
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+
+@contextmanager
+def stream_weights(model: str | Path | ModelSource, cfg: ModelConfig,
+                   dtype: torch.dtype | None = None) -> Iterator[StreamedWeights]:
+    """The checkpoint's weights as `StreamedWeights`, its files open while the block runs: a
+    GGUF's tensors dequantized to `dtype` (see `load_state_dict`), a checkpoint directory's in
+    their stored dtype."""
+    source = resolve(model)
+    with ExitStack() as stack:
+        if source.is_gguf:
+            files = [stack.enter_context(GGUFTensors(source, dtype))]
+        else:
+            files = [stack.enter_context(SafetensorsFile(path)) for path in safetensors_files(source.path)]
+        yield StreamedWeights(cfg, {name: f for f in files for name in f.keys()})

@@ -78,6 +78,9 @@ class GGUFTensors:
     def get_slice(self, name: str) -> "_Slice":
         return _Slice(self, name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.entries[name].shape)
+
 
 class _Slice:
     """`get_slice(name)[rows]`, as safetensors offers it: the whole tensor is dequantized (blocks
@@ -90,22 +93,38 @@ class _Slice:
         return self.tensors.get_tensor(self.name)[index].clone()
 
 
+CHUNK_ELEMENTS = 1 << 22  # a block-quantized tensor is dequantized this many elements (whole rows) at a time
+
+
 def dequantize(raw: np.ndarray, entry: TensorEntry) -> torch.Tensor:
     """One tensor's bytes as a tensor of `entry.shape`: F32, F16 and BF16 as stored, every block
-    type as float32."""
+    type as float32. A block type's rows are dequantized (and their codes taken) a few million
+    elements at a time, into the result: gguf-py's arithmetic makes several temporaries the size
+    of its input, which for a whole embedding would take several times the result's memory."""
     shape = entry.shape
     if entry.ggml_type in FLOAT_TYPES:
         np_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.int16}[entry.ggml_type]
         tensor = torch.from_numpy(np.array(raw.view(np_dtype)).reshape(shape))
         return tensor.view(torch.bfloat16) if entry.ggml_type == "BF16" else tensor
     qtype = GGMLQuantizationType[entry.ggml_type]
-    blocks = np.asarray(raw).reshape(quant_shape_to_byte_shape(shape, qtype))
-    tensor = torch.from_numpy(np.ascontiguousarray(dequantize_blocks(blocks, qtype)).reshape(shape))
-    if len(shape) == 2 and entry.ggml_type in CODED_TYPES:
-        codes, scales, offsets, block = CODED_TYPES[entry.ggml_type](blocks.reshape(-1, GGML_QUANT_SIZES[qtype][1]))
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    num_rows, row = (shape[0], int(np.prod(shape[1:]))) if len(shape) > 1 else (1, shape[0])
+    rows = np.asarray(raw).reshape(quant_shape_to_byte_shape((num_rows, row), qtype))
+    out = np.empty((num_rows, row), dtype=np.float32)
+    coded = CODED_TYPES.get(entry.ggml_type) if len(shape) == 2 else None
+    parts = []
+    step = max(1, CHUNK_ELEMENTS // row)
+    for start in range(0, num_rows, step):
+        blocks = rows[start:start + step]
+        out[start:start + step] = dequantize_blocks(blocks, qtype).reshape(-1, row)
+        if coded is not None:
+            parts.append(coded(blocks.reshape(-1, block_bytes)))
+    tensor = torch.from_numpy(out.reshape(shape))
+    if coded is not None:
+        codes, scales, offsets = (np.concatenate([p[i] for p in parts]) for i in range(3))
         tensor.block_codes = BlockCodes(torch.from_numpy(codes.reshape(shape)),
                                         torch.from_numpy(scales.reshape(shape[0], -1)),
-                                        torch.from_numpy(offsets.reshape(shape[0], -1)), block)
+                                        torch.from_numpy(offsets.reshape(shape[0], -1)), parts[0][3])
     return tensor
 
 

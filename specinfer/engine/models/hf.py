@@ -211,47 +211,69 @@ def longrope_attention_factor(rope: RopeConfig, max_position_embeddings: int) ->
 # ---- tensors ---------------------------------------------------------------------------------------
 
 
-def decoder_weights(cfg, state: dict[str, torch.Tensor], names: LayerTensors) -> dict[str, torch.Tensor]:
-    """HF tensors (with the `model.` prefix) -> the engine's fused layout; a missing tensor is a
-    UserError naming it. `cfg` is the checkpoint's ModelConfig."""
-    import torch  # here alone: the rest of this module parses configs, which torch-free processes do
+def decoder_layout(cfg, keys, names: LayerTensors) -> dict[str, tuple[str, ...]]:
+    """The engine's fused layout over a checkpoint's tensor names `keys` (with the `model.`
+    prefix): each engine weight's HF tensors, stacked by rows in this order (one name: taken as
+    it is). A missing tensor is a UserError naming it. `cfg` is the checkpoint's ModelConfig."""
+    keys = set(keys)
 
-    def take(name: str) -> torch.Tensor:
-        if name not in state:
-            raise UserError(f"checkpoint is missing tensor {name!r}")
-        return state[name]
+    def take(*hf_names: str) -> tuple[str, ...]:
+        for name in hf_names:
+            if name not in keys:
+                raise UserError(f"checkpoint is missing tensor {name!r}")
+        return hf_names
 
-    def fused(prefix: str, parts: tuple[str, ...], suffix: str) -> torch.Tensor:
-        tensors = [take(f"{prefix}{part}.{suffix}") for part in parts]
-        if len(tensors) == 1:
-            return tensors[0]
-        out = torch.cat(tensors)
-        codes = [getattr(t, "block_codes", None) for t in tensors]  # a GGUF's codes (`engine/models/gguf.py`)
-        if codes[0] is not None:  # `cat` gives None unless every part has codes
-            out.block_codes = type(codes[0]).cat(codes)
-        return out
-
-    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    out["lm_head"] = out["embed"] if cfg.tie_word_embeddings or "lm_head.weight" not in state else state["lm_head.weight"]
+    embed = take("model.embed_tokens.weight")
+    out = {"embed": embed, "norm": take("model.norm.weight"),
+           "lm_head": embed if cfg.tie_word_embeddings or "lm_head.weight" not in keys else ("lm_head.weight",)}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        out[f"{i}.qkv"] = fused(p, names.qkv, "weight")
+        out[f"{i}.qkv"] = take(*(f"{p}{part}.weight" for part in names.qkv))
         if cfg.attention_bias:
-            out[f"{i}.qkv_bias"] = fused(p, names.qkv, "bias")
-            if f"{p}{names.o}.bias" in state:
-                out[f"{i}.o_bias"] = state[f"{p}{names.o}.bias"]
+            out[f"{i}.qkv_bias"] = take(*(f"{p}{part}.bias" for part in names.qkv))
+            if f"{p}{names.o}.bias" in keys:
+                out[f"{i}.o_bias"] = (f"{p}{names.o}.bias",)
         out[f"{i}.o"] = take(f"{p}{names.o}.weight")
-        out[f"{i}.gate_up"] = fused(p, names.gate_up, "weight")
+        out[f"{i}.gate_up"] = take(*(f"{p}{part}.weight" for part in names.gate_up))
         out[f"{i}.down"] = take(f"{p}{names.down}.weight")
         if cfg.mlp_bias:
-            out[f"{i}.gate_up_bias"] = fused(p, names.gate_up, "bias")
+            out[f"{i}.gate_up_bias"] = take(*(f"{p}{part}.bias" for part in names.gate_up))
             out[f"{i}.down_bias"] = take(f"{p}{names.down}.bias")
         for engine_name, hf_name in names.norms:
             out[f"{i}.{engine_name}"] = take(f"{p}{hf_name}.weight")
-    expected = (cfg.vocab_size, cfg.hidden_size)
-    if tuple(out["embed"].shape) != expected:
-        raise UserError(f"embedding shape {tuple(out['embed'].shape)} does not match config {expected}")
-    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    if cfg.num_layers and out["0.qkv"].shape[0] != qkv_rows:
-        raise UserError(f"layer 0's q/k/v projections have {out['0.qkv'].shape[0]} rows; the config says {qkv_rows}")
     return out
+
+
+def check_layout(cfg, layout: dict[str, tuple[str, ...]], shape_of: Callable[[str], tuple[int, ...]]) -> None:
+    """Checks the embedding's shape and layer 0's q/k/v rows against the config, from the HF
+    tensors' shapes (`shape_of`), before any of them need be read."""
+    expected = (cfg.vocab_size, cfg.hidden_size)
+    embed = tuple(shape_of(layout["embed"][0]))
+    if embed != expected:
+        raise UserError(f"embedding shape {embed} does not match config {expected}")
+    qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    rows = sum(shape_of(name)[0] for name in layout["0.qkv"]) if cfg.num_layers else qkv_rows
+    if rows != qkv_rows:
+        raise UserError(f"layer 0's q/k/v projections have {rows} rows; the config says {qkv_rows}")
+
+
+def fuse(tensors: list["torch.Tensor"]) -> "torch.Tensor":
+    """HF tensors stacked by rows (a lone one as it is), with a GGUF's block codes where every
+    part has them (`engine/models/gguf.py`)."""
+    import torch  # here alone: the rest of this module parses configs, which torch-free processes do
+
+    if len(tensors) == 1:
+        return tensors[0]
+    out = torch.cat(tensors)
+    codes = [getattr(t, "block_codes", None) for t in tensors]
+    if codes[0] is not None:  # `cat` gives None unless every part has codes
+        out.block_codes = type(codes[0]).cat(codes)
+    return out
+
+
+def decoder_weights(cfg, state: dict[str, "torch.Tensor"], names: LayerTensors) -> dict[str, "torch.Tensor"]:
+    """HF tensors (with the `model.` prefix) -> the engine's fused layout (`decoder_layout`); a
+    tied head is the embedding's very tensor."""
+    layout = decoder_layout(cfg, state.keys(), names)
+    check_layout(cfg, layout, lambda name: tuple(state[name].shape))
+    return {engine: fuse([state[name] for name in hf_names]) for engine, hf_names in layout.items()}

@@ -14,6 +14,7 @@ sequences with the window's mask (built once per step by the runner, shared by t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -134,34 +135,41 @@ class DecoderModel:
     embedding, where block codes give it (a GGUF's, or a q8_0 SSM's), is looked up from them
     (`layers.embedding.CodedTable`), a byte a weight instead of four."""
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device,
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: torch.dtype, device,
                  is_packed: bool = True, is_q8_0: bool = False):
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
-        is_offset = cfg.norm_offset != 0.0
-        self.w = {name: (offset_weight(t, cfg.norm_offset, dtype).to(self.device) if is_offset and "norm" in name
-                         else t.to(device=self.device, dtype=dtype)).contiguous() for name, t in weights.items()}
-        if weights["lm_head"] is weights["embed"]:
-            self.w["lm_head"] = self.w["embed"]
+        self.is_offset = cfg.norm_offset != 0.0
+        is_packing = is_packed and can_pack(self.device, dtype)
+        self.is_q8_0 = is_q8_0 and is_packing and cpu_gemm.available()
         # A draft's reduced vocabulary: its head scores only these tokens (`forward` scatters them).
         self.head_ids = None
         if cfg.head_token_ids:
             self.head_ids = torch.tensor(cfg.head_token_ids, dtype=torch.long, device=self.device)
+        # The weights are taken one at a time, each laid out before the next is asked for, so a
+        # mapping that reads them as asked (`checkpoint.stream_weights`) never holds them all in
+        # their read form: the embedding and the head first, then the rest in order.
+        embed, head = weights["embed"], weights["lm_head"]
+        self.w = {"embed": self._held("embed", embed)}
+        self.w["lm_head"] = self.w["embed"] if head is embed else self._held("lm_head", head)
+        del embed, head
+        if self.head_ids is not None:
             self.w["lm_head"] = self.w["lm_head"].index_select(0, self.head_ids).contiguous()
-        is_packing = is_packed and can_pack(self.device, dtype)
-        self.is_q8_0 = is_q8_0 and is_packing and cpu_gemm.available()
         if is_packing:  # a tied LM head gets a packed copy; lookups read `embed`
-            self.w.update({name: pack(_q8_0(t) if self.is_q8_0 else t) for name, t in self.w.items()
-                           if name.endswith(MATRICES)})
-        if is_packing:  # a token embedding given by block codes (a GGUF's; a q8_0 SSM's): looked up from them
+            self.w["lm_head"] = pack(_q8_0(self.w["lm_head"]) if self.is_q8_0 else self.w["lm_head"])
+            # a token embedding given by block codes (a GGUF's; a q8_0 SSM's): looked up from them
             table = coded_table(_q8_0(self.w["embed"]) if self.is_q8_0 else self.w["embed"])
             if table is not None:
                 self.w["embed"] = table
+        for name in weights:
+            if name not in self.w:
+                t = self._held(name, weights[name])
+                self.w[name] = pack(_q8_0(t) if self.is_q8_0 else t) if is_packing and name.endswith(MATRICES) else t
         for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` and `coded_table` alone
             if isinstance(t, torch.Tensor) and hasattr(t, "block_codes"):
                 del t.block_codes
-        self.norm = offset_rms_norm if is_offset else rms_norm
+        self.norm = offset_rms_norm if self.is_offset else rms_norm
         self.act = ACTIVATIONS[cfg.hidden_act]
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
         rotary = cfg.rotary_dim or cfg.head_dim
@@ -177,6 +185,12 @@ class DecoderModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.attention_backend = None  # callable like self.attention, e.g. kernels.TritonAttention
         self.group = None  # a parallel.ShardGroup when these are one rank's shard of the weights
+
+    def _held(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A weight as the model holds it: on its device in its dtype, norms with their offset."""
+        if self.is_offset and "norm" in name:
+            return offset_weight(t, self.cfg.norm_offset, self.dtype).to(self.device).contiguous()
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: KVCache, return_hidden: bool = False):

@@ -11,6 +11,7 @@ and `window_starts`): each token sees only the keys at most window - 1 positions
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,7 +23,7 @@ from specinfer.engine.models.config import ModelConfig
 from specinfer.engine.runtime.exec_config import ExecConfig
 from specinfer.errors import UserError
 from specinfer.limits import DEFAULT_DTYPE, DEFAULT_KV_BLOCK_SIZE, DEFAULT_RUNNER_KV_TOKENS
-from specinfer.engine.models.checkpoint import compute_dtype, engine_weights, load_state_dict
+from specinfer.engine.models.checkpoint import compute_dtype, stream_weights
 from specinfer.engine.models.transformer import DecoderModel, ForwardBatch, KVCache, SeqAttention, windowed
 from specinfer.engine.drafting.tree import is_chain, visibility, window_starts
 from specinfer.engine.runtime.backend import apply_exec, resolve_exec
@@ -90,18 +91,20 @@ class ModelRunner:
         cfg = ModelConfig.from_dir(model_dir)
         torch_dtype, _ = compute_dtype(dtype, device)  # an unknown dtype or flag fails before any weights are read
         ex = resolve_exec(exec_cfg or ExecConfig(), device)
-        # a GGUF's tensors are dequantized straight to the compute dtype (a whole float32 copy of
-        # a large quantized model would not fit where the model does)
-        return cls.from_weights(cfg, engine_weights(cfg, load_state_dict(model_dir, torch_dtype)), dtype, device,
-                                max_kv_tokens, block_size, ex)
+        # read a weight at a time, each laid out before the next is read, a GGUF's dequantized
+        # straight to the compute dtype: a whole float32 copy of a quantized model would take
+        # several times the memory the model holds
+        with stream_weights(model_dir, cfg, torch_dtype) as weights:
+            return cls.from_weights(cfg, weights, dtype, device, max_kv_tokens, block_size, ex)
 
     @classmethod
     def from_weights(
-        cls, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: str = DEFAULT_DTYPE, device: str = "cpu",
+        cls, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], dtype: str = DEFAULT_DTYPE, device: str = "cpu",
         max_kv_tokens: int = DEFAULT_RUNNER_KV_TOKENS, block_size: int = DEFAULT_BLOCK_SIZE,
         exec_cfg: ExecConfig | None = None,
     ) -> "ModelRunner":
-        """A one-process runner over weights already read (`checkpoint.engine_weights`), cast to
+        """A one-process runner over weights in the runner's layout (`checkpoint.engine_weights`,
+        or `checkpoint.stream_weights`, which reads each as it is taken), cast to
         `dtype` on `device`; `weights` themselves are left as they are, so one checkpoint read can
         build runners in several dtypes."""
         torch_dtype, is_q8_0 = compute_dtype(dtype, device)
