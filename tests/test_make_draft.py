@@ -314,3 +314,29 @@ def test_training_shortens_to_the_time_left(tmp_path):
         now[0] = float(done)
         check(0, done)
     assert trainer.cfg.steps == 50
+
+
+def test_distillation_scores_the_draft_s_vocabulary_alone(built):
+    """The draft trains on a softmax over its reduced vocabulary, the one it proposes from: the
+    logits of those tokens are the whole head's, targets and top-k ids become indices into the
+    vocabulary, a position whose top-1 lies outside weighs nothing, and top-k tokens outside get
+    probability 0."""
+    from specinfer.pool.boost_tune import in_vocabulary, load_model, logits_at
+
+    vocab = torch.tensor([2, 4, 7, 11])
+    at, weights, topk_at, topk_probs = in_vocabulary(
+        vocab, torch.tensor([4, 5, 11]), torch.tensor([1.0, 1.0, 0.5]), torch.tensor([[4, 2], [5, 7], [11, 300]]),
+        torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.9, 0.1]]))
+    assert weights.tolist() == [1.0, 0.0, 0.5] and at[[0, 2]].tolist() == [1, 3]
+    assert topk_at[0].tolist() == [1, 0] and int(topk_at[1, 1]) == 2 and int(topk_at[2, 0]) == 3
+    assert torch.equal(topk_probs, torch.tensor([[0.6, 0.4], [0.0, 0.5], [0.9, 0.0]]))
+
+    out, _ = built
+    model = load_model(out, "cpu")
+    vocab = torch.tensor(json.loads((out / "config.json").read_text())[DRAFT_VOCAB_KEY])
+    tokens = torch.tensor([[5, 9, 17, 33, 40, 41]])
+    picked = (torch.zeros(4, dtype=torch.long), torch.tensor([1, 2, 4, 5]))
+    with torch.no_grad():
+        reduced, whole = logits_at(model, tokens, picked, vocab), logits_at(model, tokens, picked)
+    assert reduced.shape == (4, len(vocab))
+    torch.testing.assert_close(reduced, whole[:, vocab], rtol=1e-5, atol=1e-5)

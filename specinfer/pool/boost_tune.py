@@ -175,11 +175,14 @@ def tune_one(cfg: BoostConfig, state: Path, index: int, source: Path, final_dir:
 class Trainer:
     """AdamW on one SSM; batches and learning rate depend only on (seed, SSM index, step)."""
 
-    def __init__(self, model, cfg: TrainConfig, index: int, device: str):
+    def __init__(self, model, cfg: TrainConfig, index: int, device: str, vocab: torch.Tensor | None = None):
         self.model = model
         self.cfg = cfg
         self.index = index
         self.device = device
+        # A draft's reduced vocabulary (sorted token ids): it proposes from those tokens alone, so
+        # it trains on a softmax over them, which its head scores at a fraction of the whole's cost.
+        self.vocab = None if vocab is None else vocab.to(device)
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # frozen ones stay
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay, foreach=False)
@@ -222,10 +225,13 @@ class Trainer:
         width = int(data.lengths[rows].max())
         w = weights[rows, :width]
         picked = torch.nonzero(w, as_tuple=True)  # only weighted positions need the LM head
-        logits = logits_at(self.model, data.tokens[rows, :width].to(self.device), picked)
-        loss = boost_loss(logits, data.targets[rows, :width][picked].to(self.device),
-                          w[picked].float().to(self.device), data.topk_ids[rows, :width][picked].to(self.device),
-                          data.topk_probs[rows, :width][picked].to(self.device), self.cfg.kl_weight)
+        logits = logits_at(self.model, data.tokens[rows, :width].to(self.device), picked, self.vocab)
+        targets, topk_ids = data.targets[rows, :width][picked].to(self.device), data.topk_ids[rows, :width][picked]
+        w, topk_probs = w[picked].float().to(self.device), data.topk_probs[rows, :width][picked].to(self.device)
+        if self.vocab is not None:
+            targets, w, topk_ids, topk_probs = in_vocabulary(self.vocab, targets, w, topk_ids.to(self.device),
+                                                             topk_probs)
+        loss = boost_loss(logits, targets, w, topk_ids.to(self.device), topk_probs, self.cfg.kl_weight)
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.step)
         loss.backward()
@@ -283,11 +289,33 @@ def boost_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tenso
     return (per_pos * weights).sum() / weights.sum().clamp_min(1.0)
 
 
-def logits_at(model, tokens: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def in_vocabulary(vocab: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+                  topk_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Targets and top-k ids as indices into `vocab` (sorted token ids), for logits over those
+    tokens alone: a position whose top-1 lies outside weighs nothing (the draft cannot propose it),
+    and top-k tokens outside get probability 0 (the rest renormalise in `boost_loss`)."""
+    def index(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        at = torch.searchsorted(vocab, ids).clamp_(max=len(vocab) - 1)
+        return at, vocab[at] == ids
+
+    at, is_in = index(targets)
+    topk_at, topk_in = index(topk_ids)
+    return (at, torch.where(is_in, weights, torch.zeros_like(weights)), topk_at,
+            torch.where(topk_in, topk_probs, torch.zeros_like(topk_probs)))
+
+
+def logits_at(model, tokens: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor],
+              vocab: torch.Tensor | None = None) -> torch.Tensor:
     """(P, V) float32 logits of a causal LM at the positions `picked` = (rows, columns) of `tokens`
-    (only those rows go through the LM head; soft-capped where the family caps its logits)."""
+    (only those rows go through the LM head; soft-capped where the family caps its logits); with
+    `vocab` (token ids), (P, len(vocab)): the logits of those tokens alone."""
     hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state
-    logits = model.lm_head(hidden[picked[0].to(hidden.device), picked[1].to(hidden.device)])
+    hidden = hidden[picked[0].to(hidden.device), picked[1].to(hidden.device)]
+    if vocab is None:
+        logits = model.lm_head(hidden)
+    else:
+        head = model.lm_head
+        logits = F.linear(hidden, head.weight[vocab], None if head.bias is None else head.bias[vocab])
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
@@ -307,8 +335,9 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
             rows = slice(lo, min(lo + batch, len(data)))
             width = int(data.lengths[rows].max())
             picked = torch.nonzero(data.mask[rows, :width], as_tuple=True)
-            logits = logits_at(model, data.tokens[rows, :width].to(device), picked)
-            top1 = (logits.argmax(-1) if vocab is None else vocab.to(device)[logits[:, vocab].argmax(-1)]).cpu()
+            logits = logits_at(model, data.tokens[rows, :width].to(device), picked,
+                               None if vocab is None else vocab.to(device))
+            top1 = (logits.argmax(-1) if vocab is None else vocab.to(device)[logits.argmax(-1)]).cpu()
             block = torch.zeros_like(data.mask[rows, :width])
             block[picked] = top1 == data.targets[rows, :width][picked]
             out[rows, :width] = block

@@ -22,6 +22,8 @@ LLM's own outputs. This command does both within a time budget, in one go:
 4. **A reduced vocabulary.** The draft's head keeps the LLM's `--vocab` most frequent answer
    tokens (written into its config.json): most of a small draft's pass is its head, and the
    tokens it drops are ones the LLM rarely answers with. It only ever proposes; the LLM decides.
+   The distillation's softmax is over those tokens too, the distribution the draft proposes
+   from, and its head costs a training step that fraction of the whole vocabulary's.
 5. **The LLM's answers.** The teacher answers themselves (token ids) are stored with the draft
    (`DRAFT_ANSWERS_FILE`): the suffix member of the pool drafts the LLM's habitual phrasing from
    them (`specinfer.engine.drafting.suffix`), at no model pass.
@@ -417,7 +419,7 @@ def distill(plan: DraftPlan, cut: Path, train: BoostData, evals: BoostData, cloc
     ckpt = plan.work / "ckpt"
     weights = train.mask.clone()
     train_cfg = distill_config(cfg, max(TIMING_STEPS + 1, WARMUP_STEPS * 2))
-    trainer = Trainer(model, train_cfg, 0, "cpu")
+    trainer = Trainer(model, train_cfg, 0, "cpu", vocab)
     trainer.resume_from(ckpt)
     if cfg.steps:
         steps = cfg.steps
