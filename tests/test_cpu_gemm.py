@@ -353,3 +353,27 @@ def test_a_weight_is_packed_as_its_codes_only_where_they_define_it_exactly():
     changed.block_codes = codes
     assert not isinstance(pack(changed).data, cpu_gemm.CodePanels)
     assert torch.equal(linear(x, pack(changed)), linear(x, Panels(cpu_gemm.pack(changed), 40)))
+
+
+def test_codes_are_made_and_read_a_few_rows_at_a_time_with_the_whole_s_result(monkeypatch):
+    """`BlockCodes.q8_0` and `.values` work through a few million elements at a time (so rounding
+    a large embedding holds no temporaries of its size); with chunks of one row, the codes,
+    scales and values are bitwise what whole-tensor arithmetic gives, and a block that float32
+    cannot rebuild in its last row is still refused."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(37, 96, generator=gen)
+    weight[5, :32] = 0.0  # a block of zeros: its scale is 0
+    whole = cpu_gemm.BlockCodes.q8_0(weight)
+    whole_values = whole.values()
+    monkeypatch.setattr(cpu_gemm, "CHUNK_ELEMENTS", 1)
+    chunked = cpu_gemm.BlockCodes.q8_0(weight)
+    assert torch.equal(chunked.codes, whole.codes) and torch.equal(chunked.scales, whole.scales)
+    assert torch.equal(chunked.values(), whole_values)
+    blocks = whole.codes.view(37, -1, 32).float()
+    manual = (blocks * whole.scales.unsqueeze(-1)).view(37, 96)  # the definition, all at once
+    assert torch.equal(chunked.values(), manual)
+    offsets = torch.zeros_like(whole.scales)
+    offsets[-1, -1] = 0.5  # with an offset, a scale of 24 significant bits times a code is inexact
+    scales = whole.scales.clone()
+    scales[-1, -1] = 1.0 + 2.0 ** -23
+    assert cpu_gemm.BlockCodes(whole.codes, scales, offsets, 32).values() is None

@@ -213,6 +213,31 @@ def test_a_second_load_reads_the_cache_and_measures_nothing(tiny_pair, tmp_path)
     assert len(json.loads((tmp_path / dc.CACHE_FILE).read_text())) == 2
 
 
+def test_a_cached_choice_loads_the_ssm_a_weight_at_a_time(tiny_pair, tmp_path, monkeypatch):
+    """With its dtype cached, an SSM loads as any model does (`ModelRunner.from_dir`, a weight
+    at a time), not through a whole state dict, and computes what the measured load's runner
+    computes."""
+    from specinfer.engine.runtime.runner import chain_work
+
+    def logits(runner):
+        seq = runner.new_sequence()
+        return runner.run([chain_work(seq, [3, 7, 11, 19], logits="all")])[0]
+
+    first = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 256, cache_dir=tmp_path,
+                        timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}))
+
+    def no_state_dict(*args, **kwargs):
+        raise AssertionError("a whole state dict was read")
+
+    monkeypatch.setattr(dc, "load_state_dict", no_state_dict)
+    second = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 256, cache_dir=tmp_path, timer=failing_timer)
+    assert second.dtype_choice.is_cached and second.model.dtype == torch.bfloat16
+    assert torch.equal(logits(second), logits(first))
+    with pytest.raises(AssertionError, match="state dict"):  # a miss still measures over one state dict
+        dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 256, cache_dir=tmp_path / "empty",
+                    timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}))
+
+
 def test_a_busy_machine_is_measured_again_and_its_choice_not_cached(ssm_weights, tmp_path, monkeypatch):
     """Repeats that spread (three of every four passes of each size slowed 3x) are timed again, up to
     MAX_ATTEMPTS times, keeping the fastest; a machine that stays busy gets its choice used but not

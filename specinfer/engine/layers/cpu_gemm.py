@@ -27,6 +27,7 @@ PANEL = 16  # output features a panel holds
 REVISION = 5  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
 # 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
 # float16 scales in float16
+CHUNK_ELEMENTS = 1 << 22  # `BlockCodes.values` and `.q8_0` work through this many elements (whole rows) at a time
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a panel's dtype -> cpu_gemm.c's FMT_*
 
 
@@ -83,14 +84,20 @@ class BlockCodes:
         n, k = self.codes.shape
         if k % self.block:
             return None
-        codes = self.codes.view(n, -1, self.block)
-        largest = codes.to(torch.int16).abs().amax(dim=-1).float()  # no code of a block is longer in bits
-        code_bits = torch.frexp(largest)[1]  # its bit length (0 for 0)
-        is_inexact = code_bits + _significant_bits(self.scales) > 24
-        if bool((is_inexact & (self.offsets != 0)).any()):  # with no offset, the product's rounding is the fma's
-            return None
-        products = codes.float() * self.scales.float().unsqueeze(-1)  # exact
-        return (products + self.offsets.float().unsqueeze(-1)).view(n, k)  # one rounding
+        out = torch.empty(n, k, dtype=torch.float32)
+        step = max(1, CHUNK_ELEMENTS // max(1, k))  # a few MB of temporaries at a time, whatever the size
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            codes = self.codes[rows].view(-1, k // self.block, self.block)
+            scales, offsets = self.scales[rows], self.offsets[rows]
+            largest = codes.to(torch.int16).abs().amax(dim=-1).float()  # no code of a block is longer in bits
+            code_bits = torch.frexp(largest)[1]  # its bit length (0 for 0)
+            is_inexact = code_bits + _significant_bits(scales) > 24
+            if bool((is_inexact & (offsets != 0)).any()):  # with no offset, the product's rounding is the fma's
+                return None
+            products = codes.float() * scales.float().unsqueeze(-1)  # exact
+            out[rows] = (products + offsets.float().unsqueeze(-1)).view(-1, k)  # one rounding
+        return out
 
     @classmethod
     def q8_0(cls, weight: torch.Tensor, block: int = 32) -> "BlockCodes | None":
@@ -100,11 +107,16 @@ class BlockCodes:
         n, k = weight.shape
         if k % block:
             return None
-        blocks = weight.float().reshape(n, k // block, block)
-        scales = blocks.abs().amax(dim=-1) / 127.0
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        codes = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-        return cls(codes.view(n, k), scales, torch.zeros_like(scales), block)
+        codes, scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // block, dtype=torch.float32)
+        step = max(1, CHUNK_ELEMENTS // k)
+        for start in range(0, n, step):
+            rows = slice(start, start + step)
+            blocks = weight[rows].float().reshape(-1, k // block, block)
+            part = blocks.abs().amax(dim=-1) / 127.0
+            safe = torch.where(part > 0, part, torch.ones_like(part))
+            codes[rows] = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8).view(-1, k)
+            scales[rows] = part
+        return cls(codes, scales, torch.zeros_like(scales), block)
 
     def rows(self, index) -> "BlockCodes":
         """The codes of rows `index` (a permutation or selection of rows)."""

@@ -262,17 +262,24 @@ def _timed_rounds(runners: dict, works: dict, sizes: list[int], timer: TimePass,
     return samples
 
 
+def cached_choice(cfg: ModelConfig, device, exec_cfg: ExecConfig, prefer: str = "float32",
+                  cache_dir: Path | None = None, cpuinfo: str | None = None, weights_id: str = "") -> DtypeChoice | None:
+    """The choice `choose_dtype` cached for this machine and SSM, or None."""
+    key = cache_key(cfg, device, exec_cfg.attention, prefer, candidates(device), cpuinfo, weights_id)
+    return read_cached(cache_dir, key)
+
+
 def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exec_cfg: ExecConfig,
                  prefer: str = "float32", cache_dir: Path | None = None, timer: TimePass | None = None,
                  cpuinfo: str | None = None, weights_id: str = "", report: Callable[[str], None] | None = None
                  ) -> DtypeChoice:
     """The cached choice for this machine and SSM (`weights_id`: its `weights_digest`), else one
     measured now (told to `report` first: it takes a moment) and cached unless the machine stayed busy."""
-    cands = candidates(device)
-    key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo, weights_id)
-    cached = read_cached(cache_dir, key)
+    cached = cached_choice(cfg, device, exec_cfg, prefer, cache_dir, cpuinfo, weights_id)
     if cached is not None:
         return cached
+    cands = candidates(device)
+    key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo, weights_id)
     sizes, context = trial_shapes(cfg)
     trial_exec = replace(exec_cfg, cuda_graphs=False, offload=False)  # the passes themselves, nothing captured
 
@@ -304,11 +311,16 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
                                     exec_cfg=exec_cfg)
     cfg = ModelConfig.from_dir(model_dir)
     ex = resolve_exec(exec_cfg or ExecConfig(), device)
-    weights = engine_weights(cfg, load_state_dict(model_dir))
     tell = report or log.info
-    choice = choose_dtype(cfg, weights, device, ex, prefer, cache_dir, timer, weights_id=weights_digest(
-        model_dir, cache_dir), report=lambda line: tell(f"SSM {Path(model_dir).name}: {line}"))
-    runner = ModelRunner.from_weights(cfg, weights, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
+    weights_id = weights_digest(model_dir, cache_dir)
+    choice = cached_choice(cfg, device, ex, prefer, cache_dir, weights_id=weights_id)
+    if choice is not None:  # read a weight at a time, as any model loads: no state dict beside it
+        runner = ModelRunner.from_dir(model_dir, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
+    else:  # the state dict read once serves the trial runners of every dtype, then the one chosen
+        weights = engine_weights(cfg, load_state_dict(model_dir))
+        choice = choose_dtype(cfg, weights, device, ex, prefer, cache_dir, timer, weights_id=weights_id,
+                              report=lambda line: tell(f"SSM {Path(model_dir).name}: {line}"))
+        runner = ModelRunner.from_weights(cfg, weights, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
     runner.dtype_choice = choice
     tell(f"SSM {Path(model_dir).name}: {choice.describe()}")
     return runner
