@@ -112,19 +112,21 @@ def dequantize(raw: np.ndarray, entry: TensorEntry) -> torch.Tensor:
     rows = np.asarray(raw).reshape(quant_shape_to_byte_shape((num_rows, row), qtype))
     out = np.empty((num_rows, row), dtype=np.float32)
     coded = CODED_TYPES.get(entry.ggml_type) if len(shape) == 2 else None
-    parts = []
+    codes = None  # (codes, scales, offsets) of every row, made with the first chunk's
     step = max(1, CHUNK_ELEMENTS // row)
     for start in range(0, num_rows, step):
         blocks = rows[start:start + step]
         out[start:start + step] = dequantize_blocks(blocks, qtype).reshape(-1, row)
         if coded is not None:
-            parts.append(coded(blocks.reshape(-1, block_bytes)))
+            *chunk, block = coded(blocks.reshape(-1, block_bytes))
+            chunk = [a.reshape(len(blocks), -1) for a in chunk]
+            if codes is None:
+                codes = [np.empty((num_rows, a.shape[1]), dtype=a.dtype) for a in chunk]
+            for whole, a in zip(codes, chunk):
+                whole[start:start + step] = a
     tensor = torch.from_numpy(out.reshape(shape))
-    if coded is not None:
-        codes, scales, offsets = (np.concatenate([p[i] for p in parts]) for i in range(3))
-        tensor.block_codes = BlockCodes(torch.from_numpy(codes.reshape(shape)),
-                                        torch.from_numpy(scales.reshape(shape[0], -1)),
-                                        torch.from_numpy(offsets.reshape(shape[0], -1)), parts[0][3])
+    if codes is not None:
+        tensor.block_codes = BlockCodes(*(torch.from_numpy(a) for a in codes), block)
     return tensor
 
 

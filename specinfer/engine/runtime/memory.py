@@ -86,10 +86,12 @@ CODE_BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "
 CODE_BLOCKS = {"Q6_K": 16}  # else 32
 
 
-def coded_bytes(ggml_type: str, is_embedding: bool = False) -> float:
-    """At most what one weight of a block-coded matrix takes loaded (an embedding's codes take a byte)."""
-    bits = 8 if is_embedding else CODE_BITS[ggml_type]
-    return bits / 8 + 8 / CODE_BLOCKS.get(ggml_type, 32)
+def coded_bytes(*ggml_types: str, is_embedding: bool = False) -> float:
+    """At most what one weight of a block-coded matrix takes loaded, for the types of the parts it
+    fuses (q, k, v; gate, up), which share one layout: their widest codes and smallest block (an
+    embedding's codes take a byte)."""
+    bits = 8 if is_embedding else max(CODE_BITS[t] for t in ggml_types)
+    return bits / 8 + 8 / min(CODE_BLOCKS.get(t, 32) for t in ggml_types)
 
 
 def weight_bytes(model, dtype: str, device: str = "cpu") -> int:
@@ -111,8 +113,6 @@ def weight_bytes(model, dtype: str, device: str = "cpu") -> int:
     size = element_size(dtype)
     if not (source.is_gguf and is_cpu_codes and dtype == "float32"):
         return num_parameters(cfg) * size
-    # Matrices fused for the kernel (q, k, v; gate, up) share one layout: the widest codes and the
-    # smallest block of their parts.
     groups: dict[str, list] = {}
     total = 0.0
     for entry in read_tensor_index(source.meta_dir)[1]:
@@ -130,8 +130,7 @@ def weight_bytes(model, dtype: str, device: str = "cpu") -> int:
     for parts in groups.values():
         numel = sum(n for _, n in parts)
         if all(t in CODE_BITS for t, _ in parts):
-            bits = max(CODE_BITS[t] for t, _ in parts)
-            total += numel * (bits / 8 + 8 / min(CODE_BLOCKS.get(t, 32) for t, _ in parts))
+            total += numel * coded_bytes(*(t for t, _ in parts))
         elif all(t in ("F16", "BF16") for t, _ in parts):
             total += numel * 2  # packed as stored: 16 bits hold them exactly
         else:

@@ -9,19 +9,20 @@ pass whose time the calibration misjudges, or drafts that accept so little that 
 within the model's error. The guard measures what the model cannot see; the verifier's engine
 has one (in process, where runs are short, its phases of plain decoding cost more than they save).
 
-For each batch-size bucket (and each pool that requests name) it runs the two arms, "as the
-policy chooses" and "plain decoding", in phases, for all requests of that bucket at once (so that a phase measures the arm in its own
-conditions, not one request's plain step inside a batch of trees). A phase lasts several steps of
-every request and a fixed amount of wall time, so a retry of the worse arm costs a fixed share of
-time however slow its steps are. A phase's rate is output tokens per second of request time. The
-better arm keeps the bucket; the other is retried now and then, less often each time it loses
-again, though plain decoding retries the policy at least every `max_explore_s` of the bucket's
-time (its measured step seconds per request: no wall clock), and a phase older than `max_age_s` no longer counts: a verdict made
-under other load (a noisy neighbour that has left) is forgotten, and the retried arm is judged on
-fresh phases only, so the guard cannot stick to an arm that stopped winning. A new bucket first
-alternates the arms for a few phases each, unless the nearest smaller
-bucket already prefers plain decoding: speculation pays less as the batch grows, so it then starts
-plain and only retries the policy. The guard only ever replaces a tree by no tree, so it cannot change any output. Plain Python.
+For each batch-size bucket (and each pool that requests name) it runs the two arms, "as the policy
+chooses" and "plain decoding", in phases, for all requests of that bucket at once (so that a phase
+measures the arm in its own conditions, not one request's plain step inside a batch of trees). A
+phase lasts several steps of every request and a fixed amount of wall time, so a retry of the worse
+arm costs a fixed share of time however slow its steps are. A phase's rate is output tokens per
+second of request time. The better arm keeps the bucket; the other is retried now and then, less
+often each time it loses again, though plain decoding retries the policy at least every
+`max_explore_s` of the bucket's time (its measured step seconds per request: no wall clock), and a
+phase older than `max_age_s` no longer counts: a verdict made under other load (a noisy neighbour
+that has left) is forgotten, and the retried arm is judged on fresh phases only, so the guard cannot
+stick to an arm that stopped winning. A new bucket first alternates the arms for a few phases each,
+unless the nearest smaller bucket already prefers plain decoding: speculation pays less as the batch
+grows, so it then starts plain and only retries the policy. The guard only ever replaces a tree by
+no tree, so it cannot change any output. Plain Python.
 """
 
 from __future__ import annotations
