@@ -159,6 +159,24 @@ def test_cost_model_is_monotone_and_learns_from_measured_passes():
     assert model.seconds(64) >= model.seconds(16) >= model.seconds(1)
 
 
+
+def test_a_stalled_pass_barely_moves_the_cost_model_but_a_lasting_load_is_followed():
+    """One pass that stalled (ten times its cost) moves the one-token point by at most its clipped
+    share: the price of a tree's nodes, the pass's growth over that point, stays where it was. A
+    load that lasts (every pass twice as slow) is still followed within tens of passes."""
+    model = CostModel([(1, 0.0076), (2, 0.0090), (4, 0.0117), (8, 0.0150)])
+    policy = LoadAwarePolicy(model)
+    node_before = policy.budget(1).node_cost
+    model.observe(1, 10 * model.seconds(1))
+    assert model.seconds(1) <= 0.0076 * 1.03  # unclipped, one stall would add 45%
+    assert policy.budget(1).node_cost == pytest.approx(node_before, rel=0.1)
+    calibrated = {n: t for n, t in model.points}
+    for _ in range(60):
+        for n, t in calibrated.items():
+            model.observe(n, 2 * t)
+    assert dict(model.points) == pytest.approx({n: 2 * t for n, t in calibrated.items()}, rel=0.05)
+
+
 def test_only_steady_trees_count_as_speculation_cost():
     """The first tree of a request opens the streams and prefills the SSMs on the whole context,
     and one after plain steps makes them catch up: neither is a step's speculation cost."""

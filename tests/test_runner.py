@@ -167,6 +167,40 @@ def test_cost_model_calibrates_within_a_short_context(tmp_path):
     assert runner.allocator.num_free == num_free
 
 
+
+def test_calibration_times_a_small_pass_after_one_of_its_size(tmp_path):
+    """Decoding runs a small pass after another small one. Timed right after the round's largest
+    pass, a one-token pass would carry the cold caches that pass left (here: a fixed penalty for a
+    pass that follows a larger one) and hide what a second token adds to it."""
+    from specinfer.engine.scheduling.policy import CostModel
+
+    path = save_tiny_llama(tmp_path / "m", seed=8)
+    runner = ModelRunner.from_dir(path, max_kv_tokens=1024, block_size=4)
+    sizes = (1, 2, 4, 8, 16, 32, 64)
+    cost = {n: 0.001 * n + 0.005 for n in sizes}
+    passes = []  # every pass's size, the untimed ones included
+    run = runner.run
+
+    def recorded_run(works):
+        passes.append(len(works[0].token_ids))
+        return run(works)
+
+    runner.run = recorded_run
+
+    def timer(_, work):
+        n = len(work.token_ids)
+        after_larger = bool(passes) and passes[-1] > n
+        passes.append(n)
+        return cost[n] + (0.004 if after_larger else 0.0)
+
+    model = CostModel.calibrate(runner, sizes=sizes, context=64, repeats=3, timer=timer)
+    assert dict(model.points) == pytest.approx(cost)
+    # each small size timed after an untimed pass of its own size; the larger ones once a round
+    # after the prefix's prefill, each small size timed after an untimed pass of its own size; the
+    # larger ones once a round (a warm-up round and three timed ones)
+    assert passes[1:3] == [1, 1] and passes.count(1) == passes.count(16) == 8 and passes.count(32) == 4
+
+
 def test_checkpoint_reads_equal_safetensors_own_and_refuse_a_truncated_file(tmp_path):
     """Weights are read with plain reads (no memory map that keeps fused originals resident):
     every tensor equals what safetensors itself reads, bf16 included; a cut file is a UserError."""

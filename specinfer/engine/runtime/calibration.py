@@ -27,7 +27,7 @@ from specinfer.limits import CALIBRATION_CONTEXT, CALIBRATION_SIZES
 log = logging.getLogger(__name__)
 
 CACHE_FILE = "cost-model.json"
-CACHE_VERSION = 1  # bumped when the calibration changes, so older ones are measured again
+CACHE_VERSION = 2  # bumped when the calibration changes, so older ones are measured again
 SIZES, CONTEXT = CALIBRATION_SIZES, CALIBRATION_CONTEXT  # tokens per timed pass; committed tokens they attend to
 REPEATS = 5  # timed rounds (after a warm-up round); each size's fastest counts
 MAX_SECONDS = 30.0  # no further round past this (a loaded machine): its result is busy, not cached

@@ -69,6 +69,11 @@ COST_HALF_LIFE_S = 2.0  # drafting-cost observations this old weigh half
 # which made the policy flip between speculating and declining from run to run.
 DRAFT_PRIOR_WEIGHT = 4.0
 OUTLIER_FACTOR = 4.0  # a drafting time counts at most this many times what the fit predicts
+# A measured LLM pass moves the cost model as if it took at most this many times what the model
+# predicts (or at least its inverse): one stalled pass (a preempted thread, a page fault) must not
+# raise the price of every pass by a quarter, and so halve the price of a tree's nodes beside it.
+PASS_OUTLIER_FACTOR = 1.5
+WARM_SIZE_MAX = 16  # calibration times passes of up to this many tokens right after one of their size
 
 
 BUSY_SPREAD = 1.5  # repeats whose median is this many times their fastest: the machine was busy
@@ -111,11 +116,15 @@ class CostModel:
                   ) -> "CostModel":
         """Times one forward pass per size over a `context`-token prefix. The fastest of several
         repeats: start-up shares the CPU with other processes, and a slow outlier would inflate
-        every larger size (costs are made monotone below). While the repeats of a size spread as
-        on a busy machine (`is_busy`), all sizes are timed again, up to `max_attempts` times;
-        `is_busy` on the result says whether the machine stayed busy. Past `max_seconds` (a loaded
-        machine) no further round starts once one was timed. `timer(runner, work)` returns a
-        pass's seconds (default: the wall time of `runner.run`)."""
+        every larger size (costs are made monotone below). A small pass (up to `WARM_SIZE_MAX`
+        tokens) is timed right after an untimed one of its size, as decoding runs it: after the
+        largest pass of the round it would find the caches cold (a one-token pass timed so cost
+        1.2x what it costs in decoding, hiding most of what a second token adds). While the
+        repeats of a size spread as on a busy machine (`is_busy`), all sizes are timed again, up
+        to `max_attempts` times; `is_busy` on the result says whether the machine stayed busy.
+        Past `max_seconds` (a loaded machine) no further round starts once one was timed.
+        `timer(runner, work)` returns a timed pass's seconds (default: the wall time of
+        `runner.run`)."""
         timer = timer or _time_pass
         context, sizes = cls.fit_shape(runner, sizes, context)
         seq = runner.new_sequence()
@@ -130,6 +139,8 @@ class CostModel:
                 samples = {n: [] for n in sizes}
                 for repeat in range(repeats + 1):  # sizes interleaved, so a busy moment hits them alike
                     for n in sizes:
+                        if n <= WARM_SIZE_MAX:  # as in decoding: after a pass like it, not a long one
+                            runner.run([works[n]])
                         seconds = timer(runner, works[n])
                         if repeat:  # the first round is a warm-up
                             samples[n].append(seconds)
@@ -163,11 +174,13 @@ class CostModel:
 
     def observe(self, num_tokens: int, seconds: float, weight: float = 0.05) -> None:
         """Moves the nearest calibration point toward a measured pass (the machine's load and
-        the real contexts drift from what start-up saw)."""
+        the real contexts drift from what start-up saw), by at most `PASS_OUTLIER_FACTOR` of its
+        prediction: a load that stays is still followed, within tens of passes."""
         i = min(range(len(self.points)), key=lambda j: abs(math.log(self.points[j][0]) - math.log(max(1, num_tokens))))
         size, old = self.points[i]
-        predicted = self.seconds(num_tokens)
-        self.points[i] = (size, old * (1 - weight + weight * seconds / max(predicted, 1e-9)))
+        ratio = seconds / max(self.seconds(num_tokens), 1e-9)
+        ratio = min(max(ratio, 1 / PASS_OUTLIER_FACTOR), PASS_OUTLIER_FACTOR)
+        self.points[i] = (size, old * (1 - weight + weight * ratio))
         self.points = self.monotone().points
 
 
