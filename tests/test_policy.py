@@ -159,7 +159,6 @@ def test_cost_model_is_monotone_and_learns_from_measured_passes():
     assert model.seconds(64) >= model.seconds(16) >= model.seconds(1)
 
 
-
 def test_a_stalled_pass_barely_moves_the_cost_model_but_a_lasting_load_is_followed():
     """One pass that stalled (ten times its cost) moves the one-token point by at most its clipped
     share: the price of a tree's nodes, the pass's growth over that point, stays where it was. A

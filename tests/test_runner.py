@@ -167,7 +167,6 @@ def test_cost_model_calibrates_within_a_short_context(tmp_path):
     assert runner.allocator.num_free == num_free
 
 
-
 def test_calibration_times_a_small_pass_after_one_of_its_size(tmp_path):
     """Decoding runs a small pass after another small one. Timed right after the round's largest
     pass, a one-token pass would carry the cold caches that pass left (here: a fixed penalty for a
@@ -195,7 +194,6 @@ def test_calibration_times_a_small_pass_after_one_of_its_size(tmp_path):
 
     model = CostModel.calibrate(runner, sizes=sizes, context=64, repeats=3, timer=timer)
     assert dict(model.points) == pytest.approx(cost)
-    # each small size timed after an untimed pass of its own size; the larger ones once a round
     # after the prefix's prefill, each small size timed after an untimed pass of its own size; the
     # larger ones once a round (a warm-up round and three timed ones)
     assert passes[1:3] == [1, 1] and passes.count(1) == passes.count(16) == 8 and passes.count(32) == 4
