@@ -725,14 +725,12 @@ def test_read_and_checked_in_chunks_the_weights_are_the_same(models, k_quant_mod
     rows at a time; with chunks of one row each the tensors, their codes and the logits are
     bitwise what whole tensors give, and a code wrong in the last row is still caught."""
     from specinfer.engine.layers import cpu_gemm, linear
-    from specinfer.engine.models import gguf as gguf_module
     from specinfer.engine.models.checkpoint import load_state_dict
 
     paths = [models[q][0] for q in ("Q4_0", "Q4_1", "Q5_1", "Q8_0")] + [k_quant_model[0]]
     whole = {p: load_state_dict(p) for p in paths}
     logits = {p: logits_of(p) for p in paths}
-    monkeypatch.setattr(gguf_module, "CHUNK_ELEMENTS", 1)
-    monkeypatch.setattr(linear, "CHECK_ELEMENTS", 1)
+    monkeypatch.setattr(cpu_gemm, "CHUNK_ELEMENTS", 1)
     for p in paths:
         chunked = load_state_dict(p)
         for name, t in whole[p].items():

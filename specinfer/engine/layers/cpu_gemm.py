@@ -27,7 +27,10 @@ PANEL = 16  # output features a panel holds
 REVISION = 5  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
 # 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
 # float16 scales in float16
-CHUNK_ELEMENTS = 1 << 22  # `BlockCodes.values` and `.q8_0` work through this many elements (whole rows) at a time
+# Work over block codes goes through this many elements (whole rows) at a time: a GGUF tensor's
+# dequantization (`models/gguf.py`), `BlockCodes.values` and `.q8_0`, and the check that codes give
+# a weight (`linear.pack`). A few MB of temporaries, whatever the tensor's size.
+CHUNK_ELEMENTS = 1 << 22
 _FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # a panel's dtype -> cpu_gemm.c's FMT_*
 
 

@@ -74,14 +74,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor | Panels:
     return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
 
 
-CHECK_ELEMENTS = 1 << 22  # `_defines` rebuilds this many elements (whole rows) at a time
-
-
 def _defines(codes: cpu_gemm.BlockCodes, weight: torch.Tensor) -> bool:
     """Whether `codes` give every element of `weight`, bit for bit (checked, never assumed), a
     few million elements at a time: the check of a large embedding's tied head holds no second
     copy of it."""
-    step = max(1, CHECK_ELEMENTS // max(1, weight.shape[1]))
+    step = max(1, cpu_gemm.CHUNK_ELEMENTS // max(1, weight.shape[1]))
     for start in range(0, weight.shape[0], step):
         values = codes.rows(slice(start, start + step)).values()
         if values is None or not torch.equal(values, weight[start:start + step]):

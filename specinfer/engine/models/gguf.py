@@ -30,6 +30,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize as dequantize_blocks, quant_shape_to_byte_shape
 
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.layers.cpu_gemm import BlockCodes
 from specinfer.errors import UserError
 from specinfer.gguf_metadata import FLOAT_TYPES, TensorEntry, read_tensor_index
@@ -93,9 +94,6 @@ class _Slice:
         return self.tensors.get_tensor(self.name)[index].clone()
 
 
-CHUNK_ELEMENTS = 1 << 22  # a block-quantized tensor is dequantized this many elements (whole rows) at a time
-
-
 def dequantize(raw: np.ndarray, entry: TensorEntry) -> torch.Tensor:
     """One tensor's bytes as a tensor of `entry.shape`: F32, F16 and BF16 as stored, every block
     type as float32. A block type's rows are dequantized (and their codes taken) a few million
@@ -113,7 +111,7 @@ def dequantize(raw: np.ndarray, entry: TensorEntry) -> torch.Tensor:
     out = np.empty((num_rows, row), dtype=np.float32)
     coded = CODED_TYPES.get(entry.ggml_type) if len(shape) == 2 else None
     codes = None  # (codes, scales, offsets) of every row, made with the first chunk's
-    step = max(1, CHUNK_ELEMENTS // row)
+    step = max(1, cpu_gemm.CHUNK_ELEMENTS // row)
     for start in range(0, num_rows, step):
         blocks = rows[start:start + step]
         out[start:start + step] = dequantize_blocks(blocks, qtype).reshape(-1, row)
