@@ -340,3 +340,47 @@ def test_distillation_scores_the_draft_s_vocabulary_alone(built):
         reduced, whole = logits_at(model, tokens, picked, vocab), logits_at(model, tokens, picked)
     assert reduced.shape == (4, len(vocab))
     torch.testing.assert_close(reduced, whole[:, vocab], rtol=1e-5, atol=1e-5)
+
+
+def _synthetic_data(vocab_size: int, rows: int = 4, length: int = 8) -> BoostData:
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, vocab_size, (rows, length), generator=gen)
+    mask = torch.zeros(rows, length, dtype=torch.bool)
+    mask[:, 2:length - 1] = True
+    return BoostData(tokens=tokens, lengths=torch.full((rows,), length), targets=torch.roll(tokens, -1, 1) * mask,
+                     mask=mask, sampled=torch.zeros(rows, dtype=torch.bool),
+                     topk_ids=torch.zeros(rows, length, 0, dtype=torch.long), topk_probs=torch.zeros(rows, length, 0))
+
+
+@pytest.mark.parametrize("is_head_frozen", [True, False])
+def test_a_frozen_head_s_vocabulary_rows_are_gathered_once_and_train_the_same(built, is_head_frozen):
+    """A draft with a reduced vocabulary and the LLM's frozen head takes that head's rows once,
+    not at every step, and trains exactly as if it gathered them each time; a head that trains
+    keeps gathering them, so its gradient still reaches it."""
+    from specinfer.pool.boost_tune import Trainer, load_model
+    from specinfer.pool.tuning_config import TrainConfig
+
+    out, _ = built
+    vocab = torch.tensor(json.loads((out / "config.json").read_text())[DRAFT_VOCAB_KEY])
+    data = _synthetic_data(int(vocab.max()) + 1)
+    data.targets[data.mask] = vocab[data.targets[data.mask] % len(vocab)]  # answers inside the vocabulary
+    cfg = TrainConfig(steps=3, batch_size=2, lr=1e-2, warmup_steps=1)
+    models, trainers = [], []
+    for _ in range(2):
+        model = load_model(out, "cpu")
+        if is_head_frozen:
+            md.freeze_vocabulary(model)
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(),
+                                                  requires_grad=not is_head_frozen)  # untied: each its own
+        models.append(model)
+        trainers.append(Trainer(model, cfg, 0, "cpu", vocab))
+    assert (trainers[0].frozen_head is not None) == is_head_frozen
+    trainers[1].frozen_head = None  # the reference: gathers the rows at every step
+    rows = torch.arange(2)
+    for _ in range(cfg.steps):
+        losses = [t.train_step(data, data.mask, rows) for t in trainers]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    head_moved = not torch.equal(models[0].lm_head.weight, load_model(out, "cpu").lm_head.weight)
+    assert head_moved != is_head_frozen

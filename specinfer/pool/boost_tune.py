@@ -184,6 +184,10 @@ class Trainer:
         # it trains on a softmax over them, which its head scores at a fraction of the whole's cost.
         self.vocab = None if vocab is None else vocab.to(device)
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}  # frozen ones stay
+        # A frozen head's rows for that vocabulary are gathered once, not at every step.
+        self.frozen_head = None
+        if self.vocab is not None and not any(p.requires_grad for p in model.lm_head.parameters()):
+            self.frozen_head = tuple(None if t is None else t.detach() for t in vocab_head(model, self.vocab))
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.lr, betas=(0.9, 0.95),
                                            weight_decay=cfg.weight_decay, foreach=False)
         self.step = 0
@@ -225,7 +229,8 @@ class Trainer:
         width = int(data.lengths[rows].max())
         w = weights[rows, :width]
         picked = torch.nonzero(w, as_tuple=True)  # only weighted positions need the LM head
-        logits = logits_at(self.model, data.tokens[rows, :width].to(self.device), picked, self.vocab)
+        logits = logits_at(self.model, data.tokens[rows, :width].to(self.device), picked, self.vocab,
+                           head=self.frozen_head)
         targets, topk_ids = data.targets[rows, :width][picked].to(self.device), data.topk_ids[rows, :width][picked]
         w, topk_probs = w[picked].float().to(self.device), data.topk_probs[rows, :width][picked].to(self.device)
         if self.vocab is not None:
@@ -304,18 +309,25 @@ def in_vocabulary(vocab: torch.Tensor, targets: torch.Tensor, weights: torch.Ten
             torch.where(topk_in, topk_probs, torch.zeros_like(topk_probs)))
 
 
+def vocab_head(model, vocab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head's weight and bias rows of the tokens `vocab` (token ids)."""
+    head = model.lm_head
+    return head.weight[vocab], None if head.bias is None else head.bias[vocab]
+
+
 def logits_at(model, tokens: torch.Tensor, picked: tuple[torch.Tensor, torch.Tensor],
-              vocab: torch.Tensor | None = None) -> torch.Tensor:
+              vocab: torch.Tensor | None = None, head: tuple[torch.Tensor, torch.Tensor | None] | None = None
+              ) -> torch.Tensor:
     """(P, V) float32 logits of a causal LM at the positions `picked` = (rows, columns) of `tokens`
     (only those rows go through the LM head; soft-capped where the family caps its logits); with
-    `vocab` (token ids), (P, len(vocab)): the logits of those tokens alone."""
+    `vocab` (token ids), (P, len(vocab)): the logits of those tokens alone, from `head` when given
+    (`vocab_head`'s rows, gathered once)."""
     hidden = model.model(input_ids=tokens, use_cache=False).last_hidden_state
     hidden = hidden[picked[0].to(hidden.device), picked[1].to(hidden.device)]
     if vocab is None:
         logits = model.lm_head(hidden)
     else:
-        head = model.lm_head
-        logits = F.linear(hidden, head.weight[vocab], None if head.bias is None else head.bias[vocab])
+        logits = F.linear(hidden, *(head or vocab_head(model, vocab)))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
@@ -330,14 +342,15 @@ def agreement(model, data: BoostData, batch: int, device: str, progress: bool, d
     vocabulary proposes."""
     model.eval()
     out = torch.zeros_like(data.mask)
+    vocab = None if vocab is None else vocab.to(device)
+    head = None if vocab is None else vocab_head(model, vocab)
     with progress_bar(len(data), desc, progress) as bar:
         for lo in range(0, len(data), batch):
             rows = slice(lo, min(lo + batch, len(data)))
             width = int(data.lengths[rows].max())
             picked = torch.nonzero(data.mask[rows, :width], as_tuple=True)
-            logits = logits_at(model, data.tokens[rows, :width].to(device), picked,
-                               None if vocab is None else vocab.to(device))
-            top1 = (logits.argmax(-1) if vocab is None else vocab.to(device)[logits.argmax(-1)]).cpu()
+            logits = logits_at(model, data.tokens[rows, :width].to(device), picked, vocab, head=head)
+            top1 = (logits.argmax(-1) if vocab is None else vocab[logits.argmax(-1)]).cpu()
             block = torch.zeros_like(data.mask[rows, :width])
             block[picked] = top1 == data.targets[rows, :width][picked]
             out[rows, :width] = block
