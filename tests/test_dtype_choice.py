@@ -238,6 +238,17 @@ def test_a_cached_choice_loads_the_ssm_a_weight_at_a_time(tiny_pair, tmp_path, m
                     timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}))
 
 
+def test_a_miss_reads_the_dtype_cache_once(tiny_pair, tmp_path, monkeypatch):
+    """An SSM whose dtype is not cached looks it up once, then measures: the lookup is not
+    repeated on the way to the measurement."""
+    reads = []
+    real_read = dc.read_cached
+    monkeypatch.setattr(dc, "read_cached", lambda *a, **k: reads.append(1) or real_read(*a, **k))
+    runner = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 256, cache_dir=tmp_path,
+                         timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}))
+    assert not runner.dtype_choice.is_cached and len(reads) == 1
+
+
 def test_a_busy_machine_is_measured_again_and_its_choice_not_cached(ssm_weights, tmp_path, monkeypatch):
     """Repeats that spread (three of every four passes of each size slowed 3x) are timed again, up to
     MAX_ATTEMPTS times, keeping the fastest; a machine that stays busy gets its choice used but not

@@ -278,6 +278,14 @@ def choose_dtype(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exe
     cached = cached_choice(cfg, device, exec_cfg, prefer, cache_dir, cpuinfo, weights_id)
     if cached is not None:
         return cached
+    return measure_choice(cfg, weights, device, exec_cfg, prefer, cache_dir, timer, cpuinfo, weights_id, report)
+
+
+def measure_choice(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, exec_cfg: ExecConfig,
+                   prefer: str = "float32", cache_dir: Path | None = None, timer: TimePass | None = None,
+                   cpuinfo: str | None = None, weights_id: str = "", report: Callable[[str], None] | None = None
+                   ) -> DtypeChoice:
+    """`choose_dtype`'s choice measured now, whatever is cached (cached unless the machine stayed busy)."""
     cands = candidates(device)
     key = cache_key(cfg, device, exec_cfg.attention, prefer, cands, cpuinfo, weights_id)
     sizes, context = trial_shapes(cfg)
@@ -318,8 +326,8 @@ def load_ssm(model_dir: str | Path, dtype: str, device: str, max_kv_tokens: int,
         runner = ModelRunner.from_dir(model_dir, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
     else:  # the state dict read once serves the trial runners of every dtype, then the one chosen
         weights = engine_weights(cfg, load_state_dict(model_dir))
-        choice = choose_dtype(cfg, weights, device, ex, prefer, cache_dir, timer, weights_id=weights_id,
-                              report=lambda line: tell(f"SSM {Path(model_dir).name}: {line}"))
+        choice = measure_choice(cfg, weights, device, ex, prefer, cache_dir, timer, weights_id=weights_id,
+                                report=lambda line: tell(f"SSM {Path(model_dir).name}: {line}"))
         runner = ModelRunner.from_weights(cfg, weights, choice.dtype, device, max_kv_tokens, exec_cfg=ex)
     runner.dtype_choice = choice
     tell(f"SSM {Path(model_dir).name}: {choice.describe()}")
