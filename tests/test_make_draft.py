@@ -384,3 +384,35 @@ def test_a_frozen_head_s_vocabulary_rows_are_gathered_once_and_train_the_same(bu
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     head_moved = not torch.equal(models[0].lm_head.weight, load_model(out, "cpu").lm_head.weight)
     assert head_moved != is_head_frozen
+
+
+@pytest.mark.parametrize("dtype", ["float32", "q8_0", "bfloat16"])
+@pytest.mark.parametrize("is_tied", [True, False])
+def test_the_memory_plan_counts_a_draft_s_reduced_head_as_it_loads(built, tmp_path, dtype, is_tied):
+    """A draft with a reduced vocabulary holds its whole embedding and, apart, the head's rows of
+    that vocabulary (tied to the embedding or not): the weights' estimate (what the KV cache's
+    budget is left after) is what the loaded draft holds, within the panels' padding."""
+    from safetensors.torch import load_file, save_file
+
+    from specinfer.engine.layers import cpu_gemm
+    from specinfer.engine.layers.embedding import CodedTable
+    from specinfer.engine.layers.linear import can_pack
+    from specinfer.engine.runtime.memory import weight_bytes
+
+    out, _ = built
+    if is_tied:  # the same draft with its head tied to the embedding, as a pretrained LLM's often is
+        shutil.copytree(out, tmp_path / "tied")
+        out = tmp_path / "tied"
+        raw = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps(raw | {"tie_word_embeddings": True}))
+        weights = load_file(str(out / "model.safetensors"))
+        weights.pop("lm_head.weight")
+        save_file(weights, str(out / "model.safetensors"))
+    cfg = ModelConfig.from_dir(out)
+    assert cfg.tie_word_embeddings == is_tied and 0 < len(cfg.head_token_ids) < cfg.vocab_size
+    if not cpu_gemm.available() or (dtype == "bfloat16" and not can_pack(torch.device("cpu"), torch.bfloat16)):
+        pytest.skip("the CPU kernel (or oneDNN's bfloat16) is not here")
+    held = 0
+    for t in {id(t): t for t in ModelRunner.from_dir(out, dtype, "cpu", 64).model.w.values()}.values():
+        held += t.nbytes() if isinstance(t, CodedTable) else t.numel() * t.element_size()  # a tensor or panels
+    assert 0.99 * held <= weight_bytes(out, dtype) <= 1.1 * held

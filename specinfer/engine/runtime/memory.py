@@ -94,25 +94,36 @@ def coded_bytes(*ggml_types: str, is_embedding: bool = False) -> float:
     return bits / 8 + 8 / min(CODE_BLOCKS.get(t, 32) for t in ggml_types)
 
 
+def head_parameters(cfg: ModelConfig, is_packed: bool) -> int:
+    """The LM head's weights beyond what `num_parameters` counts: a draft's head keeps only the
+    rows of its reduced vocabulary (`ModelConfig.head_token_ids`), and a tied head is a copy of
+    the embedding once it has rows of its own or is packed for the CPU's kernels (`is_packed`)."""
+    rows = len(cfg.head_token_ids) or cfg.vocab_size
+    if not cfg.tie_word_embeddings:
+        return (rows - cfg.vocab_size) * cfg.hidden_size
+    return rows * cfg.hidden_size if is_packed or cfg.head_token_ids else 0
+
+
 def weight_bytes(model, dtype: str, device: str = "cpu") -> int:
     """What a model's weights take once loaded on `device` (one process, no tensor parallelism):
     its parameters at `dtype`'s element size, except where they stay block codes on a CPU with the
     kernel: a GGUF's coded matrices and token embedding in float32 (`coded_bytes`; its float16
     and bfloat16 matrices stay 16-bit, which holds them exactly), and a q8_0 SSM's matrices and
-    embedding (8-bit codes). A tied LM head counts twice: it is packed apart
-    from the embedding the lookups read."""
+    embedding (8-bit codes). The LM head counts as `head_parameters` says: a tied head packed on
+    a CPU counts twice, apart from the embedding the lookups read."""
     source = resolve(model)
     cfg = ModelConfig.from_dir(source)
     is_cpu_codes = str(device) == "cpu" and cpu_gemm.available()
     if dtype == Q8_DTYPE:
         if not is_cpu_codes:
-            return num_parameters(cfg) * element_size("float32")
-        matrices = num_parameters(cfg) - cfg.hidden_size * (2 * cfg.num_layers + 1)
-        head = cfg.vocab_size * cfg.hidden_size if cfg.tie_word_embeddings else 0
-        return int((matrices + head) * coded_bytes("Q8_0") + (num_parameters(cfg) - matrices) * 4)
+            return (num_parameters(cfg) + head_parameters(cfg, False)) * element_size("float32")
+        norms = cfg.hidden_size * (2 * cfg.num_layers + 1)
+        matrices = num_parameters(cfg) + head_parameters(cfg, True) - norms
+        return int(matrices * coded_bytes("Q8_0") + norms * 4)
     size = element_size(dtype)
     if not (source.is_gguf and is_cpu_codes and dtype == "float32"):
-        return num_parameters(cfg) * size
+        is_packed = str(device) == "cpu" and dtype in ("float32", "bfloat16")
+        return (num_parameters(cfg) + head_parameters(cfg, is_packed)) * size
     groups: dict[str, list] = {}
     total = 0.0
     for entry in read_tensor_index(source.meta_dir)[1]:
