@@ -12,7 +12,8 @@ For one model (a checkpoint directory or a GGUF file), in float32 on the CPU:
    products, attention, norms and element-wise operators, everything else), and the rest of the
    wall time, which no operator accounts for (Python, the scheduler, sampling, the profiler);
 3. one bare model pass of each `--rows` count over the same context (the runner alone, no
-   engine), timed without the profiler: the cost of a verification pass of that many tree nodes;
+   engine), timed without the profiler: the cost of a verification pass of that many tree nodes,
+   and how much of it the CPU kernel's matrix products take;
 4. a one-row pass over that context held in one run of cache blocks and in scattered blocks (as
    after a cached system prompt): what gathering the paged KV cache costs, unprofiled.
 
@@ -61,6 +62,34 @@ def read_bandwidth_gbs(num_mib: int = 512, repeats: int = 7) -> float:
     return buf.numel() * 4 / statistics.median(times) / 1e9
 
 
+class KernelTimer:
+    """Wall time spent inside the CPU matrix kernel's products (`cpu_gemm.gemm`, `gemm_codes`,
+    which `layers.linear` calls through the module): torch's profiler does not see them."""
+
+    def __init__(self):
+        from specinfer.engine.layers import cpu_gemm
+
+        self.seconds, self.calls = 0.0, 0
+        for name in ("gemm", "gemm_codes"):
+            setattr(cpu_gemm, name, self._timed(getattr(cpu_gemm, name)))
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+        return timed
+
+    def take(self) -> tuple[float, int]:
+        """(seconds, calls) since the last take."""
+        out = self.seconds, self.calls
+        self.seconds, self.calls = 0.0, 0
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=Path("../shared/models/reference-llm"))
@@ -93,6 +122,7 @@ def main() -> None:
     print(f"model {args.model}: {read_per_pass / 1e6:.0f} MB of weights read a pass; read bandwidth "
           f"{bandwidth:.1f} GB/s with {torch.get_num_threads()} threads -> floor {floor_ms:.1f} ms a pass")
 
+    kernel = KernelTimer()
     prompt = list(range(100, 400))
     params = mode_params("incremental", args.tokens)
     engine.generate(prompt, mode_params("incremental", 4))  # warm-up
@@ -101,10 +131,12 @@ def main() -> None:
         start = time.perf_counter()
         out = engine.generate(prompt, params)
         wall.append((time.perf_counter() - start) / len(out.output_ids))
+    kernel.take()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         out = engine.generate(prompt, params)
         profiled_s = time.perf_counter() - start
+    kernel_s, kernel_calls = kernel.take()
     num = len(out.output_ids)
     by_cat: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -112,6 +144,9 @@ def main() -> None:
         if evt.key.startswith("aten::") or evt.key.startswith("mkldnn::") or evt.key.startswith("prim::"):
             by_cat[category(evt.key)] += evt.self_cpu_time_total / 1e3
             counts[category(evt.key)] += evt.count
+    if kernel_calls:
+        by_cat["matrix products (the CPU kernel)"] += 1e3 * kernel_s
+        counts["matrix products (the CPU kernel)"] += kernel_calls
     ops_ms = sum(by_cat.values())
     print(f"\nplain decoding, {num} tokens after a {len(prompt)}-token prompt: {1e3 * statistics.median(wall):.1f} ms "
           f"a token unprofiled (median of 3 runs); profiled {1e3 * profiled_s / num:.1f} ms a token")
@@ -129,16 +164,22 @@ def main() -> None:
     runner.prefill(seq, prompt)
     rows = [int(r) for r in args.rows.split(",")]
     times = {n: [] for n in rows}
+    in_kernel = {n: [] for n in rows}
     for _ in range(args.repeats):
         for n in rows:
             work = chain_work(seq, list(range(500, 500 + n)), logits="all")
+            kernel.take()
             start = time.perf_counter()
             runner.run([work])
             times[n].append(time.perf_counter() - start)
+            in_kernel[n].append(kernel.take()[0])
     print("\nbare model passes over the same context (median):")
     for n in rows:
         ms = 1e3 * statistics.median(times[n][2:])
-        print(f"  rows {n:3d}: {ms:7.1f} ms  ({ms / floor_ms:.1f}x the floor)")
+        kernel_ms = 1e3 * statistics.median(in_kernel[n][2:])
+        print(f"  rows {n:3d}: {ms:7.1f} ms  ({ms / floor_ms:.1f}x the floor)"
+              + (f"; the CPU kernel's matrix products {kernel_ms:.1f} ms, the rest {ms - kernel_ms:.1f} ms"
+                 if kernel_ms else ""))
 
     # The same context in blocks that are not one run (as after a cached system prompt, whose
     # blocks the request's own do not follow): attention gathers it instead of slicing it.
