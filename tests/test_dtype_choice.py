@@ -548,3 +548,34 @@ def test_q8_0_auto_greedy_tree_equals_incremental_when_it_wins(pair_runners, tin
     engine = Engine.from_runners(llm, [ssm])
     params = mode_params("tree", NEW_TOKENS, TreeShape((2, 2, 1, 1)))
     assert [engine.generate(p, params).output_ids for p in greedy_prompts[:8]] == incremental
+
+
+def test_the_trial_runners_hold_a_slice_of_the_embedding_and_the_chosen_one_all_of_it(tiny_pair, tmp_path,
+                                                                                      monkeypatch):
+    """Each dtype's trial runner holds only the token embedding's first `TRIAL_EMBED_ROWS` rows
+    (a lookup costs the same in any table), not a whole copy in its dtype, and its trial tokens lie
+    below them; the LM head stays whole. The runner loaded for the chosen dtype holds every row
+    and computes what a plain load of that dtype computes, tied head or not."""
+    from specinfer.engine.runtime.runner import ModelRunner, chain_work
+
+    monkeypatch.setattr(dc, "TRIAL_EMBED_ROWS", 48)
+    cfg = ModelConfig.from_dir(tiny_pair.ssms[0])
+    assert cfg.vocab_size > 48
+    built = []
+    real = ModelRunner.from_weights
+
+    def recording(cfg, weights, dtype, *args, **kwargs):
+        built.append((dtype, weights["embed"].shape[0], weights["lm_head"].shape[0]))
+        return real(cfg, weights, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "from_weights", staticmethod(recording))
+    runner = dc.load_ssm(tiny_pair.ssms[0], "auto", "cpu", 256, cache_dir=tmp_path,
+                         timer=fake_timer({"float32": 1.2, "bfloat16": 0.6}))
+    *trials, chosen = built
+    assert {d for d, _, _ in trials} == {"float32", "bfloat16"} and chosen[0] == "bfloat16"
+    assert all(rows == 48 and head == cfg.vocab_size for _, rows, head in trials)
+    assert chosen[1:] == (cfg.vocab_size, cfg.vocab_size)
+    ids = [cfg.vocab_size - 1, 3, cfg.vocab_size - 7, 60]  # rows past the trial's slice
+    plain = real(cfg, engine_weights(cfg, load_state_dict(tiny_pair.ssms[0])), "bfloat16", "cpu", 256)
+    logits = [r.run([chain_work(r.new_sequence(), ids, logits="all")])[0] for r in (runner, plain)]
+    assert torch.equal(*logits)

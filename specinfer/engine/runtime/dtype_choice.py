@@ -66,6 +66,7 @@ TRIAL_REPEATS = 3  # timed rounds per candidate and size (after one warm-up roun
 TRIAL_MIN_S = 0.2  # more rounds until the timed passes took this long in all...
 TRIAL_MAX_REPEATS = 50  # ...but never more rounds than this
 TRIAL_MAX_S = 1.0  # and no further round once they took this long (at least one timed round)
+TRIAL_EMBED_ROWS = 1024  # token embedding rows a trial runner holds (`trial_weights`); trial tokens lie below
 TIE_TOLERANCE = 0.05  # the preferred dtype wins when within this fraction of the fastest
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 ARCHITECTURE_FIELDS = ("architecture", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
@@ -215,10 +216,20 @@ def measure(make_runner: Callable[[str], object], cands: list[str], cfg: ModelCo
     return {dtype: round(1000 * sum(per.values()) / len(per), 4) for dtype, per in best.items()}, busy
 
 
+def trial_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights the trial runners are built from: the SSM's own, but for the token embedding's
+    rows past `TRIAL_EMBED_ROWS`. Looking a token up costs the same in any table, and the
+    embedding is most of a draft's weights, so the candidates do not each hold a copy of it in
+    their dtype. The LM head stays whole (tied to the embedding or not): its product is what a pass
+    costs."""
+    return {**weights, "embed": weights["embed"][:TRIAL_EMBED_ROWS]}
+
+
 def _trial_runners(make_runner: Callable[[str], object], cands: list[str], cfg: ModelConfig) -> tuple[dict, dict]:
-    """Each candidate that works: its runner, and its trial passes by size over the trial context."""
+    """Each candidate that works: its runner, and its trial passes by size over the trial context
+    (their tokens below `TRIAL_EMBED_ROWS`)."""
     sizes, context = trial_shapes(cfg)
-    vocab = cfg.vocab_size
+    vocab = min(cfg.vocab_size, TRIAL_EMBED_ROWS)
     works, runners = {}, {}
     for dtype in cands:
         try:
@@ -291,8 +302,10 @@ def measure_choice(cfg: ModelConfig, weights: dict[str, torch.Tensor], device, e
     sizes, context = trial_shapes(cfg)
     trial_exec = replace(exec_cfg, cuda_graphs=False, offload=False)  # the passes themselves, nothing captured
 
+    trial = trial_weights(weights)
+
     def make_runner(dtype: str):
-        return ModelRunner.from_weights(cfg, weights, dtype, device, max_kv_tokens=context + max(sizes),
+        return ModelRunner.from_weights(cfg, trial, dtype, device, max_kv_tokens=context + max(sizes),
                                         exec_cfg=trial_exec)
 
     if report is not None:
