@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from specinfer.engine.layers import cpu_gemm
+from specinfer.engine.layers.linear import can_pack
+from specinfer.engine.models.checkpoint import DTYPES
 from specinfer.engine.models.config import ModelConfig
 from specinfer.errors import UserError
 from specinfer.gguf_metadata import read_tensor_index
@@ -122,7 +126,7 @@ def weight_bytes(model, dtype: str, device: str = "cpu") -> int:
         return int(matrices * coded_bytes("Q8_0") + norms * 4)
     size = element_size(dtype)
     if not (source.is_gguf and is_cpu_codes and dtype == "float32"):
-        is_packed = str(device) == "cpu" and dtype in ("float32", "bfloat16")
+        is_packed = dtype in DTYPES and can_pack(torch.device(device), DTYPES[dtype])
         return (num_parameters(cfg) + head_parameters(cfg, is_packed)) * size
     groups: dict[str, list] = {}
     total = 0.0
