@@ -129,6 +129,30 @@ def test_a_verifier_that_dies_mid_stream_costs_no_request_and_changes_no_output(
     assert wait_until(lambda: all(router.load(f"127.0.0.1:{p}") == 0 for p in fleet.ports), 5)
 
 
+def test_a_verifier_that_ends_its_calls_as_it_stops_costs_no_request(fleet, tokenizer):
+    """A verifier that stops ends the streams it still serves with CANCELLED (its server's stop
+    after the drain's grace): the gateway did not cancel them, so they go on on another verifier,
+    as after any other loss of a verifier, instead of failing."""
+    max_tokens = 60
+    expected = {p: expected_tokens(fleet.successor, tokenizer.encode(p)[-1], max_tokens) for p in PROMPTS}
+    stopping = fleet.fakes[0]
+    samples = stopping._samples
+
+    def ended_by_the_server(call, request, context):
+        for i, msg in enumerate(samples(call, request, context)):
+            if i == 5:
+                context.abort(grpc.StatusCode.CANCELLED, "the server is stopping")
+            yield msg
+
+    stopping._samples = ended_by_the_server
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        outputs = {p: f.result(timeout=30) for p, f in
+                   {p: pool.submit(_stream_ids, fleet.stub, p, max_tokens) for p in PROMPTS}.items()}
+    assert outputs == expected
+    assert stopping.calls, "no request was on the stopping verifier"
+    assert _metric(fleet.registry, "specinfer_gateway_verifier_failovers_total") >= 1
+
+
 def test_a_restarted_verifier_is_used_again_and_no_request_fails_meanwhile(fleet):
     a0 = f"127.0.0.1:{fleet.ports[0]}"
     failures, done = [], threading.Event()

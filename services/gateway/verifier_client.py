@@ -104,9 +104,12 @@ class VerifierStream:
 
     def __init__(self, call):
         self._call = call
+        self._is_cancelled = False  # by this side (`cancel`): a CANCELLED status is then its own
 
     def __iter__(self) -> Iterator[VerifierStep]:
-        """The verified steps; a failed call raises a `PeerError`."""
+        """The verified steps; a failed call raises a `PeerError`. A call the verifier ended with
+        CANCELLED, which this side did not cancel, raises it as unavailable: the verifier is
+        stopping (its server ends the streams a drain left), so the request goes on elsewhere."""
         try:
             for msg in self._call:
                 yield VerifierStep(tuple(msg.token_ids), msg.finish_reason,
@@ -115,9 +118,13 @@ class VerifierStream:
                                    convert.space_from_proto(msg.logprob_space), int(msg.cached_prompt_tokens),
                                    int(msg.sample_index))
         except grpc.RpcError as exc:
+            if getattr(exc, "code", lambda: None)() == grpc.StatusCode.CANCELLED and not self._is_cancelled:
+                details = exc.details() if hasattr(exc, "details") else exc
+                raise PeerError(UnavailableError(f"verifier: ended the call ({details})"), True) from exc
             raise peer_error(exc) from exc
 
     def cancel(self) -> None:
+        self._is_cancelled = True
         self._call.cancel()
 
 
