@@ -1,12 +1,14 @@
 """One LLM pass's cost in two arms over the same model, by rows.
 
-    python scripts/pass_cost.py [--model PATH] [--compare layout|storage] [--rows 1,2,8,16] [--repeats 20]
+    python scripts/pass_cost.py [--model PATH] [--compare layout|storage|norm] [--rows 1,2,8,16] [--repeats 20]
         [--cache-dir DIR]
 
 `--compare layout` (the default): the CPU weights packed for the GEMM kernels against plain
 `F.linear`. `--compare storage`: the matrices as the kernel stores them (a bfloat16 or float16
 checkpoint's in 16 bits, a GGUF's quantized ones as their block codes) against the same model
 with every matrix in float32 panels; it also says whether the two arms' logits are bitwise equal.
+`--compare norm`: torch's RMSNorm operators against the CPU kernel's (`layers/norms.py`), with
+the same check of the logits.
 
 Both arms hold the same model (a checkpoint directory or a GGUF file) over the same 300-token
 context; passes of each row count alternate between the arms, and the median of each (the first
@@ -29,6 +31,7 @@ def load_arms(path: Path, compare: str) -> dict:
 
     import specinfer.engine.models.transformer as transformer
     from specinfer.engine.layers import cpu_gemm, linear
+    from specinfer.engine.layers.norms import rms_norm
     from specinfer.engine.runtime.runner import ModelRunner
 
     runners = {}
@@ -38,6 +41,13 @@ def load_arms(path: Path, compare: str) -> dict:
             transformer.can_pack = can_pack if arm == "packed" else (lambda *_: False)
             runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
         transformer.can_pack = can_pack
+        return runners
+    if compare == "norm":
+        norm_for = transformer.norm_for
+        for arm in ("torch", "kernel"):
+            transformer.norm_for = norm_for if arm == "kernel" else (lambda is_offset, *_: rms_norm)
+            runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
+        transformer.norm_for = norm_for
         return runners
     exact_storage, defines = cpu_gemm.exact_storage, linear._defines
     for arm in ("float32", "as stored"):
@@ -51,7 +61,7 @@ def load_arms(path: Path, compare: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=Path("../shared/models/reference-llm"))
-    ap.add_argument("--compare", choices=("layout", "storage"), default="layout")
+    ap.add_argument("--compare", choices=("layout", "storage", "norm"), default="layout")
     ap.add_argument("--rows", default="1,2,8,16")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cache-dir", type=Path)
@@ -83,7 +93,7 @@ def main() -> None:
                 times[(arm, n)].append(time.perf_counter() - start)
     for n in rows:
         a, b = (statistics.median(times[(arm, n)][2:]) for arm in (base, other))
-        same = f"  same logits {torch.equal(logits[base, n], logits[other, n])}" if args.compare == "storage" else ""
+        same = f"  same logits {torch.equal(logits[base, n], logits[other, n])}" if args.compare != "layout" else ""
         print(f"rows {n:3d}: {base} {a * 1e3:7.2f} ms  {other} {b * 1e3:7.2f} ms  {base}/{other} {a / b:.2f}{same}")
 
 

@@ -7,6 +7,7 @@ import platform
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.layers import linear as linear_mod
@@ -377,3 +378,64 @@ def test_codes_are_made_and_read_a_few_rows_at_a_time_with_the_whole_s_result(mo
     scales = whole.scales.clone()
     scales[-1, -1] = 1.0 + 2.0 ** -23
     assert cpu_gemm.BlockCodes(whole.codes, scales, offsets, 32).values() is None
+
+
+# ---- RMSNorm (cpu_norm.c) -----------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("size", [8, 20, 48, 64, 128, 576, 960, 2048, 4096, 8200])
+@pytest.mark.parametrize("eps", [1e-5, 1e-6])
+def test_the_kernel_norm_gives_torch_s_bits_for_any_rows(size, eps):
+    """Rows of any count, magnitude and size (the cascade of torch's float32 sum included: 8,200
+    holds more than 16 groups of four vectors) equal F.rms_norm's bit for bit, and so does a row
+    of a many-row call (threads) against the same row alone."""
+    from specinfer.engine.layers.norms import is_kernel_exact
+
+    gen = torch.Generator().manual_seed(size)
+    weight = torch.randn(size, generator=gen)
+    for num_rows in (1, 2, 7, 300):
+        x = torch.randn(num_rows, size, generator=gen) * torch.logspace(-6, 6, num_rows).unsqueeze(1)
+        got = cpu_gemm.rms_norm(x, weight, eps)
+        assert torch.equal(got, F.rms_norm(x, (size,), weight, eps))
+        assert torch.equal(got[-1:], cpu_gemm.rms_norm(x[-1:].clone(), weight, eps))
+    assert is_kernel_exact(size, eps)
+
+
+def _lanes_reversed(x, weight, eps):
+    """The same norm with the sum of squares taken in another order (float64, then rounded): as
+    exact as the kernel's, but not torch's bits."""
+    r = torch.rsqrt((x.double().pow(2).sum(-1, keepdim=True) / x.shape[-1]).float() + eps)
+    return x * r * weight
+
+
+@needs_kernel
+def test_a_kernel_norm_that_is_not_torch_s_bits_is_not_used(monkeypatch):
+    """The decoder takes the kernel's norm only for row sizes where it equals torch's on this
+    machine; a kernel off by a rounding is caught by that check, and the model keeps torch's."""
+    from specinfer.engine.layers import norms
+
+    cpu = torch.device("cpu")
+    assert norms.norm_for(False, torch.float32, cpu, {576}, 1e-5) is not norms.rms_norm
+    assert norms.norm_for(False, torch.bfloat16, cpu, {576}, 1e-5) is norms.rms_norm
+    assert norms.norm_for(True, torch.float32, torch.device("meta"), {576}, 1e-5) is norms.offset_rms_norm
+    monkeypatch.setattr(cpu_gemm, "rms_norm", _lanes_reversed)
+    norms.is_kernel_exact.cache_clear()
+    try:
+        assert not norms.is_kernel_exact(576, 1e-5)
+        assert norms.norm_for(False, torch.float32, cpu, {576}, 1e-5) is norms.rms_norm
+    finally:
+        norms.is_kernel_exact.cache_clear()
+
+
+@needs_kernel
+def test_the_kernel_norm_leaves_strided_rows_to_torch():
+    """A norm over a view that is not contiguous (the per-head q/k norms' input) is torch's."""
+    from specinfer.engine.layers import norms
+
+    norm = norms.norm_for(False, torch.float32, torch.device("cpu"), {16}, 1e-6)
+    qkv = torch.randn(3, 5 * 16)
+    heads = qkv[:, : 3 * 16].view(3, 3, 16)
+    assert not heads.is_contiguous()
+    weight = torch.randn(16)
+    assert torch.equal(norm(heads, weight, 1e-6), F.rms_norm(heads, (16,), weight, 1e-6))

@@ -1,4 +1,5 @@
-"""The small-batch float32 products of `cpu_gemm.c`, loaded through ctypes.
+"""The small-batch float32 products of `cpu_gemm.c`, and the RMSNorm of `cpu_norm.c`, loaded
+through ctypes.
 
 A float32 weight whose elements are all exactly bfloat16 (or float16) values, as a checkpoint
 stored in that type gives, is packed in it: the kernel widens each element back to the same
@@ -24,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 PANEL = 16  # output features a panel holds
-REVISION = 5  # of cpu_gemm.c: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
+REVISION = 6  # of the kernels: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
 # 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
-# float16 scales in float16
+# float16 scales in float16, 6 adds the RMSNorm (cpu_norm.c)
 # Work over block codes goes through this many elements (whole rows) at a time: a GGUF tensor's
 # dequantization (`models/gguf.py`), `BlockCodes.values` and `.q8_0`, and the check that codes give
 # a weight (`linear.pack`). A few MB of temporaries, whatever the tensor's size.
@@ -54,6 +55,10 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
                                          ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     lib.specinfer_gemm_nibbles.restype = None
     lib.specinfer_gemm_nibbles.argtypes = lib.specinfer_gemm_codes.argtypes
+    if hasattr(lib, "specinfer_rms_norm"):  # a library built from cpu_gemm.c alone multiplies, no more
+        lib.specinfer_rms_norm.restype = None
+        lib.specinfer_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                           ctypes.c_int64, ctypes.c_float, ctypes.c_int]
     return lib, isa
 
 
@@ -243,6 +248,11 @@ def available() -> bool:
     return _library() is not None
 
 
+def has_norm() -> bool:
+    """Whether the built library also holds the RMSNorm (`rms_norm`)."""
+    return available() and hasattr(_library()[0], "specinfer_rms_norm")
+
+
 def kernel_name() -> str:
     """Which of the kernel's paths this CPU runs, and its revision (for caches of what a pass
     costs: a revision that prices passes differently measures them anew)."""
@@ -268,6 +278,17 @@ def pack(weight: torch.Tensor, storage: torch.dtype = torch.float32) -> torch.Te
     """weight (n, k), float32 on the CPU, as the kernel's panels: (ceil(n / 16), k, 16), zero past n,
     stored as `storage` (which must hold every element exactly: `exact_storage`)."""
     return _panels(weight).to(storage).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x's rows (`cpu_norm.c`): contiguous float32 x (..., h) and weight (h,). Bitwise
+    F.rms_norm's only where `norms.is_kernel_exact` says so for this h."""
+    lib, _ = _library()
+    out = torch.empty_like(x)
+    h = x.shape[-1]
+    lib.specinfer_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h if h else 0, h, eps,
+                           torch.get_num_threads())
+    return out
 
 
 def gemm(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:

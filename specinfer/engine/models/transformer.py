@@ -24,7 +24,7 @@ from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.layers.activations import ACTIVATIONS
 from specinfer.engine.layers.embedding import coded_table, embedding
 from specinfer.engine.layers.linear import can_pack, linear, pack
-from specinfer.engine.layers.norms import offset_rms_norm, offset_weight, rms_norm
+from specinfer.engine.layers.norms import norm_for, offset_weight
 from specinfer.engine.layers.rope import apply_rope, rope_tables
 from specinfer.engine.models.config import ModelConfig
 
@@ -169,7 +169,7 @@ class DecoderModel:
         for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` and `coded_table` alone
             if isinstance(t, torch.Tensor) and hasattr(t, "block_codes"):
                 del t.block_codes
-        self.norm = offset_rms_norm if self.is_offset else rms_norm
+        self.norm = norm_for(self.is_offset, dtype, self.device, {cfg.hidden_size, cfg.head_dim}, cfg.rms_norm_eps)
         self.act = ACTIVATIONS[cfg.hidden_act]
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
         rotary = cfg.rotary_dim or cfg.head_dim
