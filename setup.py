@@ -1,5 +1,6 @@
 """Build hooks: generates the gRPC stubs from protos/ before packaging (never committed), and
-compiles the CPU kernels (`specinfer/engine/layers/cpu_gemm.c`, `cpu_norm.c`) where a C compiler is found.
+compiles the CPU kernels (`specinfer/engine/layers/cpu_gemm.c`, `cpu_norm.c`, `cpu_rope.c`) where a C
+compiler is found.
 
 The kernel is optional: without a compiler, or where it fails to build, the package installs
 without it and the engine uses torch's kernels instead.
@@ -26,7 +27,8 @@ class BuildWithStubs(build_py):
 # A plain C library loaded with ctypes (no Python API); OpenMP threads share torch's runtime.
 CPU_GEMM = Extension(
     "specinfer.engine.layers._cpu_gemm",
-    sources=["specinfer/engine/layers/cpu_gemm.c", "specinfer/engine/layers/cpu_norm.c"],
+    sources=["specinfer/engine/layers/cpu_gemm.c", "specinfer/engine/layers/cpu_norm.c",
+             "specinfer/engine/layers/cpu_rope.c"],
     extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
     extra_link_args=["-fopenmp"],
     optional=True,

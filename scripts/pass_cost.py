@@ -1,14 +1,14 @@
 """One LLM pass's cost in two arms over the same model, by rows.
 
-    python scripts/pass_cost.py [--model PATH] [--compare layout|storage|norm] [--rows 1,2,8,16] [--repeats 20]
+    python scripts/pass_cost.py [--model PATH] [--compare layout|storage|ops] [--rows 1,2,8,16] [--repeats 20]
         [--cache-dir DIR]
 
 `--compare layout` (the default): the CPU weights packed for the GEMM kernels against plain
 `F.linear`. `--compare storage`: the matrices as the kernel stores them (a bfloat16 or float16
 checkpoint's in 16 bits, a GGUF's quantized ones as their block codes) against the same model
 with every matrix in float32 panels; it also says whether the two arms' logits are bitwise equal.
-`--compare norm`: torch's RMSNorm operators against the CPU kernel's (`layers/norms.py`), with
-the same check of the logits.
+`--compare ops`: torch's RMSNorm and RoPE operators against the CPU kernel's (`layers/norms.py`,
+`layers/rope.py`), with the same check of the logits.
 
 Both arms hold the same model (a checkpoint directory or a GGUF file) over the same 300-token
 context; passes of each row count alternate between the arms, and the median of each (the first
@@ -32,6 +32,7 @@ def load_arms(path: Path, compare: str) -> dict:
     import specinfer.engine.models.transformer as transformer
     from specinfer.engine.layers import cpu_gemm, linear
     from specinfer.engine.layers.norms import rms_norm
+    from specinfer.engine.layers.rope import apply_rope
     from specinfer.engine.runtime.runner import ModelRunner
 
     runners = {}
@@ -42,12 +43,13 @@ def load_arms(path: Path, compare: str) -> dict:
             runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
         transformer.can_pack = can_pack
         return runners
-    if compare == "norm":
-        norm_for = transformer.norm_for
+    if compare == "ops":
+        norm_for, rope_for = transformer.norm_for, transformer.rope_for
         for arm in ("torch", "kernel"):
-            transformer.norm_for = norm_for if arm == "kernel" else (lambda is_offset, *_: rms_norm)
+            if arm == "torch":
+                transformer.norm_for, transformer.rope_for = (lambda *_: rms_norm), (lambda *_: apply_rope)
             runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
-        transformer.norm_for = norm_for
+            transformer.norm_for, transformer.rope_for = norm_for, rope_for
         return runners
     exact_storage, defines = cpu_gemm.exact_storage, linear._defines
     for arm in ("float32", "as stored"):
@@ -61,7 +63,7 @@ def load_arms(path: Path, compare: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=Path("../shared/models/reference-llm"))
-    ap.add_argument("--compare", choices=("layout", "storage", "norm"), default="layout")
+    ap.add_argument("--compare", choices=("layout", "storage", "ops"), default="layout")
     ap.add_argument("--rows", default="1,2,8,16")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--cache-dir", type=Path)

@@ -439,3 +439,36 @@ def test_the_kernel_norm_leaves_strided_rows_to_torch():
     assert not heads.is_contiguous()
     weight = torch.randn(16)
     assert torch.equal(norm(heads, weight, 1e-6), F.rms_norm(heads, (16,), weight, 1e-6))
+
+
+# ---- RoPE (cpu_rope.c) --------------------------------------------------------------------------------------
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [8, 40, 64, 80, 128, 256])
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+def test_the_kernel_rope_gives_apply_rope_s_bits(dim, num_tokens):
+    """Rotating the heads of a fused qkv row's view (heads contiguous within a token, tokens a row
+    apart) gives apply_rope's bits, for head sizes whose halves do and do not fill whole vectors."""
+    from specinfer.engine.layers.rope import apply_rope, rope_for
+
+    gen = torch.Generator().manual_seed(dim * 31 + num_tokens)
+    num_heads = 5
+    qkv = torch.randn(num_tokens, (num_heads + 2) * dim, generator=gen) * 100
+    x = qkv[:, : num_heads * dim].view(num_tokens, num_heads, dim)
+    cos = torch.randn(num_tokens, 1, dim, generator=gen)
+    signed_sin = torch.randn(num_tokens, 1, dim, generator=gen)
+    rope = rope_for(torch.float32, torch.device("cpu"), False)
+    assert rope is not apply_rope
+    got = rope(x, cos, signed_sin)
+    assert got.is_contiguous() and torch.equal(got, apply_rope(x, cos, signed_sin))
+    heads_apart = torch.randn(num_tokens, num_heads, 2 * dim, generator=gen)[..., :dim]  # heads apart: torch's operators
+    assert torch.equal(rope(heads_apart, cos, signed_sin), apply_rope(heads_apart, cos, signed_sin))
+
+
+def test_partial_rotary_and_other_dtypes_keep_torch_s_rope():
+    from specinfer.engine.layers.rope import apply_rope, rope_for
+
+    assert rope_for(torch.float32, torch.device("cpu"), True) is apply_rope
+    assert rope_for(torch.bfloat16, torch.device("cpu"), False) is apply_rope
+    assert rope_for(torch.float32, torch.device("meta"), False) is apply_rope

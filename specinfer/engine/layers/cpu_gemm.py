@@ -1,5 +1,5 @@
-"""The small-batch float32 products of `cpu_gemm.c`, and the RMSNorm of `cpu_norm.c`, loaded
-through ctypes.
+"""The small-batch float32 products of `cpu_gemm.c`, and the RMSNorm and RoPE of `cpu_norm.c`
+and `cpu_rope.c`, loaded through ctypes.
 
 A float32 weight whose elements are all exactly bfloat16 (or float16) values, as a checkpoint
 stored in that type gives, is packed in it: the kernel widens each element back to the same
@@ -59,6 +59,9 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
         lib.specinfer_rms_norm.restype = None
         lib.specinfer_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                            ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+        lib.specinfer_rope.restype = None
+        lib.specinfer_rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     return lib, isa
 
 
@@ -248,8 +251,8 @@ def available() -> bool:
     return _library() is not None
 
 
-def has_norm() -> bool:
-    """Whether the built library also holds the RMSNorm (`rms_norm`)."""
+def has_layer_ops() -> bool:
+    """Whether the built library also holds the RMSNorm and RoPE (`rms_norm`, `rope`)."""
     return available() and hasattr(_library()[0], "specinfer_rms_norm")
 
 
@@ -288,6 +291,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.shape[-1]
     lib.specinfer_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // h if h else 0, h, eps,
                            torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rope.apply_rope`'s rotation (`cpu_rope.c`), bit for bit: float32 x (T, H, D) whose heads
+    and dims are contiguous within a token (a view of a fused qkv row is), cos and signed_sin
+    contiguous (T, 1, D). Returns a new contiguous (T, H, D)."""
+    lib, _ = _library()
+    num_tokens, num_heads, dim = x.shape
+    out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32)
+    lib.specinfer_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), num_tokens,
+                       num_heads, dim)
     return out
 
 

@@ -47,7 +47,7 @@ def is_kernel_exact(size: int, eps: float) -> bool:
     """Whether the CPU kernel's RMSNorm of rows of `size` equals F.rms_norm's bit for bit on this
     machine (its torch, its instruction set): rows of several counts and magnitudes, zeros and
     a lone large element among them."""
-    if not cpu_gemm.has_norm() or size <= 0:
+    if not cpu_gemm.has_layer_ops() or size <= 0:
         return False
     gen = torch.Generator().manual_seed(size)
     weight = torch.randn(size, generator=gen)

@@ -5,14 +5,19 @@ how SpecInfer's tree-based parallel decoding (Section 4.2) gives every path the 
 would have had in plain decoding. A model may rotate only the leading `rotary_dim` dimensions
 of each head (Phi-3's partial rotary), and its layers may use different RoPEs (Gemma 3's local
 and global layers): `rope_tables` is per RoPE config, `apply_rope` rotates what its table covers.
+A float32 model on a CPU rotates whole heads in one call of the CPU kernel (`cpu_gemm.rope`), the
+same arithmetic bit for bit (`rope_for`).
 """
 
 from __future__ import annotations
 
 import math
 
+from collections.abc import Callable
+
 import torch
 
+from specinfer.engine.layers import cpu_gemm
 from specinfer.engine.models.hf import RopeConfig, longrope_attention_factor, yarn_attention_factor
 
 
@@ -102,3 +107,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
         return torch.cat((apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]), dim=-1)
     half = rotary // 2
     return torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin).add_(x * cos)
+
+
+def rope_for(dtype: torch.dtype, device: torch.device, is_partial: bool
+             ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The rotation a model of `dtype` on `device` runs: the CPU kernel's for float32 whole-head
+    rotary where it is built, else `apply_rope`."""
+    if device.type == "cpu" and dtype == torch.float32 and not is_partial and cpu_gemm.has_layer_ops():
+        return _kernel_rope
+    return apply_rope
+
+
+def _kernel_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cos.is_contiguous() and signed_sin.is_contiguous():
+        return cpu_gemm.rope(x, cos, signed_sin)
+    return apply_rope(x, cos, signed_sin)

@@ -25,7 +25,7 @@ from specinfer.engine.layers.activations import ACTIVATIONS
 from specinfer.engine.layers.embedding import coded_table, embedding
 from specinfer.engine.layers.linear import can_pack, linear, pack
 from specinfer.engine.layers.norms import norm_for, offset_weight
-from specinfer.engine.layers.rope import apply_rope, rope_tables
+from specinfer.engine.layers.rope import rope_for, rope_tables
 from specinfer.engine.models.config import ModelConfig
 
 
@@ -173,6 +173,7 @@ class DecoderModel:
         self.act = ACTIVATIONS[cfg.hidden_act]
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
         rotary = cfg.rotary_dim or cfg.head_dim
+        self.apply_rope = rope_for(dtype, self.device, rotary != cfg.head_dim)
         # One (cos, sin) table per distinct RoPE; each layer indexes its own.
         self.rope = [rope_tables(r, rotary, cfg.max_position_embeddings, cfg.max_position_embeddings, dtype,
                                  self.device) for r in ropes]
@@ -230,9 +231,10 @@ class DecoderModel:
             q = self.norm(qkv[:, :self.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim), w[f"{i}.q_norm"], eps)
             k = self.norm(qkv[:, self.q_size:qk_size].view(num_tokens, cfg.num_kv_heads, cfg.head_dim),
                           w[f"{i}.k_norm"], eps)
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)  # (T, H, D), (T, Hkv, D)
+            q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)  # (T, H, D), (T, Hkv, D)
         else:  # queries and keys rotated together: one set of operators a layer
-            qk = apply_rope(qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim), *rope)
+            qk = self.apply_rope(qkv[:, :qk_size].view(num_tokens, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                                 *rope)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
         k_cache, v_cache = kv.k[i], kv.v[i]  # (S, Hkv, D)
         if isinstance(batch.write, slice):
