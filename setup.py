@@ -1,6 +1,5 @@
 """Build hooks: generates the gRPC stubs from protos/ before packaging (never committed), and
-compiles the CPU kernels (`specinfer/engine/layers/cpu_gemm.c`, `cpu_norm.c`, `cpu_rope.c`) where a C
-compiler is found.
+compiles the CPU kernels (`specinfer/engine/layers/cpu_*.c`) where a C compiler is found.
 
 The kernel is optional: without a compiler, or where it fails to build, the package installs
 without it and the engine uses torch's kernels instead.
@@ -28,7 +27,7 @@ class BuildWithStubs(build_py):
 CPU_GEMM = Extension(
     "specinfer.engine.layers._cpu_gemm",
     sources=["specinfer/engine/layers/cpu_gemm.c", "specinfer/engine/layers/cpu_norm.c",
-             "specinfer/engine/layers/cpu_rope.c"],
+             "specinfer/engine/layers/cpu_rope.c", "specinfer/engine/layers/cpu_attention.c"],
     extra_compile_args=["-O3", "-fopenmp", "-std=c11"],
     extra_link_args=["-fopenmp"],
     optional=True,

@@ -212,7 +212,7 @@ def sdpa_reference(q, k, v, seqs, heads, kv_heads):
     from types import SimpleNamespace
 
     fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads), q_size=heads * q.shape[-1],
-                           sm_scale=None)
+                           sm_scale=None, is_kernel_attention=False)
     return DecoderModel.attention(fake, q, k, v, seqs)
 
 

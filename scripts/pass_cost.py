@@ -7,8 +7,8 @@
 `F.linear`. `--compare storage`: the matrices as the kernel stores them (a bfloat16 or float16
 checkpoint's in 16 bits, a GGUF's quantized ones as their block codes) against the same model
 with every matrix in float32 panels; it also says whether the two arms' logits are bitwise equal.
-`--compare ops`: torch's RMSNorm and RoPE operators against the CPU kernel's (`layers/norms.py`,
-`layers/rope.py`), with the same check of the logits.
+`--compare ops`: torch's RMSNorm, RoPE and SDPA against the CPU kernel's (`layers/norms.py`,
+`layers/rope.py`, `cpu_gemm.attention`), with the same check of the logits.
 
 Both arms hold the same model (a checkpoint directory or a GGUF file) over the same 300-token
 context; passes of each row count alternate between the arms, and the median of each (the first
@@ -49,6 +49,7 @@ def load_arms(path: Path, compare: str) -> dict:
             if arm == "torch":
                 transformer.norm_for, transformer.rope_for = (lambda *_: rms_norm), (lambda *_: apply_rope)
             runners[arm] = ModelRunner.from_dir(path, "float32", "cpu", 4096)
+            runners[arm].model.is_kernel_attention &= arm == "kernel"
             transformer.norm_for, transformer.rope_for = norm_for, rope_for
         return runners
     exact_storage, defines = cpu_gemm.exact_storage, linear._defines
@@ -95,7 +96,9 @@ def main() -> None:
                 times[(arm, n)].append(time.perf_counter() - start)
     for n in rows:
         a, b = (statistics.median(times[(arm, n)][2:]) for arm in (base, other))
-        same = f"  same logits {torch.equal(logits[base, n], logits[other, n])}" if args.compare != "layout" else ""
+        diff = (logits[base, n] - logits[other, n]).abs().max().item()
+        same = f"  same logits {torch.equal(logits[base, n], logits[other, n])} (at most {diff:.1e} apart)" \
+            if args.compare != "layout" else ""
         print(f"rows {n:3d}: {base} {a * 1e3:7.2f} ms  {other} {b * 1e3:7.2f} ms  {base}/{other} {a / b:.2f}{same}")
 
 

@@ -472,3 +472,74 @@ def test_partial_rotary_and_other_dtypes_keep_torch_s_rope():
     assert rope_for(torch.float32, torch.device("cpu"), True) is apply_rope
     assert rope_for(torch.bfloat16, torch.device("cpu"), False) is apply_rope
     assert rope_for(torch.float32, torch.device("meta"), False) is apply_rope
+
+
+# ---- attention (cpu_attention.c) ----------------------------------------------------------------------------
+
+
+def _sdpa(q, k_cache, v_cache, context, mask, is_causal, scale):
+    keys, values = k_cache[context], v_cache[context]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                       values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=is_causal,
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 8), (6, 2, 72), (4, 1, 128), (2, 2, 256)])
+@pytest.mark.parametrize("num_keys", [1, 5, 300])
+def test_the_kernel_attention_is_sdpa_s_to_rounding(heads, kv_heads, dim, num_keys):
+    """Query rows over a slice of the cache or scattered slots, under a mask, causally (the last
+    row seeing every key, as the runner asks for a chain) or seeing every key: SDPA's result to
+    float32 rounding."""
+    gen = torch.Generator().manual_seed(heads * 1000 + dim + num_keys)
+    k_cache, v_cache = (torch.randn(512, kv_heads, dim, generator=gen) for _ in range(2))
+    num_rows = min(4, num_keys)
+    q = torch.randn(num_rows, heads + 2 * kv_heads, dim, generator=gen)[:, :heads]  # a fused row's view
+    mask = torch.rand(num_rows, num_keys, generator=gen) < 0.6
+    mask[:, 0] = True
+    scattered = torch.randperm(512, generator=gen)[:num_keys]
+    for context in (slice(7, 7 + num_keys), scattered):
+        for row_mask, is_causal in ((None, False), (mask, False), (None, True)):
+            got = cpu_gemm.attention(q, k_cache, v_cache, context, row_mask, is_causal, dim ** -0.5)
+            chain = torch.ones(num_rows, num_keys, dtype=torch.bool).tril(num_keys - num_rows)
+            expected = _sdpa(q, k_cache, v_cache, context, chain if is_causal else row_mask, False, dim ** -0.5)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+def test_a_tree_row_is_bitwise_the_row_of_a_pass_over_its_own_keys():
+    """A tree node's row (a mask over the context) equals, bit for bit, a one-row pass over just
+    the keys it sees, as plain decoding has them; and a causal chain's rows equal one-row passes
+    over their prefixes: speculation does not change what attention computes for a token."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = (torch.randn(2048, 3, 64, generator=gen) for _ in range(2))
+    num_rows, num_keys = 6, 1030
+    q = torch.randn(num_rows, 9, 64, generator=gen)
+    context = slice(100, 100 + num_keys)
+    mask = torch.rand(num_rows, num_keys, generator=gen) < 0.7
+    together = cpu_gemm.attention(q, k_cache, v_cache, context, mask, False, 0.125)
+    for i in range(num_rows):
+        own_keys = torch.arange(100, 100 + num_keys)[mask[i]]
+        alone = cpu_gemm.attention(q[i : i + 1].clone(), k_cache, v_cache, own_keys, None, False, 0.125)
+        assert torch.equal(together[i : i + 1], alone)
+    chain = cpu_gemm.attention(q, k_cache, v_cache, context, None, True, 0.125)
+    for i in range(num_rows):
+        prefix = slice(100, 100 + num_keys - num_rows + i + 1)
+        assert torch.equal(chain[i : i + 1], cpu_gemm.attention(q[i : i + 1], k_cache, v_cache, prefix, None, False,
+                                                                0.125))
+
+
+@needs_kernel
+def test_a_row_that_sees_no_key_is_zeros():
+    q = torch.randn(2, 2, 8)
+    k_cache = v_cache = torch.randn(16, 2, 8)
+    mask = torch.tensor([[True, False], [False, False]])
+    out = cpu_gemm.attention(q, k_cache, v_cache, slice(0, 2), mask, False, 0.3)
+    assert torch.equal(out[1], torch.zeros(16)) and bool(out[0].ne(0).any())
+
+
+@needs_kernel
+def test_the_decoder_attends_through_the_kernel_on_a_cpu(pair_runners):
+    llm, _ = pair_runners
+    assert llm.model.attention_name == "cpu-kernel"

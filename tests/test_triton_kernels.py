@@ -50,10 +50,10 @@ DEVICE = "cpu" if is_interpreted() else "cuda"
 
 
 def reference_attention(q, k_cache, v_cache, seqs, num_heads, num_kv_heads):
-    """`DecoderModel.attention` itself, bound to a stand-in holding only what it reads."""
+    """`DecoderModel.attention` itself (its SDPA path), bound to a stand-in holding only what it reads."""
     head_dim = q.shape[-1]
     fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=num_heads, num_kv_heads=num_kv_heads),
-                           q_size=num_heads * head_dim, sm_scale=None)
+                           q_size=num_heads * head_dim, sm_scale=None, is_kernel_attention=False)
     return DecoderModel.attention(fake, q, k_cache, v_cache, seqs)
 
 

@@ -181,7 +181,7 @@ def _config(args: argparse.Namespace, paths, engine, num_prompts: int, widths, s
         "ssm_dtype": ssm_dtypes[0] if len(set(ssm_dtypes)) == 1 else (ssm_dtypes or None),  # resolved
         "ssm_dtype_choice": ssm_dtype_choice,  # with --ssm-dtype auto: what was measured
         "tensor_parallel": args.tensor_parallel,
-        "attention": "sdpa" if engine.verifier.runner.model.attention_backend is None else "triton",  # resolved
+        "attention": engine.verifier.runner.model.attention_name,  # resolved
         "cuda_graphs": engine.verifier.runner.graphs is not None,
         "offload": args.offload,
         "logprobs": args.logprobs,

@@ -1,5 +1,5 @@
-"""The small-batch float32 products of `cpu_gemm.c`, and the RMSNorm and RoPE of `cpu_norm.c`
-and `cpu_rope.c`, loaded through ctypes.
+"""The small-batch float32 products of `cpu_gemm.c`, and the RMSNorm, RoPE and attention of
+`cpu_norm.c`, `cpu_rope.c` and `cpu_attention.c`, loaded through ctypes.
 
 A float32 weight whose elements are all exactly bfloat16 (or float16) values, as a checkpoint
 stored in that type gives, is packed in it: the kernel widens each element back to the same
@@ -62,6 +62,11 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
         lib.specinfer_rope.restype = None
         lib.specinfer_rope.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.specinfer_attention.restype = ctypes.c_int
+        lib.specinfer_attention.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
     return lib, isa
 
 
@@ -252,7 +257,8 @@ def available() -> bool:
 
 
 def has_layer_ops() -> bool:
-    """Whether the built library also holds the RMSNorm and RoPE (`rms_norm`, `rope`)."""
+    """Whether the built library also holds the RMSNorm, RoPE and attention (`rms_norm`, `rope`,
+    `attention`)."""
     return available() and hasattr(_library()[0], "specinfer_rms_norm")
 
 
@@ -303,6 +309,29 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     out = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32)
     lib.specinfer_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), out.data_ptr(), num_tokens,
                        num_heads, dim)
+    return out
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: slice | torch.Tensor,
+              mask: torch.Tensor | None, is_causal: bool, scale: float) -> torch.Tensor:
+    """`cpu_attention.c`: float32 query rows q (n, H, D), each row's heads contiguous, over the keys
+    `context` (a slice of cache slots, or int64 slot indices) of the caches (S, Hkv, D), row i
+    seeing key j where mask[i, j] (bool (n, L)), else causally where `is_causal`, else all.
+    Returns (n, H * D). D a multiple of 8."""
+    lib, _ = _library()
+    num_rows, num_heads, dim = q.shape
+    if isinstance(context, slice):
+        slots, first, num_keys = None, context.start, context.stop - context.start
+    else:
+        slots, first, num_keys = context.contiguous(), 0, context.shape[0]
+    mask = None if mask is None else mask.contiguous()
+    out = torch.empty(num_rows, num_heads * dim, dtype=torch.float32)
+    failed = lib.specinfer_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                     None if slots is None else slots.data_ptr(), first, num_keys,
+                                     None if mask is None else mask.data_ptr(), int(is_causal), out.data_ptr(),
+                                     num_rows, num_heads, k_cache.shape[1], dim, scale, torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"attention over {num_keys} keys: no memory for its scores")
     return out
 
 

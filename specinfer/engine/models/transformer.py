@@ -185,6 +185,9 @@ class DecoderModel:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.attention_backend = None  # callable like self.attention, e.g. kernels.TritonAttention
+        # Without one, a float32 model on a CPU attends through the CPU kernel (`cpu_gemm.attention`).
+        self.is_kernel_attention = (self.device.type == "cpu" and dtype == torch.float32 and cfg.head_dim % 8 == 0
+                                    and cpu_gemm.has_layer_ops())
         self.group = None  # a parallel.ShardGroup when these are one rank's shard of the weights
 
     def _held(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -263,8 +266,20 @@ class DecoderModel:
             out = self.norm(out, w[f"{i}.mlp_out_norm"], eps)
         return out
 
+    @property
+    def attention_name(self) -> str:
+        """What computes attention: "sdpa", "cpu-kernel", or the backend's class name."""
+        if self.attention_backend is not None:
+            return type(self.attention_backend).__name__
+        return "cpu-kernel" if self.is_kernel_attention else "sdpa"
+
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqs: list[SeqAttention]):
         """q: (T, H, D). Each sequence attends over its own cached context."""
+        if (self.is_kernel_attention and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] and k_cache.is_contiguous()
+                and v_cache.is_contiguous()):
+            outs = [cpu_gemm.attention(q[s.q_start : s.q_end], k_cache, v_cache, s.context, s.mask, s.is_causal,
+                                       self.sm_scale) for s in seqs]
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         outs = []
         for s in seqs:
             keys = k_cache[s.context] if isinstance(s.context, slice) else k_cache.index_select(0, s.context)

@@ -42,7 +42,7 @@ def calibration_key(runner, cpuinfo: str | None = None) -> dict:
         "version": CACHE_VERSION,
         **machine_key(model.device, cpuinfo),
         "dtype": dtype_name(model.dtype),
-        "attention": "sdpa" if model.attention_backend is None else type(model.attention_backend).__name__,
+        "attention": model.attention_name,
         "cuda_graphs": runner.graphs is not None,
         "num_ranks": getattr(group, "num_ranks", 1),
         "model": {name: getattr(runner.cfg, name) for name in ARCHITECTURE_FIELDS},

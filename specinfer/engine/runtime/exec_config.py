@@ -15,8 +15,10 @@ class ExecConfig:
 
     `attention`: "triton" runs every request's prefill chunk and token tree of a step in one
     kernel launch per layer, reading K/V in place from the paged cache, and commits accepted
-    paths with one fused launch (SpecInfer Section 4.2); "sdpa" is torch's attention per request
-    with a dense topology-aware mask; "auto" is Triton on CUDA when it is importable, else SDPA.
+    paths with one fused launch (SpecInfer Section 4.2); "sdpa" is attention per request with a
+    dense topology-aware mask (torch's SDPA; a float32 model on a CPU uses the CPU kernel's,
+    `layers/cpu_attention.c`, where it is built); "auto" is Triton on CUDA when it is importable,
+    else SDPA.
     `cuda_graphs`: replay captured decode/verify steps for bucketed batch and tree sizes (eager
     outside the buckets); None = on wherever it can be (CUDA with the Triton backend).
     `offload`: keep the layer weights in pinned host memory and stream them to the GPU layer by

@@ -1,0 +1,175 @@
+/* Attention of a few query rows over their cached context, for the CPU.
+ *
+ * Decoding and tree verification (SpecInfer Section 4.2) ask attention for one to a few dozen
+ * query rows over a context of hundreds or thousands of cached keys. torch's SDPA spends most of
+ * such a call on its blocked, general form. Here every query row is computed on its own, the same
+ * way whatever the other rows: each of a key-value head's query heads takes its scores over the
+ * keys the row may see (the mask's, or the causal ones, in context order), their maximum, exp of
+ * each score less it, their sum, and the weighted sum of the values, in that order. A tree node
+ * sees the very keys, in the very order, that the same token sees in plain decoding, so its output
+ * is bitwise the one-token pass's; against SDPA it differs by float32 rounding.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#define TARGET __attribute__((target("avx2,fma")))
+
+/* exp(x) for 8 floats, x <= 0 (scores less their maximum): 2^n * p(r), |r| <= ln2 / 2, p of degree 6;
+ * below -87 it is 0. Within 2 ulp of expf. */
+TARGET static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 is_tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(is_tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+TARGET static inline float hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+/* q . k over dim (a multiple of 8): eight lanes of fused multiply-adds, then the lanes summed. */
+TARGET static inline float dot(const float *q, const float *k, int64_t dim) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), acc);
+    return hsum8(acc);
+}
+
+/* Scores of one query head over the visible keys, four keys at a time (four independent chains):
+ * each key's is its own eight-lane chain over dim and the lanes' sum, whatever its place. */
+TARGET static float score_keys(const float *qh, const float *k, const int64_t *keys, int64_t num_visible,
+                               int64_t kv_stride, int64_t dim, float scale, float *s) {
+    float top = -INFINITY;
+    int64_t j = 0;
+    for (; j + 4 <= num_visible; j += 4) {
+        const float *k0 = k + keys[j] * kv_stride, *k1 = k + keys[j + 1] * kv_stride;
+        const float *k2 = k + keys[j + 2] * kv_stride, *k3 = k + keys[j + 3] * kv_stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+        }
+        s[j] = hsum8(a0) * scale;
+        s[j + 1] = hsum8(a1) * scale;
+        s[j + 2] = hsum8(a2) * scale;
+        s[j + 3] = hsum8(a3) * scale;
+    }
+    for (; j < num_visible; j++) s[j] = dot(qh, k + keys[j] * kv_stride, dim) * scale;
+    for (j = 0; j < num_visible; j++) top = s[j] > top ? s[j] : top;
+    return top;
+}
+
+/* out[0 .. width) = sum over the visible keys of p[j] * v[keys[j]][d0 ...], in key order, times inv;
+ * eight (or fewer) accumulators held in registers across the keys. */
+#define WEIGHTED_VALUES(CHUNKS)                                                                        \
+    do {                                                                                               \
+        __m256 acc[CHUNKS];                                                                            \
+        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_setzero_ps();                                 \
+        for (int64_t j = 0; j < num_visible; j++) {                                                    \
+            const __m256 pj = _mm256_set1_ps(p[j]);                                                    \
+            const float *vj = v + keys[j] * kv_stride + d0;                                            \
+            for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]); \
+        }                                                                                              \
+        for (int c = 0; c < CHUNKS; c++) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], invv)); \
+    } while (0)
+
+TARGET static void weighted_values(const float *p, const float *v, const int64_t *keys, int64_t num_visible,
+                                   int64_t kv_stride, int64_t dim, float inv, float *out) {
+    const __m256 invv = _mm256_set1_ps(inv);
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        switch ((dim - d0 < 64 ? dim - d0 : 64) / 8) {
+            case 8: WEIGHTED_VALUES(8); break;
+            case 7: WEIGHTED_VALUES(7); break;
+            case 6: WEIGHTED_VALUES(6); break;
+            case 5: WEIGHTED_VALUES(5); break;
+            case 4: WEIGHTED_VALUES(4); break;
+            case 3: WEIGHTED_VALUES(3); break;
+            case 2: WEIGHTED_VALUES(2); break;
+            default: WEIGHTED_VALUES(1); break;
+        }
+    }
+}
+
+/* One query row's heads of one key-value head. keys: the visible keys' slots, in context order. */
+TARGET static void attend(const float *q, const float *k, const float *v, const int64_t *keys, int64_t num_visible,
+                          int64_t kv_stride, int64_t group, int64_t dim, float scale, float *scores, float *out) {
+    const int64_t padded = (num_visible + 7) / 8 * 8;
+    for (int64_t h = 0; h < group; h++) {
+        float *s = scores + h * padded;
+        const float top = score_keys(q + h * dim, k, keys, num_visible, kv_stride, dim, scale, s);
+        for (int64_t j = num_visible; j < padded; j++) s[j] = -INFINITY;
+        const __m256 topv = _mm256_set1_ps(top);
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), topv));
+            _mm256_storeu_ps(s + j, e);
+            total = _mm256_add_ps(total, e);
+        }
+        weighted_values(s, v, keys, num_visible, kv_stride, dim, 1.0f / hsum8(total), out + h * dim);
+    }
+}
+
+/* out (n, heads * dim) = attention of the n query rows q (row i at q + i * q_stride, its heads
+ * contiguous) over num_keys keys of the cache k, v (slots, kv_heads, dim): key j is slot
+ * slots[j], or first_slot + j where slots is NULL. Row i sees key j where mask[i * num_keys + j]
+ * (mask not NULL), else where j <= num_keys - n + i (is_causal), else every key. dim a multiple
+ * of 8, heads a multiple of kv_heads. Returns 0, or -1 where scratch memory ran out. */
+TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k, const float *v, const int64_t *slots,
+                               int64_t first_slot, int64_t num_keys, const uint8_t *mask, int is_causal, float *out,
+                               int64_t n, int64_t heads, int64_t kv_heads, int64_t dim, float scale, int num_threads) {
+    const int64_t group = heads / kv_heads, kv_stride = kv_heads * dim;
+    const int64_t padded = (num_keys + 7) / 8 * 8;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * kv_heads > 1 && num_keys * n * heads >= 4096)
+    {
+        int64_t *keys = malloc(sizeof(int64_t) * (size_t)(num_keys > 0 ? num_keys : 1));
+        float *scores = malloc(sizeof(float) * (size_t)(group * (padded > 0 ? padded : 8)));
+        if (!keys || !scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < n * kv_heads; task++) {
+            if (!keys || !scores) continue;
+            const int64_t i = task / kv_heads, g = task % kv_heads;
+            int64_t num_visible = 0;
+            const int64_t last = is_causal ? num_keys - n + i : num_keys - 1;
+            for (int64_t j = 0; j <= last && j < num_keys; j++)
+                if (!mask || mask[i * num_keys + j]) keys[num_visible++] = slots ? slots[j] : first_slot + j;
+            float *o = out + i * heads * dim + g * group * dim;
+            if (num_visible == 0) {  /* a row that sees nothing (never asked for): zeros, not NaN */
+                memset(o, 0, sizeof(float) * (size_t)(group * dim));
+                continue;
+            }
+            attend(q + i * q_stride + g * group * dim, k + g * dim, v + g * dim, keys, num_visible, kv_stride, group,
+                   dim, scale, scores, o);
+        }
+        free(keys);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+#endif
