@@ -415,15 +415,14 @@ def test_a_kernel_norm_that_is_not_torch_s_bits_is_not_used(monkeypatch):
     machine; a kernel off by a rounding is caught by that check, and the model keeps torch's."""
     from specinfer.engine.layers import norms
 
-    cpu = torch.device("cpu")
-    assert norms.norm_for(False, torch.float32, cpu, {576}, 1e-5) is not norms.rms_norm
-    assert norms.norm_for(False, torch.bfloat16, cpu, {576}, 1e-5) is norms.rms_norm
-    assert norms.norm_for(True, torch.float32, torch.device("meta"), {576}, 1e-5) is norms.offset_rms_norm
+    assert norms.norm_for(False, True, {576}, 1e-5) is not norms.rms_norm
+    assert norms.norm_for(False, False, {576}, 1e-5) is norms.rms_norm
+    assert norms.norm_for(True, False, {576}, 1e-5) is norms.offset_rms_norm
     monkeypatch.setattr(cpu_gemm, "rms_norm", _lanes_reversed)
     norms.is_kernel_exact.cache_clear()
     try:
         assert not norms.is_kernel_exact(576, 1e-5)
-        assert norms.norm_for(False, torch.float32, cpu, {576}, 1e-5) is norms.rms_norm
+        assert norms.norm_for(False, True, {576}, 1e-5) is norms.rms_norm
     finally:
         norms.is_kernel_exact.cache_clear()
 
@@ -433,7 +432,7 @@ def test_the_kernel_norm_leaves_strided_rows_to_torch():
     """A norm over a view that is not contiguous (the per-head q/k norms' input) is torch's."""
     from specinfer.engine.layers import norms
 
-    norm = norms.norm_for(False, torch.float32, torch.device("cpu"), {16}, 1e-6)
+    norm = norms.norm_for(False, True, {16}, 1e-6)
     qkv = torch.randn(3, 5 * 16)
     heads = qkv[:, : 3 * 16].view(3, 3, 16)
     assert not heads.is_contiguous()
@@ -458,7 +457,7 @@ def test_the_kernel_rope_gives_apply_rope_s_bits(dim, num_tokens):
     x = qkv[:, : num_heads * dim].view(num_tokens, num_heads, dim)
     cos = torch.randn(num_tokens, 1, dim, generator=gen)
     signed_sin = torch.randn(num_tokens, 1, dim, generator=gen)
-    rope = rope_for(torch.float32, torch.device("cpu"), False)
+    rope = rope_for(True, False)
     assert rope is not apply_rope
     got = rope(x, cos, signed_sin)
     assert got.is_contiguous() and torch.equal(got, apply_rope(x, cos, signed_sin))
@@ -469,9 +468,27 @@ def test_the_kernel_rope_gives_apply_rope_s_bits(dim, num_tokens):
 def test_partial_rotary_and_other_dtypes_keep_torch_s_rope():
     from specinfer.engine.layers.rope import apply_rope, rope_for
 
-    assert rope_for(torch.float32, torch.device("cpu"), True) is apply_rope
-    assert rope_for(torch.bfloat16, torch.device("cpu"), False) is apply_rope
-    assert rope_for(torch.float32, torch.device("meta"), False) is apply_rope
+    assert rope_for(True, True) is apply_rope
+    assert rope_for(False, False) is apply_rope
+
+
+@needs_kernel
+def test_a_model_built_to_move_off_the_cpu_keeps_torch_s_operators(tiny_pair):
+    """A float32 model built unpacked (to be moved to another device, as offloading does) must not
+    hand that device's tensors to the CPU kernels: its norms, rotation and attention are torch's."""
+    from specinfer.engine.layers.norms import rms_norm
+    from specinfer.engine.layers.rope import apply_rope
+    from specinfer.engine.models.checkpoint import engine_weights, load_state_dict
+    from specinfer.engine.models.config import ModelConfig
+    from specinfer.engine.models.transformer import DecoderModel
+
+    cfg = ModelConfig.from_dir(tiny_pair.llm)
+    weights = engine_weights(cfg, load_state_dict(tiny_pair.llm))
+    unpacked = DecoderModel(cfg, weights, torch.float32, "cpu", is_packed=False)
+    assert unpacked.norm is rms_norm and unpacked.apply_rope is apply_rope and unpacked.attention_name == "sdpa"
+    packed = DecoderModel(cfg, weights, torch.float32, "cpu")
+    assert packed.norm is not rms_norm and packed.apply_rope is not apply_rope
+    assert packed.attention_name == "cpu-kernel"
 
 
 # ---- attention (cpu_attention.c) ----------------------------------------------------------------------------

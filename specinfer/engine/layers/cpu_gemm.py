@@ -27,7 +27,7 @@ import torch.nn.functional as F
 PANEL = 16  # output features a panel holds
 REVISION = 6  # of the kernels: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
 # 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
-# float16 scales in float16, 6 adds the RMSNorm (cpu_norm.c)
+# float16 scales in float16, 6 adds the RMSNorm, RoPE and attention (cpu_norm.c, cpu_rope.c, cpu_attention.c)
 # Work over block codes goes through this many elements (whole rows) at a time: a GGUF tensor's
 # dequantization (`models/gguf.py`), `BlockCodes.values` and `.q8_0`, and the check that codes give
 # a weight (`linear.pack`). A few MB of temporaries, whatever the tensor's size.
@@ -323,7 +323,7 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, con
     if isinstance(context, slice):
         slots, first, num_keys = None, context.start, context.stop - context.start
     else:
-        slots, first, num_keys = context.contiguous(), 0, context.shape[0]
+        slots, first, num_keys = context.to(torch.int64).contiguous(), 0, context.shape[0]
     mask = None if mask is None else mask.contiguous()
     out = torch.empty(num_rows, num_heads * dim, dtype=torch.float32)
     failed = lib.specinfer_attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -60,12 +60,12 @@ def is_kernel_exact(size: int, eps: float) -> bool:
     return True
 
 
-def norm_for(is_offset: bool, dtype: torch.dtype, device: torch.device, sizes: Iterable[int], eps: float) -> Norm:
-    """The norm a model of `dtype` on `device` runs: the CPU kernel's for float32 rows of `sizes`
-    where it is exact, else `rms_norm` (`offset_rms_norm` for Gemma-style weights, which in float32
-    is the same arithmetic)."""
+def norm_for(is_offset: bool, is_cpu_float32: bool, sizes: Iterable[int], eps: float) -> Norm:
+    """The norm a model runs: for a float32 model that stays on the CPU (`is_cpu_float32`), the CPU
+    kernel's for rows of `sizes` where it is exact; else `rms_norm` (`offset_rms_norm` for
+    Gemma-style weights, which in float32 is the same arithmetic)."""
     fallback = offset_rms_norm if is_offset else rms_norm
-    exact = frozenset(s for s in sizes if device.type == "cpu" and dtype == torch.float32 and is_kernel_exact(s, eps))
+    exact = frozenset(s for s in sizes if is_cpu_float32 and is_kernel_exact(s, eps))
     if not exact:
         return fallback
 

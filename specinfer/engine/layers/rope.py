@@ -12,7 +12,6 @@ same arithmetic bit for bit (`rope_for`).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable
 
 import torch
@@ -109,11 +108,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin).add_(x * cos)
 
 
-def rope_for(dtype: torch.dtype, device: torch.device, is_partial: bool
-             ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The rotation a model of `dtype` on `device` runs: the CPU kernel's for float32 whole-head
-    rotary where it is built, else `apply_rope`."""
-    if device.type == "cpu" and dtype == torch.float32 and not is_partial and cpu_gemm.has_layer_ops():
+def rope_for(is_cpu_float32: bool, is_partial: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The rotation a model runs: for a float32 model that stays on the CPU (`is_cpu_float32`) and
+    rotates whole heads, the CPU kernel's where it is built; else `apply_rope`."""
+    if is_cpu_float32 and not is_partial and cpu_gemm.has_layer_ops():
         return _kernel_rope
     return apply_rope
 

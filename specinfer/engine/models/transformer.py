@@ -169,11 +169,14 @@ class DecoderModel:
         for t in self.w.values():  # a GGUF's codes (`models/gguf.py`) serve `pack` and `coded_table` alone
             if isinstance(t, torch.Tensor) and hasattr(t, "block_codes"):
                 del t.block_codes
-        self.norm = norm_for(self.is_offset, dtype, self.device, {cfg.hidden_size, cfg.head_dim}, cfg.rms_norm_eps)
+        # A float32 model that stays on the CPU (one built unpacked is to move elsewhere) runs its
+        # norms, rotation and attention through the CPU kernels where they are built.
+        is_cpu_float32 = is_packing and dtype == torch.float32
+        self.norm = norm_for(self.is_offset, is_cpu_float32, {cfg.hidden_size, cfg.head_dim}, cfg.rms_norm_eps)
         self.act = ACTIVATIONS[cfg.hidden_act]
         ropes = list(dict.fromkeys(cfg.layer_rope(i) for i in range(cfg.num_layers))) or [cfg.rope]
         rotary = cfg.rotary_dim or cfg.head_dim
-        self.apply_rope = rope_for(dtype, self.device, rotary != cfg.head_dim)
+        self.apply_rope = rope_for(is_cpu_float32, rotary != cfg.head_dim)
         # One (cos, sin) table per distinct RoPE; each layer indexes its own.
         self.rope = [rope_tables(r, rotary, cfg.max_position_embeddings, cfg.max_position_embeddings, dtype,
                                  self.device) for r in ropes]
@@ -186,8 +189,7 @@ class DecoderModel:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.attention_backend = None  # callable like self.attention, e.g. kernels.TritonAttention
         # Without one, a float32 model on a CPU attends through the CPU kernel (`cpu_gemm.attention`).
-        self.is_kernel_attention = (self.device.type == "cpu" and dtype == torch.float32 and cfg.head_dim % 8 == 0
-                                    and cpu_gemm.has_layer_ops())
+        self.is_kernel_attention = is_cpu_float32 and cfg.head_dim % 8 == 0 and cpu_gemm.has_layer_ops()
         self.group = None  # a parallel.ShardGroup when these are one rank's shard of the weights
 
     def _held(self, name: str, t: torch.Tensor) -> torch.Tensor:
