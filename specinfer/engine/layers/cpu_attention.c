@@ -142,7 +142,7 @@ TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k,
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * dim;
     const int64_t padded = (num_keys + 7) / 8 * 8;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * kv_heads > 1 && num_keys * n * heads >= 4096)
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * kv_heads > 1 && num_keys * n * heads >= 1024)
     {
         int64_t *keys = malloc(sizeof(int64_t) * (size_t)(num_keys > 0 ? num_keys : 1));
         float *scores = malloc(sizeof(float) * (size_t)(group * (padded > 0 ? padded : 8)));
