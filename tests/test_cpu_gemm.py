@@ -494,12 +494,16 @@ def test_a_model_built_to_move_off_the_cpu_keeps_torch_s_operators(tiny_pair):
 # ---- attention (cpu_attention.c) ----------------------------------------------------------------------------
 
 
-def _sdpa(q, k_cache, v_cache, context, mask, is_causal, scale):
-    keys, values = k_cache[context], v_cache[context]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
-                                       values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=is_causal,
-                                       scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1).reshape(q.shape[0], -1)
+def _sdpa(q, k_cache, v_cache, context, mask, scale):
+    """`DecoderModel.attention`'s SDPA path, bound to a stand-in holding only what it reads."""
+    from types import SimpleNamespace
+
+    from specinfer.engine.models.transformer import DecoderModel, SeqAttention
+
+    heads, kv_heads, dim = q.shape[1], k_cache.shape[1], q.shape[2]
+    fake = SimpleNamespace(cfg=SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads), q_size=heads * dim,
+                           sm_scale=scale, is_kernel_attention=False)
+    return DecoderModel.attention(fake, q, k_cache, v_cache, [SeqAttention(0, q.shape[0], context, mask)])
 
 
 @needs_kernel
@@ -520,7 +524,7 @@ def test_the_kernel_attention_is_sdpa_s_to_rounding(heads, kv_heads, dim, num_ke
         for row_mask, is_causal in ((None, False), (mask, False), (None, True)):
             got = cpu_gemm.attention(q, k_cache, v_cache, context, row_mask, is_causal, dim ** -0.5)
             chain = torch.ones(num_rows, num_keys, dtype=torch.bool).tril(num_keys - num_rows)
-            expected = _sdpa(q, k_cache, v_cache, context, chain if is_causal else row_mask, False, dim ** -0.5)
+            expected = _sdpa(q, k_cache, v_cache, context, chain if is_causal else row_mask, dim ** -0.5)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
