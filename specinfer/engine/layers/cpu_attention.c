@@ -54,12 +54,46 @@ TARGET static inline float dot(const float *q, const float *k, int64_t dim) {
     return hsum8(acc);
 }
 
-/* Scores of one query head over the visible keys, four keys at a time (four independent chains):
- * each key's is its own eight-lane chain over dim and the lanes' sum, whatever its place. */
+/* The eight lanes of each of four accumulators summed the way hsum8 sums them (lanes i and i + 4,
+ * then those pairs 0 + 2 and 1 + 3, then the two), the four sums in one vector. */
+TARGET static inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    __m128 s0 = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1));
+    __m128 s1 = _mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1));
+    __m128 s2 = _mm_add_ps(_mm256_castps256_ps128(a2), _mm256_extractf128_ps(a2, 1));
+    __m128 s3 = _mm_add_ps(_mm256_castps256_ps128(a3), _mm256_extractf128_ps(a3, 1));
+    _MM_TRANSPOSE4_PS(s0, s1, s2, s3);
+    return _mm_add_ps(_mm_add_ps(s0, s2), _mm_add_ps(s1, s3));
+}
+
+/* Scores of one query head over the visible keys, eight keys at a time (eight independent chains,
+ * their sums reduced together): each key's is its own eight-lane chain over dim and the lanes' sum
+ * in hsum8's order, whatever its place, so a key scores the same in every block size. */
 TARGET static float score_keys(const float *qh, const float *k, const int64_t *keys, int64_t num_visible,
                                int64_t kv_stride, int64_t dim, float scale, float *s) {
+    const __m128 scalev = _mm_set1_ps(scale);
     float top = -INFINITY;
     int64_t j = 0;
+    for (; j + 8 <= num_visible; j += 8) {
+        const float *k0 = k + keys[j] * kv_stride, *k1 = k + keys[j + 1] * kv_stride;
+        const float *k2 = k + keys[j + 2] * kv_stride, *k3 = k + keys[j + 3] * kv_stride;
+        const float *k4 = k + keys[j + 4] * kv_stride, *k5 = k + keys[j + 5] * kv_stride;
+        const float *k6 = k + keys[j + 6] * kv_stride, *k7 = k + keys[j + 7] * kv_stride;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+        __m256 a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(), a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh + d);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+            a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + d), a4);
+            a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + d), a5);
+            a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + d), a6);
+            a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + d), a7);
+        }
+        _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), scalev));
+        _mm_storeu_ps(s + j + 4, _mm_mul_ps(hsum8x4(a4, a5, a6, a7), scalev));
+    }
     for (; j + 4 <= num_visible; j += 4) {
         const float *k0 = k + keys[j] * kv_stride, *k1 = k + keys[j + 1] * kv_stride;
         const float *k2 = k + keys[j + 2] * kv_stride, *k3 = k + keys[j + 3] * kv_stride;
@@ -71,13 +105,16 @@ TARGET static float score_keys(const float *qh, const float *k, const int64_t *k
             a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
             a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
         }
-        s[j] = hsum8(a0) * scale;
-        s[j + 1] = hsum8(a1) * scale;
-        s[j + 2] = hsum8(a2) * scale;
-        s[j + 3] = hsum8(a3) * scale;
+        _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), scalev));
     }
     for (; j < num_visible; j++) s[j] = dot(qh, k + keys[j] * kv_stride, dim) * scale;
-    for (j = 0; j < num_visible; j++) top = s[j] > top ? s[j] : top;
+    /* Their maximum, eight lanes at a time (a maximum is the same in any order). */
+    __m256 topv = _mm256_set1_ps(-INFINITY);
+    for (j = 0; j + 8 <= num_visible; j += 8) topv = _mm256_max_ps(_mm256_loadu_ps(s + j), topv);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, topv);
+    for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; j < num_visible; j++) top = s[j] > top ? s[j] : top;
     return top;
 }
 
@@ -112,23 +149,20 @@ TARGET static void weighted_values(const float *p, const float *v, const int64_t
     }
 }
 
-/* One query row's heads of one key-value head. keys: the visible keys' slots, in context order. */
-TARGET static void attend(const float *q, const float *k, const float *v, const int64_t *keys, int64_t num_visible,
-                          int64_t kv_stride, int64_t group, int64_t dim, float scale, float *scores, float *out) {
+/* One query row's head. keys: the visible keys' slots, in context order. */
+TARGET static void attend(const float *qh, const float *k, const float *v, const int64_t *keys, int64_t num_visible,
+                          int64_t kv_stride, int64_t dim, float scale, float *s, float *out) {
     const int64_t padded = (num_visible + 7) / 8 * 8;
-    for (int64_t h = 0; h < group; h++) {
-        float *s = scores + h * padded;
-        const float top = score_keys(q + h * dim, k, keys, num_visible, kv_stride, dim, scale, s);
-        for (int64_t j = num_visible; j < padded; j++) s[j] = -INFINITY;
-        const __m256 topv = _mm256_set1_ps(top);
-        __m256 total = _mm256_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), topv));
-            _mm256_storeu_ps(s + j, e);
-            total = _mm256_add_ps(total, e);
-        }
-        weighted_values(s, v, keys, num_visible, kv_stride, dim, 1.0f / hsum8(total), out + h * dim);
+    const float top = score_keys(qh, k, keys, num_visible, kv_stride, dim, scale, s);
+    for (int64_t j = num_visible; j < padded; j++) s[j] = -INFINITY;
+    const __m256 topv = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; j < padded; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), topv));
+        _mm256_storeu_ps(s + j, e);
+        total = _mm256_add_ps(total, e);
     }
+    weighted_values(s, v, keys, num_visible, kv_stride, dim, 1.0f / hsum8(total), out);
 }
 
 /* out (n, heads * dim) = attention of the n query rows q (row i at q + i * q_stride, its heads
@@ -142,29 +176,36 @@ TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k,
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * dim;
     const int64_t padded = (num_keys + 7) / 8 * 8;
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * kv_heads > 1 && num_keys * n * heads >= 1024)
+/* One task a query row's head: a row's heads spread over the threads even where its key-value
+ * heads are fewer than the threads. A thread's tasks are consecutive, so it gathers a row's
+ * visible keys once for all of that row's heads it takes. */
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * heads > 1 && num_keys * n * heads >= 1024)
     {
         int64_t *keys = malloc(sizeof(int64_t) * (size_t)(num_keys > 0 ? num_keys : 1));
-        float *scores = malloc(sizeof(float) * (size_t)(group * (padded > 0 ? padded : 8)));
+        float *scores = malloc(sizeof(float) * (size_t)(padded > 0 ? padded : 8));
         if (!keys || !scores) {
 #pragma omp atomic write
             failed = 1;
         }
+        int64_t row = -1, num_visible = 0;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < n * kv_heads; task++) {
+        for (int64_t task = 0; task < n * heads; task++) {
             if (!keys || !scores) continue;
-            const int64_t i = task / kv_heads, g = task % kv_heads;
-            int64_t num_visible = 0;
-            const int64_t last = is_causal ? num_keys - n + i : num_keys - 1;
-            for (int64_t j = 0; j <= last && j < num_keys; j++)
-                if (!mask || mask[i * num_keys + j]) keys[num_visible++] = slots ? slots[j] : first_slot + j;
-            float *o = out + i * heads * dim + g * group * dim;
+            const int64_t i = task / heads, h = task % heads, g = h / group;
+            if (i != row) {
+                row = i;
+                num_visible = 0;
+                const int64_t last = is_causal ? num_keys - n + i : num_keys - 1;
+                for (int64_t j = 0; j <= last && j < num_keys; j++)
+                    if (!mask || mask[i * num_keys + j]) keys[num_visible++] = slots ? slots[j] : first_slot + j;
+            }
+            float *o = out + i * heads * dim + h * dim;
             if (num_visible == 0) {  /* a row that sees nothing (never asked for): zeros, not NaN */
-                memset(o, 0, sizeof(float) * (size_t)(group * dim));
+                memset(o, 0, sizeof(float) * (size_t)dim);
                 continue;
             }
-            attend(q + i * q_stride + g * group * dim, k + g * dim, v + g * dim, keys, num_visible, kv_stride, group,
-                   dim, scale, scores, o);
+            attend(q + i * q_stride + h * dim, k + g * dim, v + g * dim, keys, num_visible, kv_stride, dim, scale,
+                   scores, o);
         }
         free(keys);
         free(scores);
