@@ -552,6 +552,26 @@ def test_a_tree_row_is_bitwise_the_row_of_a_pass_over_its_own_keys():
 
 
 @needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 2, 64), (4, 1, 256), (14, 2, 16)])
+def test_the_kernel_attention_is_the_same_on_any_number_of_threads(heads, kv_heads, dim):
+    """How many threads share a call decides which query heads are taken together over a
+    key-value head's cache; no head's floats may depend on it."""
+    gen = torch.Generator().manual_seed(heads + dim)
+    k_cache, v_cache = (torch.randn(1500, kv_heads, dim, generator=gen) for _ in range(2))
+    threads = torch.get_num_threads()
+    for num_rows in (1, 3):
+        q = torch.randn(num_rows, heads, dim, generator=gen)
+        outs = []
+        try:
+            for num_threads in (1, 2, 3, 8):
+                torch.set_num_threads(num_threads)
+                outs.append(cpu_gemm.attention(q, k_cache, v_cache, slice(0, 1400), None, True, dim ** -0.5))
+        finally:
+            torch.set_num_threads(threads)
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_kernel
 def test_a_row_that_sees_no_key_is_zeros():
     q = torch.randn(2, 2, 8)
     k_cache = v_cache = torch.randn(16, 2, 8)

@@ -68,10 +68,9 @@ TARGET static inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) 
 /* Scores of one query head over the visible keys, eight keys at a time (eight independent chains,
  * their sums reduced together): each key's is its own eight-lane chain over dim and the lanes' sum
  * in hsum8's order, whatever its place, so a key scores the same in every block size. */
-TARGET static float score_keys(const float *qh, const float *k, const int64_t *keys, int64_t num_visible,
-                               int64_t kv_stride, int64_t dim, float scale, float *s) {
+TARGET static void score_keys(const float *qh, const float *k, const int64_t *keys, int64_t num_visible,
+                              int64_t kv_stride, int64_t dim, float scale, float *s) {
     const __m128 scalev = _mm_set1_ps(scale);
-    float top = -INFINITY;
     int64_t j = 0;
     for (; j + 8 <= num_visible; j += 8) {
         const float *k0 = k + keys[j] * kv_stride, *k1 = k + keys[j + 1] * kv_stride;
@@ -108,33 +107,37 @@ TARGET static float score_keys(const float *qh, const float *k, const int64_t *k
         _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), scalev));
     }
     for (; j < num_visible; j++) s[j] = dot(qh, k + keys[j] * kv_stride, dim) * scale;
-    /* Their maximum, eight lanes at a time (a maximum is the same in any order). */
+}
+
+/* The largest of s[0 .. num), eight lanes at a time (a maximum is the same in any order). */
+TARGET static float max_of(const float *s, int64_t num) {
     __m256 topv = _mm256_set1_ps(-INFINITY);
-    for (j = 0; j + 8 <= num_visible; j += 8) topv = _mm256_max_ps(_mm256_loadu_ps(s + j), topv);
-    float lanes[8];
+    int64_t j = 0;
+    for (; j + 8 <= num; j += 8) topv = _mm256_max_ps(_mm256_loadu_ps(s + j), topv);
+    float lanes[8], top = -INFINITY;
     _mm256_storeu_ps(lanes, topv);
     for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;
-    for (; j < num_visible; j++) top = s[j] > top ? s[j] : top;
+    for (; j < num; j++) top = s[j] > top ? s[j] : top;
     return top;
 }
 
-/* out[0 .. width) = sum over the visible keys of p[j] * v[keys[j]][d0 ...], in key order, times inv;
- * eight (or fewer) accumulators held in registers across the keys. */
+/* out[d0 ...] += sum over the keys given of p[j] * v[keys[j]][d0 ...], in key order: eight (or
+ * fewer) accumulators held in registers across the keys, and in out between calls (a store and a
+ * load change no float, so the sums are those of one pass over all the keys). */
 #define WEIGHTED_VALUES(CHUNKS)                                                                        \
     do {                                                                                               \
         __m256 acc[CHUNKS];                                                                            \
-        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_setzero_ps();                                 \
+        for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_loadu_ps(out + d0 + 8 * c);                   \
         for (int64_t j = 0; j < num_visible; j++) {                                                    \
             const __m256 pj = _mm256_set1_ps(p[j]);                                                    \
             const float *vj = v + keys[j] * kv_stride + d0;                                            \
             for (int c = 0; c < CHUNKS; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]); \
         }                                                                                              \
-        for (int c = 0; c < CHUNKS; c++) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], invv)); \
+        for (int c = 0; c < CHUNKS; c++) _mm256_storeu_ps(out + d0 + 8 * c, acc[c]);                   \
     } while (0)
 
-TARGET static void weighted_values(const float *p, const float *v, const int64_t *keys, int64_t num_visible,
-                                   int64_t kv_stride, int64_t dim, float inv, float *out) {
-    const __m256 invv = _mm256_set1_ps(inv);
+TARGET static void add_weighted_values(const float *p, const float *v, const int64_t *keys, int64_t num_visible,
+                                       int64_t kv_stride, int64_t dim, float *out) {
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
         switch ((dim - d0 < 64 ? dim - d0 : 64) / 8) {
             case 8: WEIGHTED_VALUES(8); break;
@@ -149,20 +152,45 @@ TARGET static void weighted_values(const float *p, const float *v, const int64_t
     }
 }
 
-/* One query row's head. keys: the visible keys' slots, in context order. */
-TARGET static void attend(const float *qh, const float *k, const float *v, const int64_t *keys, int64_t num_visible,
-                          int64_t kv_stride, int64_t dim, float scale, float *s, float *out) {
+/* One query row's heads [0, num_heads) of one key-value head (queries dim apart from q0, outputs
+ * from out). keys: the visible keys' slots, in context order. The keys go in blocks of about 16 KiB
+ * of keys (or values), every head through a block before the next: a key-value head's cache is
+ * read once for all the query heads taken together. scores: num_heads * padded floats. Each head's
+ * floats are the same whichever heads it is taken with. */
+TARGET static void attend_heads(const float *q0, int64_t num_heads, const float *k, const float *v,
+                                const int64_t *keys, int64_t num_visible, int64_t kv_stride, int64_t dim, float scale,
+                                float *scores, float *out) {
     const int64_t padded = (num_visible + 7) / 8 * 8;
-    const float top = score_keys(qh, k, keys, num_visible, kv_stride, dim, scale, s);
-    for (int64_t j = num_visible; j < padded; j++) s[j] = -INFINITY;
-    const __m256 topv = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; j < padded; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), topv));
-        _mm256_storeu_ps(s + j, e);
-        total = _mm256_add_ps(total, e);
+    const int64_t block = dim >= 512 ? 8 : 4096 / dim / 8 * 8;
+    float inv[num_heads];
+    for (int64_t b = 0; b < num_visible; b += block) {
+        const int64_t m = num_visible - b < block ? num_visible - b : block;
+        for (int64_t h = 0; h < num_heads; h++)
+            score_keys(q0 + h * dim, k, keys + b, m, kv_stride, dim, scale, scores + h * padded + b);
     }
-    weighted_values(s, v, keys, num_visible, kv_stride, dim, 1.0f / hsum8(total), out);
+    for (int64_t h = 0; h < num_heads; h++) {  /* each head's softmax numerators, in place, and their sum */
+        float *s = scores + h * padded;
+        const __m256 topv = _mm256_set1_ps(max_of(s, num_visible));
+        for (int64_t j = num_visible; j < padded; j++) s[j] = -INFINITY;
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), topv));
+            _mm256_storeu_ps(s + j, e);
+            total = _mm256_add_ps(total, e);
+        }
+        inv[h] = 1.0f / hsum8(total);
+    }
+    memset(out, 0, sizeof(float) * (size_t)(num_heads * dim));
+    for (int64_t b = 0; b < num_visible; b += block) {
+        const int64_t m = num_visible - b < block ? num_visible - b : block;
+        for (int64_t h = 0; h < num_heads; h++)
+            add_weighted_values(scores + h * padded + b, v, keys + b, m, kv_stride, dim, out + h * dim);
+    }
+    for (int64_t h = 0; h < num_heads; h++) {
+        const __m256 invv = _mm256_set1_ps(inv[h]);
+        for (int64_t d = 0; d < dim; d += 8)
+            _mm256_storeu_ps(out + h * dim + d, _mm256_mul_ps(_mm256_loadu_ps(out + h * dim + d), invv));
+    }
 }
 
 /* out (n, heads * dim) = attention of the n query rows q (row i at q + i * q_stride, its heads
@@ -176,22 +204,32 @@ TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k,
     const int64_t group = heads / kv_heads, kv_stride = kv_heads * dim;
     const int64_t padded = (num_keys + 7) / 8 * 8;
     int failed = 0;
-/* One task a query row's head: a row's heads spread over the threads even where its key-value
- * heads are fewer than the threads. A thread's tasks are consecutive, so it gathers a row's
- * visible keys once for all of that row's heads it takes. */
-#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n * heads > 1 && num_keys * n * heads >= 1024)
+/* A task is a query row's key-value head, or a part of its query heads where there are too few
+ * tasks to keep the threads busy otherwise (one row of 9 heads over 3 key-value heads, on two
+ * threads: 6 tasks of 1-2 heads, 5 and 4 heads a thread). A thread's tasks are consecutive, so it
+ * gathers a row's visible keys once for all of that row's tasks it takes. */
+    const int64_t num_groups = n * kv_heads;
+    int64_t split = 1;  /* tasks per key-value head */
+    if (num_threads > 1 && num_groups < 2 * num_threads) {
+        split = (2 * num_threads + num_groups - 1) / num_groups;
+        split = split < group ? split : group;
+    }
+    const int64_t num_tasks = num_groups * split;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && num_tasks > 1 && num_keys * n * heads >= 1024)
     {
         int64_t *keys = malloc(sizeof(int64_t) * (size_t)(num_keys > 0 ? num_keys : 1));
-        float *scores = malloc(sizeof(float) * (size_t)(padded > 0 ? padded : 8));
+        float *scores = malloc(sizeof(float) * (size_t)(group * (padded > 0 ? padded : 8)));
         if (!keys || !scores) {
 #pragma omp atomic write
             failed = 1;
         }
         int64_t row = -1, num_visible = 0;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < n * heads; task++) {
+        for (int64_t task = 0; task < num_tasks; task++) {
             if (!keys || !scores) continue;
-            const int64_t i = task / heads, h = task % heads, g = h / group;
+            const int64_t i = task / (kv_heads * split), g = task % (kv_heads * split) / split, part = task % split;
+            const int64_t h0 = g * group + part * group / split, h1 = g * group + (part + 1) * group / split;
+            if (h1 == h0) continue;
             if (i != row) {
                 row = i;
                 num_visible = 0;
@@ -199,13 +237,13 @@ TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k,
                 for (int64_t j = 0; j <= last && j < num_keys; j++)
                     if (!mask || mask[i * num_keys + j]) keys[num_visible++] = slots ? slots[j] : first_slot + j;
             }
-            float *o = out + i * heads * dim + h * dim;
+            float *o = out + i * heads * dim + h0 * dim;
             if (num_visible == 0) {  /* a row that sees nothing (never asked for): zeros, not NaN */
-                memset(o, 0, sizeof(float) * (size_t)dim);
+                memset(o, 0, sizeof(float) * (size_t)((h1 - h0) * dim));
                 continue;
             }
-            attend(q + i * q_stride + h * dim, k + g * dim, v + g * dim, keys, num_visible, kv_stride, dim, scale,
-                   scores, o);
+            attend_heads(q + i * q_stride + h0 * dim, h1 - h0, k + g * dim, v + g * dim, keys, num_visible, kv_stride,
+                         dim, scale, scores, o);
         }
         free(keys);
         free(scores);

@@ -28,7 +28,8 @@ PANEL = 16  # output features a panel holds
 REVISION = 7  # of the kernels: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
 # 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
 # float16 scales in float16, 6 adds the RMSNorm, RoPE and attention (cpu_norm.c, cpu_rope.c, cpu_attention.c),
-# 7 spreads attention's heads over the threads and scores eight keys at a time
+# 7 reads a key-value head's cache once for its query heads together, spreads them over the threads
+# and scores eight keys at a time
 # Work over block codes goes through this many elements (whole rows) at a time: a GGUF tensor's
 # dequantization (`models/gguf.py`), `BlockCodes.values` and `.q8_0`, and the check that codes give
 # a weight (`linear.pack`). A few MB of temporaries, whatever the tensor's size.
