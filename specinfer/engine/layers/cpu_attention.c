@@ -66,8 +66,9 @@ TARGET static inline __m128 hsum8x4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) 
 }
 
 /* Scores of one query head over the visible keys, eight keys at a time (eight independent chains,
- * their sums reduced together): each key's is its own eight-lane chain over dim and the lanes' sum
- * in hsum8's order, whatever its place, so a key scores the same in every block size. */
+ * their sums reduced together), the last few one by one: each key's is its own eight-lane chain
+ * over dim and the lanes' sum in hsum8's order, whatever its place, so a key scores the same in
+ * every block size. */
 TARGET static void score_keys(const float *qh, const float *k, const int64_t *keys, int64_t num_visible,
                               int64_t kv_stride, int64_t dim, float scale, float *s) {
     const __m128 scalev = _mm_set1_ps(scale);
@@ -92,19 +93,6 @@ TARGET static void score_keys(const float *qh, const float *k, const int64_t *ke
         }
         _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), scalev));
         _mm_storeu_ps(s + j + 4, _mm_mul_ps(hsum8x4(a4, a5, a6, a7), scalev));
-    }
-    for (; j + 4 <= num_visible; j += 4) {
-        const float *k0 = k + keys[j] * kv_stride, *k1 = k + keys[j + 1] * kv_stride;
-        const float *k2 = k + keys[j + 2] * kv_stride, *k3 = k + keys[j + 3] * kv_stride;
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 8) {
-            const __m256 qv = _mm256_loadu_ps(qh + d);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-        }
-        _mm_storeu_ps(s + j, _mm_mul_ps(hsum8x4(a0, a1, a2, a3), scalev));
     }
     for (; j < num_visible; j++) s[j] = dot(qh, k + keys[j] * kv_stride, dim) * scale;
 }
