@@ -572,6 +572,30 @@ def test_the_kernel_attention_is_the_same_on_any_number_of_threads(heads, kv_hea
 
 
 @needs_kernel
+def test_the_kernel_attention_s_avx512_path_is_its_avx2_path_bit_for_bit():
+    """On AVX-512 two query heads share a register; every lane must still do what the AVX2 code
+    does for its head, so a machine of either kind attends to the same floats."""
+    lib, isa = cpu_gemm._library()
+    if isa < 2 or not hasattr(lib, "specinfer_attention_isa"):
+        pytest.skip("no AVX-512 on this CPU")
+    gen = torch.Generator().manual_seed(11)
+    try:
+        for heads, kv_heads, dim in ((9, 3, 64), (8, 2, 128), (4, 1, 256), (6, 2, 72), (2, 1, 16)):
+            k_cache, v_cache = (torch.randn(700, kv_heads, dim, generator=gen) for _ in range(2))
+            q = torch.randn(5, heads, dim, generator=gen)
+            mask = torch.rand(5, 650, generator=gen) < 0.7
+            for context, row_mask, is_causal in ((slice(3, 653), None, True), (torch.randperm(700, generator=gen)[:650],
+                                                                                mask, False)):
+                outs = []
+                for path in (1, 0):  # AVX2, then what the CPU has
+                    lib.specinfer_attention_isa(path)
+                    outs.append(cpu_gemm.attention(q, k_cache, v_cache, context, row_mask, is_causal, dim ** -0.5))
+                assert torch.equal(outs[0], outs[1]), (heads, kv_heads, dim)
+    finally:
+        lib.specinfer_attention_isa(0)
+
+
+@needs_kernel
 def test_a_row_that_sees_no_key_is_zeros():
     q = torch.randn(2, 2, 8)
     k_cache = v_cache = torch.randn(16, 2, 8)

@@ -140,6 +140,95 @@ TARGET static void add_weighted_values(const float *p, const float *v, const int
     }
 }
 
+/* AVX-512 (F and DQ), where the CPU has it: two query heads at once in one register, head A in the
+ * low eight lanes and head B in the high eight. Each lane does what the same lane of the AVX2
+ * code does for its head (the same fused multiply-adds in the same order, the same sum of the
+ * eight lanes), so the floats are the AVX2 path's, bit for bit; a CPU that retires two 512-bit
+ * fused multiply-adds a cycle does the work of two heads in the time of one. */
+#define TARGET512 __attribute__((target("avx512f,avx512dq,avx2,fma")))
+
+static int attention_isa = 0; /* 0: what the CPU has; 1: AVX2 even where AVX-512 is found (tests) */
+
+int specinfer_attention_isa(int isa) {
+    if (isa >= 0) attention_isa = isa;
+    return attention_isa;
+}
+
+static int use_avx512(void) {
+    __builtin_cpu_init();
+    return attention_isa != 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+}
+
+/* Scores of heads A and B over the keys given. qq: their queries interleaved by eight (A's
+ * first eight, B's first eight, A's next eight, ...), 2 * dim floats. */
+TARGET512 static void score_keys_pair(const float *qq, const float *qa, const float *qb, const float *k,
+                                      const int64_t *keys, int64_t num_visible, int64_t kv_stride, int64_t dim,
+                                      float scale, float *sa, float *sb) {
+    const __m128 scalev = _mm_set1_ps(scale);
+    int64_t j = 0;
+    for (; j + 8 <= num_visible; j += 8) {
+        const float *kp[8];
+        for (int u = 0; u < 8; u++) kp[u] = k + keys[j + u] * kv_stride;
+        __m512 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 8) {
+            const __m512 qv = _mm512_loadu_ps(qq + 2 * d);
+            for (int u = 0; u < 8; u++)
+                a[u] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(kp[u] + d)), a[u]);
+        }
+        _mm_storeu_ps(sa + j, _mm_mul_ps(hsum8x4(_mm512_castps512_ps256(a[0]), _mm512_castps512_ps256(a[1]),
+                                                 _mm512_castps512_ps256(a[2]), _mm512_castps512_ps256(a[3])), scalev));
+        _mm_storeu_ps(sa + j + 4, _mm_mul_ps(hsum8x4(_mm512_castps512_ps256(a[4]), _mm512_castps512_ps256(a[5]),
+                                                     _mm512_castps512_ps256(a[6]), _mm512_castps512_ps256(a[7])), scalev));
+        _mm_storeu_ps(sb + j, _mm_mul_ps(hsum8x4(_mm512_extractf32x8_ps(a[0], 1), _mm512_extractf32x8_ps(a[1], 1),
+                                                 _mm512_extractf32x8_ps(a[2], 1), _mm512_extractf32x8_ps(a[3], 1)), scalev));
+        _mm_storeu_ps(sb + j + 4, _mm_mul_ps(hsum8x4(_mm512_extractf32x8_ps(a[4], 1), _mm512_extractf32x8_ps(a[5], 1),
+                                                     _mm512_extractf32x8_ps(a[6], 1), _mm512_extractf32x8_ps(a[7], 1)), scalev));
+    }
+    for (; j < num_visible; j++) {
+        sa[j] = dot(qa, k + keys[j] * kv_stride, dim) * scale;
+        sb[j] = dot(qb, k + keys[j] * kv_stride, dim) * scale;
+    }
+}
+
+/* outa[d0 ...] += sum of pa[j] * v[keys[j]][d0 ...], outb likewise with pb, in key order: the
+ * values' lanes read once for both heads. */
+#define WEIGHTED_VALUES_PAIR(CHUNKS)                                                                    \
+    do {                                                                                                \
+        __m512 a[CHUNKS], b[CHUNKS];                                                                    \
+        for (int c = 0; c < CHUNKS; c++) {                                                              \
+            a[c] = _mm512_loadu_ps(outa + d0 + 16 * c);                                                 \
+            b[c] = _mm512_loadu_ps(outb + d0 + 16 * c);                                                 \
+        }                                                                                               \
+        for (int64_t j = 0; j < num_visible; j++) {                                                     \
+            const __m512 paj = _mm512_set1_ps(pa[j]), pbj = _mm512_set1_ps(pb[j]);                      \
+            const float *vj = v + keys[j] * kv_stride + d0;                                             \
+            for (int c = 0; c < CHUNKS; c++) {                                                          \
+                const __m512 vv = _mm512_loadu_ps(vj + 16 * c);                                         \
+                a[c] = _mm512_fmadd_ps(paj, vv, a[c]);                                                  \
+                b[c] = _mm512_fmadd_ps(pbj, vv, b[c]);                                                  \
+            }                                                                                           \
+        }                                                                                               \
+        for (int c = 0; c < CHUNKS; c++) {                                                              \
+            _mm512_storeu_ps(outa + d0 + 16 * c, a[c]);                                                 \
+            _mm512_storeu_ps(outb + d0 + 16 * c, b[c]);                                                 \
+        }                                                                                               \
+    } while (0)
+
+/* dim a multiple of 16. */
+TARGET512 static void add_weighted_values_pair(const float *pa, const float *pb, const float *v, const int64_t *keys,
+                                               int64_t num_visible, int64_t kv_stride, int64_t dim, float *outa,
+                                               float *outb) {
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        switch ((dim - d0 < 64 ? dim - d0 : 64) / 16) {
+            case 4: WEIGHTED_VALUES_PAIR(4); break;
+            case 3: WEIGHTED_VALUES_PAIR(3); break;
+            case 2: WEIGHTED_VALUES_PAIR(2); break;
+            default: WEIGHTED_VALUES_PAIR(1); break;
+        }
+    }
+}
+
 /* One query row's heads [0, num_heads) of one key-value head (queries dim apart from q0, outputs
  * from out). keys: the visible keys' slots, in context order. The keys go in blocks of about 16 KiB
  * of keys (or values), every head through a block before the next: a key-value head's cache is
@@ -147,13 +236,25 @@ TARGET static void add_weighted_values(const float *p, const float *v, const int
  * floats are the same whichever heads it is taken with. */
 TARGET static void attend_heads(const float *q0, int64_t num_heads, const float *k, const float *v,
                                 const int64_t *keys, int64_t num_visible, int64_t kv_stride, int64_t dim, float scale,
-                                float *scores, float *out) {
+                                int is_avx512, float *scores, float *out) {
     const int64_t padded = (num_visible + 7) / 8 * 8;
     const int64_t block = dim >= 512 ? 8 : 4096 / dim / 8 * 8;
+    /* heads [0, num_pairs * 2) two at a time on AVX-512, the rest one at a time */
+    const int64_t num_pairs = is_avx512 ? num_heads / 2 : 0;
+    const int64_t is_values_paired = num_pairs && dim % 16 == 0;
     float inv[num_heads];
+    float qq[num_pairs > 0 ? num_pairs * 2 * dim : 1];
+    for (int64_t pair = 0; pair < num_pairs; pair++)
+        for (int64_t d = 0; d < dim; d += 8) {
+            memcpy(qq + pair * 2 * dim + 2 * d, q0 + 2 * pair * dim + d, 8 * sizeof(float));
+            memcpy(qq + pair * 2 * dim + 2 * d + 8, q0 + (2 * pair + 1) * dim + d, 8 * sizeof(float));
+        }
     for (int64_t b = 0; b < num_visible; b += block) {
         const int64_t m = num_visible - b < block ? num_visible - b : block;
-        for (int64_t h = 0; h < num_heads; h++)
+        for (int64_t pair = 0; pair < num_pairs; pair++)
+            score_keys_pair(qq + pair * 2 * dim, q0 + 2 * pair * dim, q0 + (2 * pair + 1) * dim, k, keys + b, m,
+                            kv_stride, dim, scale, scores + 2 * pair * padded + b, scores + (2 * pair + 1) * padded + b);
+        for (int64_t h = 2 * num_pairs; h < num_heads; h++)
             score_keys(q0 + h * dim, k, keys + b, m, kv_stride, dim, scale, scores + h * padded + b);
     }
     for (int64_t h = 0; h < num_heads; h++) {  /* each head's softmax numerators, in place, and their sum */
@@ -171,7 +272,11 @@ TARGET static void attend_heads(const float *q0, int64_t num_heads, const float 
     memset(out, 0, sizeof(float) * (size_t)(num_heads * dim));
     for (int64_t b = 0; b < num_visible; b += block) {
         const int64_t m = num_visible - b < block ? num_visible - b : block;
-        for (int64_t h = 0; h < num_heads; h++)
+        const int64_t first_single = is_values_paired ? 2 * num_pairs : 0;
+        for (int64_t pair = 0; pair < first_single / 2; pair++)
+            add_weighted_values_pair(scores + 2 * pair * padded + b, scores + (2 * pair + 1) * padded + b, v, keys + b,
+                                     m, kv_stride, dim, out + 2 * pair * dim, out + (2 * pair + 1) * dim);
+        for (int64_t h = first_single; h < num_heads; h++)
             add_weighted_values(scores + h * padded + b, v, keys + b, m, kv_stride, dim, out + h * dim);
     }
     for (int64_t h = 0; h < num_heads; h++) {
@@ -196,6 +301,7 @@ TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k,
  * tasks to keep the threads busy otherwise (one row of 9 heads over 3 key-value heads, on two
  * threads: 6 tasks of 1-2 heads, 5 and 4 heads a thread). A thread's tasks are consecutive, so it
  * gathers a row's visible keys once for all of that row's tasks it takes. */
+    const int is_avx512 = use_avx512();
     const int64_t num_groups = n * kv_heads;
     int64_t split = 1;  /* tasks per key-value head */
     if (num_threads > 1 && num_groups < 2 * num_threads) {
@@ -231,7 +337,7 @@ TARGET int specinfer_attention(const float *q, int64_t q_stride, const float *k,
                 continue;
             }
             attend_heads(q + i * q_stride + h0 * dim, h1 - h0, k + g * dim, v + g * dim, keys, num_visible, kv_stride,
-                         dim, scale, scores, o);
+                         dim, scale, is_avx512, scores, o);
         }
         free(keys);
         free(scores);

@@ -28,8 +28,8 @@ PANEL = 16  # output features a panel holds
 REVISION = 7  # of the kernels: 2 asks the memory for the weights ahead, 3 shares panels evenly between threads,
 # 4 keeps exactly-16-bit weights in 16 bits and block codes as codes, 5 keeps 4-bit codes in 4 bits and
 # float16 scales in float16, 6 adds the RMSNorm, RoPE and attention (cpu_norm.c, cpu_rope.c, cpu_attention.c),
-# 7 reads a key-value head's cache once for its query heads together, spreads them over the threads
-# and scores eight keys at a time
+# 7 reads a key-value head's cache once for its query heads together, spreads them over the threads,
+# scores eight keys at a time and takes two heads at once on AVX-512
 # Work over block codes goes through this many elements (whole rows) at a time: a GGUF tensor's
 # dequantization (`models/gguf.py`), `BlockCodes.values` and `.q8_0`, and the check that codes give
 # a weight (`linear.pack`). A few MB of temporaries, whatever the tensor's size.
@@ -69,6 +69,9 @@ def load(path: str | Path) -> tuple[ctypes.CDLL, int] | None:
                                             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                             ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    if hasattr(lib, "specinfer_attention_isa"):  # 1 holds attention to AVX2 where AVX-512 is found; -1 reads it
+        lib.specinfer_attention_isa.restype = ctypes.c_int
+        lib.specinfer_attention_isa.argtypes = [ctypes.c_int]
     return lib, isa
 
 
