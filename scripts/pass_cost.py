@@ -13,8 +13,8 @@ another build of the CPU kernels (`--baseline-library`, a `_cpu_gemm*.so` built 
 version's `layers/cpu_*.c`) against this one's, the same check of the logits.
 
 Both arms hold the same model (a checkpoint directory or a GGUF file) over the same context
-(`--context` tokens); passes of each row count alternate between the arms, and the median of each (the first
-two left out) is printed with the ratio.
+(`--context` tokens); passes of each row count alternate between the arms, and the median of each
+(the first two left out) is printed with the ratio.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from specinfer.engine.runtime.cpu import configure_cpu_runtime
 
 def load_arms(path: Path, compare: str) -> dict:
     """The two arms' runners: {name: ModelRunner}, the baseline first (for `library`, the same
-    runner twice: the arms differ in the library `use_library` puts in place)."""
+    runner twice: the arms differ in the kernel library put in place before each pass)."""
     import torch
 
     import specinfer.engine.models.transformer as transformer
