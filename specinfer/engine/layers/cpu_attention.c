@@ -241,7 +241,7 @@ TARGET static void attend_heads(const float *q0, int64_t num_heads, const float 
     const int64_t block = dim >= 512 ? 8 : 4096 / dim / 8 * 8;
     /* heads [0, num_pairs * 2) two at a time on AVX-512, the rest one at a time */
     const int64_t num_pairs = is_avx512 ? num_heads / 2 : 0;
-    const int64_t is_values_paired = num_pairs && dim % 16 == 0;
+    const int is_values_paired = num_pairs && dim % 16 == 0;
     float inv[num_heads];
     float qq[num_pairs > 0 ? num_pairs * 2 * dim : 1];
     for (int64_t pair = 0; pair < num_pairs; pair++)
